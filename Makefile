@@ -1,0 +1,40 @@
+# The two entry points a new user needs: `make demo` and `make test`.
+# Both create .venv when missing, install the pinned torch FIRST (so that the
+# project's `torch>=2.4` is already satisfied and no CUDA build is downloaded),
+# then install the project itself.
+
+PYTHON ?= python3
+TORCH  ?= torch==2.13.0
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.steadfast-installed
+
+.PHONY: demo test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/steadfast demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests examples bench
+	$(BIN)/ruff format --check src tests examples bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy --strict src
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache build src/*.egg-info

@@ -1,0 +1,284 @@
+"""Cooperative shutdown on SIGTERM / SIGUSR1, with a forced-exit timeout.
+
+Parity with ``kempnerforge.resilience.signal_handler`` (seed 001): :class:`ShutdownHandler`
+handles SIGTERM (Slurm preemption, graceful shutdown) and SIGUSR1 (Slurm requeue) by
+setting a flag that the training loop checks after each step; the loop then saves an
+emergency checkpoint and exits. If the graceful shutdown takes longer than
+``timeout_sec`` (stuck in a collective, say), the process is ended with ``os._exit(1)``.
+
+Beyond the original:
+
+- ``agree=True`` makes every rank stop after the *same* step: ``should_shutdown()`` does one
+  small all-reduce, so a signal delivered to one rank (Slurm often signals one task, or
+  one node first) stops them all together and no rank is left waiting in a collective.
+- Before a forced exit, the Python stacks of all threads are written to stderr (where the
+  process was stuck is the first thing one asks) and a ``shutdown_forced`` event is logged.
+- Events ``shutdown_requested``, ``shutdown_agreed``, ``shutdown_forced``, ``shutdown_complete``.
+
+:class:`DistributedSignalHandler` is Megatron Bridge's context manager: it records one
+chosen signal (default SIGTERM) and ``signals_received()`` gathers one flag per rank.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType, TracebackType
+from typing import Any
+
+from . import events
+from .config import require_number
+from .dist import count_true, gather_flags, world_info
+
+__all__ = ["DistributedSignalHandler", "ShutdownHandler", "FORCED_EXIT_CODE"]
+
+logger = logging.getLogger(__name__)
+
+#: Exit code of a process ended by the forced-exit timer.
+FORCED_EXIT_CODE = 1
+
+_SHUTDOWN_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+def _require_main_thread(what: str) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            f"{what} must be called from the main thread: Python delivers signals only to "
+            f"the main thread (called from thread {threading.current_thread().name!r})"
+        )
+
+
+class ShutdownHandler:
+    """Cooperative shutdown handler for long-running training jobs.
+
+    Register this handler before the training loop. The training loop checks
+    :meth:`should_shutdown` after each step and takes appropriate action (save
+    checkpoint, clean up, exit). If the graceful shutdown exceeds ``timeout_sec``, a forced
+    exit is triggered via ``os._exit`` to avoid hanging on stuck collectives.
+
+    Usage::
+
+        handler = ShutdownHandler(timeout_sec=120)
+        handler.register()
+        for step in range(max_steps):
+            train_step()
+            if handler.should_shutdown():
+                save_checkpoint()
+                handler.finish()
+                break
+
+    Args:
+        timeout_sec: Maximum seconds allowed for graceful shutdown before forced exit.
+            Set to 0 to disable the timeout.
+        agree: When True, :meth:`should_shutdown` is a collective (every rank must call it
+            at each step) and returns the same answer on every rank: True as soon as any
+            rank has received a signal.
+        group: The process group to agree over (default: the world).
+    """
+
+    def __init__(self, timeout_sec: float = 600.0, *, agree: bool = False, group: Any = None):
+        self._timeout_sec = float(
+            require_number("ShutdownHandler.timeout_sec", timeout_sec, minimum=0)
+        )
+        self._agree = bool(agree)
+        self._group = group
+        self._shutdown_requested = False
+        self._agreed = False
+        self._signal_received: signal.Signals | None = None
+        self._timer: threading.Timer | None = None
+        self._original_handlers: dict[signal.Signals, _Handler] = {}
+
+    @property
+    def shutdown_requested(self) -> bool:
+        """Whether a shutdown signal has been received (or, with ``agree``, agreed on)."""
+        return self._shutdown_requested
+
+    @property
+    def signal_received(self) -> signal.Signals | None:
+        """The signal that triggered shutdown on this rank, or None."""
+        return self._signal_received
+
+    @property
+    def timeout_sec(self) -> float:
+        """Seconds from the signal to the forced exit (0: never forced)."""
+        return self._timeout_sec
+
+    def should_shutdown(self, step: int | None = None) -> bool:
+        """Check if the training loop should exit. Call this after each training step.
+
+        With ``agree=True`` this is a collective: every rank must call it after each step,
+        and all of them get True at the same step. ``step`` is only used for the event.
+        """
+        if not self._agree or self._agreed:
+            return self._shutdown_requested
+        signalled = count_true(self._shutdown_requested, self._group)
+        if signalled == 0:
+            return False
+        self._agreed = True
+        if not self._shutdown_requested:
+            self._shutdown_requested = True
+            logger.warning("another rank received a shutdown signal; stopping after this step")
+            self._start_timer()
+        if world_info().rank == 0:
+            events.emit(
+                "shutdown_agreed",
+                step=step,
+                cause=self._signal_received.name if self._signal_received else "peer",
+                ranks_signalled=signalled,
+            )
+        return True
+
+    def register(self) -> None:
+        """Register signal handlers for SIGTERM and SIGUSR1. Must be called from the main
+        thread (Python only delivers signals there); calling it again is harmless."""
+        _require_main_thread("ShutdownHandler.register()")
+        for sig in _SHUTDOWN_SIGNALS:
+            if sig not in self._original_handlers:
+                self._original_handlers[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handle_signal)
+        logger.info("Shutdown handler registered (SIGTERM, SIGUSR1)")
+
+    def unregister(self) -> None:
+        """Restore original signal handlers (and cancel a pending forced exit)."""
+        if self._original_handlers:
+            _require_main_thread("ShutdownHandler.unregister()")
+        for sig, handler in self._original_handlers.items():
+            signal.signal(sig, handler)
+        self._original_handlers.clear()
+        self._cancel_timer()
+
+    def finish(self) -> None:
+        """Call after graceful shutdown is complete.
+
+        Cancels the forced-exit timer and restores signal handlers.
+        """
+        self._cancel_timer()
+        self.unregister()
+        if self._shutdown_requested:
+            events.emit(
+                "shutdown_complete",
+                cause=self._signal_received.name if self._signal_received else None,
+            )
+        logger.info("Graceful shutdown complete")
+
+    # ------------------------------------------------------------------ internals
+    def _handle_signal(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        if self._shutdown_requested and self._signal_received is not None:
+            logger.warning("Received %s again; shutdown already in progress", sig.name)
+            return
+        self._shutdown_requested = True
+        self._signal_received = sig
+        logger.warning("Received %s - requesting graceful shutdown", sig.name)
+        events.emit("shutdown_requested", cause=sig.name, signal=int(sig))
+        self._start_timer()
+
+    def _start_timer(self) -> None:
+        if self._timeout_sec > 0 and self._timer is None:
+            self._timer = threading.Timer(self._timeout_sec, self._force_exit)
+            self._timer.name = "steadfast-forced-exit"
+            self._timer.daemon = True
+            self._timer.start()
+            logger.info("Forced exit in %.1fs if shutdown is not complete", self._timeout_sec)
+
+    def _force_exit(self) -> None:
+        msg = (
+            f"steadfast: graceful shutdown timed out after {self._timeout_sec}s - "
+            f"forcing exit (code {FORCED_EXIT_CODE}); stacks of all threads follow\n"
+        )
+        try:
+            os.write(sys.stderr.fileno(), msg.encode())
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        except (OSError, ValueError, AttributeError):
+            pass
+        try:
+            events.emit(
+                "shutdown_forced",
+                cause="timeout",
+                timeout_sec=self._timeout_sec,
+                exit_code=FORCED_EXIT_CODE,
+            )
+        finally:
+            os._exit(FORCED_EXIT_CODE)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            if self._timer is not threading.current_thread():
+                self._timer.join(timeout=1.0)
+            self._timer = None
+
+
+class DistributedSignalHandler:
+    """Records one signal in a ``with`` block and tells which ranks received it.
+
+    Megatron Bridge's handler: on entry it installs a handler for ``sig`` (default
+    SIGTERM) that only sets a flag; :meth:`signals_received` all-gathers one flag per rank
+    (a list of bools in rank order, the same on every rank); on exit, or on
+    :meth:`release`, the original handler is restored (release is idempotent and returns
+    whether it did anything). Signal handlers can only be installed from the main thread:
+    entered from another thread it installs nothing, logs a warning, and reports no signal
+    for this rank.
+    """
+
+    def __init__(self, sig: signal.Signals | int = signal.SIGTERM, group: Any = None):
+        self.sig = signal.Signals(sig)
+        self._group = group
+        self._signal_received = False
+        self.released = True
+        self.installed = False
+        self.original_handler: _Handler = None
+
+    def signals_received(self) -> list[bool]:
+        """One flag per rank of the group: whether that rank received the signal."""
+        return gather_flags(self._signal_received, self._group)
+
+    @property
+    def signal_received(self) -> bool:
+        """Whether this rank received the signal since the block was entered."""
+        return self._signal_received
+
+    def __enter__(self) -> DistributedSignalHandler:
+        self._signal_received = False
+        self.released = False
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning(
+                "DistributedSignalHandler entered outside the main thread: %s not handled",
+                self.sig.name,
+            )
+            self.installed = False
+            return self
+        self.original_handler = signal.getsignal(self.sig)
+        signal.signal(self.sig, self._handle)
+        self.installed = True
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def release(self) -> bool:
+        """Restore the original handler. Returns False when already released."""
+        if self.released:
+            return False
+        if self.installed:
+            signal.signal(self.sig, self.original_handler)
+            self.installed = False
+        self.released = True
+        return True
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self._signal_received:
+            events.emit("shutdown_requested", cause=self.sig.name, signal=int(self.sig))
+        self._signal_received = True
