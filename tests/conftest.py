@@ -1,0 +1,77 @@
+"""Shared fixtures: a per-test event log, and a leak check that runs around every test."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from steadfast import events
+
+
+def _children(pid: int) -> set[int]:
+    kids: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.add(int(entry))
+    return kids
+
+
+def _sockets() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                count += 1
+        except OSError:
+            pass
+    return count
+
+
+def _shm() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Fail a test that leaves a child process, thread, socket or /dev/shm segment behind."""
+    threads_before = set(threading.enumerate())
+    sockets_before = _sockets()
+    shm_before = _shm()
+    yield
+    deadline = time.monotonic() + 5.0
+    while True:
+        kids = _children(os.getpid())
+        threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+        sockets = _sockets() - sockets_before
+        shm = _shm() - shm_before
+        if not (kids or threads or sockets > 0 or shm) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not kids, f"child processes left behind: {sorted(kids)}"
+    assert not threads, f"threads left behind: {[t.name for t in threads]}"
+    assert sockets <= 0, f"{sockets} socket(s) left open"
+    assert not shm, f"shared-memory segments left behind: {sorted(shm)}"
+
+
+@pytest.fixture
+def event_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Route this test's events (and its children's) to a fresh file."""
+    path = tmp_path / "events.jsonl"
+    monkeypatch.setenv(events.EVENTS_ENV, str(path))
+    yield path
+    events.set_default_path(None)

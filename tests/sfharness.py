@@ -1,0 +1,162 @@
+"""Test harness: run a function on N real processes joined in a gloo process group.
+
+Each rank is a real OS process (a fresh interpreter started with subprocess, as torchrun
+gives it), the group is real (gloo over a FileStore in the test's tmp dir), and results or
+tracebacks come back through files, so a rank that is killed or hangs is seen as such.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+_HERE = str(Path(__file__).resolve().parent)
+
+
+def _rank_main(workdir: str, rank: int, world_size: int) -> None:
+    """Entry point of one rank process (``python sfharness.py WORKDIR RANK WORLD``)."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    import torch.distributed as dist
+
+    out = Path(workdir) / f"result_{rank}.pkl"
+    (Path(workdir) / f"pid_{rank}").write_text(str(os.getpid()))
+    code = 0
+    try:
+        module, name, args = pickle.loads((Path(workdir) / "call.pkl").read_bytes())
+        fn = getattr(importlib.import_module(module), name)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{workdir}/store",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=60),
+        )
+        result: Any = ("ok", fn(rank, world_size, Path(workdir), *args))
+    except BaseException:
+        result = ("error", traceback.format_exc())
+        code = 1
+    out.write_bytes(pickle.dumps(result))
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class Ranks:
+    """``world_size`` processes running ``fn(rank, world_size, workdir, *args)``.
+
+    ``fn`` must be a module-level function of an importable module (a test module is).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        workdir: Path,
+        world_size: int = 2,
+        args: tuple[Any, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "call.pkl").write_bytes(pickle.dumps((fn.__module__, fn.__name__, args)))
+        module_dir = str(Path(sys.modules[fn.__module__].__file__ or _HERE).resolve().parent)
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            [_HERE, module_dir, *filter(None, [child_env.get("PYTHONPATH")])]
+        )
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, str(self.workdir), str(r), str(world_size)],
+                env=child_env,
+            )
+            for r in range(world_size)
+        ]
+
+    def pid(self, rank: int, timeout: float = 30.0) -> int:
+        path = self.workdir / f"pid_{rank}"
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank} never started")
+            time.sleep(0.01)
+        return int(path.read_text())
+
+    def wait(self, timeout: float = 90.0) -> list[int | None]:
+        deadline = time.monotonic() + timeout
+        hung = []
+        for rank, p in enumerate(self.procs):
+            try:
+                p.wait(max(0.01, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hung.append(rank)
+        self.kill()
+        if hung:
+            raise TimeoutError(f"ranks still running after {timeout}s: {hung}")
+        return [p.returncode for p in self.procs]
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait(10)
+
+    def results(self) -> list[Any]:
+        """Each rank's return value; raises with the rank's traceback if it failed."""
+        out = []
+        for r in range(len(self.procs)):
+            path = self.workdir / f"result_{r}.pkl"
+            if not path.exists():
+                raise AssertionError(f"rank {r} left no result (killed?)")
+            status, value = pickle.loads(path.read_bytes())
+            if status != "ok":
+                raise AssertionError(f"rank {r} failed:\n{value}")
+            out.append(value)
+        return out
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    workdir: Path,
+    world_size: int = 2,
+    args: tuple[Any, ...] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 90.0,
+) -> list[Any]:
+    """Run ``fn`` on ``world_size`` ranks and return their results (rank order)."""
+    ranks = Ranks(fn, workdir, world_size, args, env)
+    ranks.wait(timeout)
+    return ranks.results()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what or predicate}")
+        time.sleep(0.01)
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    import json
+
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
