@@ -1,0 +1,185 @@
+"""Reference training script: a plain DDP loop using steadfast's rank-local toolkit.
+
+Run it under torchrun (or `steadfast demo`, which does):
+
+    torchrun --standalone --nproc-per-node 2 examples/train.py --ckpt-dir runs/x/ckpt
+
+What it shows:
+- NaNDetector: a NaN injected into one rank's loss is seen by every rank at the same step
+  (one all-reduce), and every rank skips that optimizer step, so replicas stay identical.
+- ShutdownHandler(agree=True): a SIGTERM delivered to any one rank makes every rank save
+  a checkpoint and exit after the same step.
+- resolve_resume_path: a rerun resumes from the latest checkpoint; because the data of a
+  step depends only on (seed, step, rank), the resumed run ends bit-identical to a run
+  that was never interrupted.
+
+The checkpoint here is deliberately minimal (rank 0 writes a temp dir, renames it, then
+swaps `latest`); steadfast's CheckpointManager is the full version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from steadfast import (
+    NaNDetector,
+    ShutdownHandler,
+    events,
+    log_job_info,
+    resolve_resume_path,
+    world_info,
+)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ckpt-dir", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nan-rank", type=int, default=1, help="rank whose loss goes NaN")
+    p.add_argument("--nan-steps", default="", help="comma-separated steps with a NaN loss")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (demo pace)")
+    p.add_argument("--out", type=Path, default=None, help="where rank 0 writes final params")
+    p.add_argument("--progress-dir", type=Path, default=None, help="per-rank 'pid step' files")
+    return p.parse_args()
+
+
+def batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data of a step depends only on (seed, step, rank): resuming replays it exactly."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + rank)
+    x = torch.randn(16, 32, generator=g)
+    return x, x[:, :4].sum(dim=1, keepdim=True) + 0.1 * torch.randn(16, 1, generator=g)
+
+
+def save(
+    ckpt_dir: Path, done: int, model: torch.nn.Module, opt: torch.optim.Optimizer, nan: NaNDetector
+) -> None:
+    """Rank 0 writes step_{done}; everyone waits until it is visible."""
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        final = ckpt_dir / f"step_{done}"
+        tmp = ckpt_dir / f".step_{done}.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        state = {
+            "step": done,
+            "model": model.state_dict(),
+            "optim": opt.state_dict(),
+            "nan": nan.state_dict(),
+        }
+        torch.save(state, tmp / "state.pt")
+        if final.exists():  # the same step saved again: the newer write wins
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        link = ckpt_dir / ".latest.tmp"
+        if link.is_symlink():
+            link.unlink()
+        link.symlink_to(final.name)
+        os.replace(link, ckpt_dir / "latest")
+        seconds = time.monotonic() - start
+        events.emit(
+            "checkpoint_saved",
+            step=done,
+            path=str(final),
+            bytes=(final / "state.pt").stat().st_size,
+            seconds=seconds,
+            blocking_seconds=seconds,
+        )
+    dist.barrier()
+
+
+def main() -> int:
+    args = parse_args()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    info = world_info()
+    device = torch.device("cuda", info.local_rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    if events.current_path() is None:
+        events.set_default_path(args.ckpt_dir / "events.jsonl")
+    log_job_info()
+    nan_steps = {int(s) for s in args.nan_steps.split(",") if s.strip()}
+
+    torch.manual_seed(args.seed)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    model = DDP(net.to(device))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    detector = NaNDetector(action="skip", max_consecutive=3)
+    handler = ShutdownHandler(timeout_sec=60, agree=True)
+    handler.register()
+
+    start = 0
+    resume = resolve_resume_path(args.ckpt_dir)
+    if resume is not None:
+        state = torch.load(resume / "state.pt", map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        detector.load_state_dict(state["nan"])
+        start = int(state["step"])
+    events.emit(
+        "job_start",
+        step=start,
+        world_size=info.world_size,
+        resumed_from=str(resume) if resume else None,
+    )
+    if info.rank == 0:
+        print(
+            f"[train] {'resuming from ' + str(resume) if resume else 'fresh start'}"
+            f" at step {start}",
+            flush=True,
+        )
+
+    step = start
+    reason = "completed"
+    for step in range(start, args.steps):
+        x, y = (t.to(device) for t in batch(args.seed, step, info.rank))
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step in nan_steps and info.rank == args.nan_rank:
+            loss = loss * float("nan")  # a fault on one rank only
+            events.emit("fault_injected", step=step, cause="nan", fault="nan_loss")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if detector.check_loss(loss, step):  # every rank gets the same answer
+            opt.step()
+        elif info.rank == 0:
+            print(
+                f"[train] step {step}: NaN seen by all ranks -> optimizer step skipped", flush=True
+            )
+        if args.progress_dir is not None:
+            args.progress_dir.mkdir(parents=True, exist_ok=True)
+            (args.progress_dir / f"rank{info.rank}").write_text(f"{os.getpid()} {step}")
+        done = step + 1
+        if handler.should_shutdown(step):  # collective: all ranks stop after this step
+            save(args.ckpt_dir, done, model, opt, detector)
+            reason = "shutdown"
+            if info.rank == 0:
+                print(
+                    f"[train] shutdown agreed after step {step}; checkpoint step_{done} saved",
+                    flush=True,
+                )
+            break
+        if done % args.save_every == 0:
+            save(args.ckpt_dir, done, model, opt, detector)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+
+    handler.finish()
+    if reason == "completed" and args.out is not None and info.rank == 0:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.out)
+    events.emit("job_end", step=step + 1, cause=reason, exit_code=0, reason=reason)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
