@@ -1,0 +1,174 @@
+"""Real 2-rank gloo groups: ranks agree on NaNs, shutdowns and signals at the same step."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sfharness import Ranks, read_events, run_ranks, wait_for
+
+
+# ----------------------------------------------------------------- NaN agreement
+def _nan_on_one_rank(rank: int, world: int, workdir: Path) -> list[tuple[int, bool, bool]]:
+    from steadfast import NaNDetector
+
+    d = NaNDetector(action="skip", max_consecutive=2)
+    out = []
+    for step in range(6):
+        loss = torch.tensor(float("nan") if (rank == 1 and step in (2, 3)) else 1.0 + step)
+        out.append((step, d.check_loss(loss, step), d.should_rollback))
+    return out
+
+
+def test_nan_on_one_rank_is_seen_by_both(tmp_path: Path):
+    env = {"STEADFAST_EVENTS": str(tmp_path / "events.jsonl")}
+    r0, r1 = run_ranks(_nan_on_one_rank, tmp_path, env=env)
+    assert r0 == r1  # same verdict, same step, on both ranks
+    assert [ok for _, ok, _ in r0] == [True, True, False, False, True, True]
+    assert [rb for _, _, rb in r0] == [False, False, False, True, False, False]
+    ev = read_events(tmp_path / "events.jsonl")
+    nan = [e for e in ev if e["kind"] == "nan_detected"]
+    assert [(e["rank"], e["step"], e["ranks_affected"]) for e in nan] == [(1, 2, 1), (1, 3, 1)]
+    roll = [e for e in ev if e["kind"] == "nan_rollback_recommended"]
+    assert [(e["rank"], e["step"]) for e in roll] == [(0, 3)]
+
+
+def _ddp_train(rank: int, world: int, workdir: Path, nan_rank: int) -> list[torch.Tensor]:
+    """DDP training where one rank's gradients go NaN at step 3 only on that rank (after
+    the all-reduce, as a faulty GPU would); skip keeps the replicas identical."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from steadfast import NaNDetector
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    d = NaNDetector(action="skip")
+    skipped = []
+    for step in range(8):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step == 3 and rank == nan_rank:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        if d.check_gradients(model, step):
+            opt.step()
+        else:
+            skipped.append(step)
+    assert skipped == [3]
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_gradient_nan_on_one_rank_keeps_replicas_identical(tmp_path: Path):
+    p0, p1 = run_ranks(_ddp_train, tmp_path, args=(1,))
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1, strict=True))
+    assert all(bool(torch.isfinite(p).all()) for p in p0)
+
+
+# ----------------------------------------------------------------- agreed shutdown
+def _train_until_shutdown(rank: int, world: int, workdir: Path, agree: bool) -> dict:
+    from steadfast import ShutdownHandler
+
+    h = ShutdownHandler(timeout_sec=60, agree=agree)
+    h.register()
+    stopped_at = None
+    for step in range(10_000):
+        time.sleep(0.01)
+        (workdir / f"step_{rank}").write_text(str(step))
+        if h.should_shutdown(step):
+            stopped_at = step
+            break
+    h.finish()
+    sig = h.signal_received
+    return {"stopped_at": stopped_at, "signal": sig.name if sig else None}
+
+
+def test_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path: Path):
+    env = {"STEADFAST_EVENTS": str(tmp_path / "events.jsonl")}
+    ranks = Ranks(_train_until_shutdown, tmp_path, args=(True,), env=env)
+    try:
+        pid1 = ranks.pid(1)
+
+        def progressed() -> bool:
+            files = [tmp_path / f"step_{r}" for r in (0, 1)]
+            return all(f.exists() and f.read_text() and int(f.read_text()) >= 5 for f in files)
+
+        wait_for(progressed, 60, "both ranks at step 5")
+        os.kill(pid1, signal.SIGTERM)
+        assert ranks.wait(60) == [0, 0]
+    finally:
+        ranks.kill()
+    r0, r1 = ranks.results()
+    assert r0["stopped_at"] == r1["stopped_at"] is not None
+    assert (r0["signal"], r1["signal"]) == (None, "SIGTERM")
+    ev = read_events(tmp_path / "events.jsonl")
+    req = [e for e in ev if e["kind"] == "shutdown_requested"]
+    agreed = [e for e in ev if e["kind"] == "shutdown_agreed"]
+    assert [(e["rank"], e["cause"]) for e in req] == [(1, "SIGTERM")]
+    assert [(e["rank"], e["step"], e["ranks_signalled"]) for e in agreed] == [
+        (0, r0["stopped_at"], 1)
+    ]
+
+
+# ----------------------------------------------------------------- collective health
+def _health(rank: int, world: int, workdir: Path, join: bool) -> dict:
+    from steadfast import check_nccl_health
+
+    if join or rank == 0:
+        start = time.monotonic()
+        ok = check_nccl_health(timeout_sec=1.0)
+        elapsed = time.monotonic() - start
+        (workdir / "rank0_done").write_text("1")
+        return {"ok": ok, "elapsed": elapsed}
+    # rank 1 stays alive but never joins the collective, until rank 0 has given up
+    wait_for(lambda: (workdir / "rank0_done").exists(), 60)
+    return {"ok": None, "elapsed": 0.0}
+
+
+def test_collective_health_true_when_both_join(tmp_path: Path):
+    r0, r1 = run_ranks(_health, tmp_path, args=(True,))
+    assert r0["ok"] is True and r1["ok"] is True
+
+
+def test_collective_health_false_within_timeout_when_peer_never_joins(tmp_path: Path):
+    env = {"STEADFAST_EVENTS": str(tmp_path / "events.jsonl")}
+    ranks = Ranks(_health, tmp_path, args=(False,), env=env)
+    try:
+        codes = ranks.wait(60)
+    finally:
+        ranks.kill()
+    r0, _ = ranks.results()
+    assert r0["ok"] is False
+    assert 1.0 <= r0["elapsed"] < 10.0  # returned at its timeout, not the group's 60 s
+    assert codes == [0, 0]
+    ev = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "health_check"]
+    assert [(e["rank"], e["ok"], e["cause"]) for e in ev] == [(0, False, "timeout")]
+
+
+# ----------------------------------------------------------------- gathered signals
+def _gather_signal(rank: int, world: int, workdir: Path) -> list[bool]:
+    from steadfast import DistributedSignalHandler
+    from steadfast.dist import agree_any
+
+    with DistributedSignalHandler(signal.SIGUSR1) as h:
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.01)
+        agree_any(False)  # a barrier: rank 0's signal has landed before we gather
+        got = h.signals_received()
+    assert math.isfinite(float(len(got)))
+    return got
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_signals_received_is_one_flag_per_rank(tmp_path: Path, world: int):
+    results = run_ranks(_gather_signal, tmp_path, world_size=world)
+    expected = [True] + [False] * (world - 1)
+    assert results == [expected] * world
