@@ -7,7 +7,8 @@ PYTHON ?= python3
 TORCH  ?= torch==2.13.0
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-STAMP   = $(VENV)/.steadfast-installed
+# The stamp's name carries the torch requirement, so `make test TORCH=...` reinstalls.
+STAMP   = $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
 
 .PHONY: demo test lint typecheck pytest bench clean
 
@@ -16,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 
 demo: $(STAMP)

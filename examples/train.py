@@ -49,6 +49,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--nan-steps", default="", help="comma-separated steps with a NaN loss")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (demo pace)")
     p.add_argument("--out", type=Path, default=None, help="where rank 0 writes final params")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="auto: nccl when every local rank has its own GPU, else gloo",
+    )
     p.add_argument("--progress-dir", type=Path, default=None, help="per-rank 'pid step' files")
     return p.parse_args()
 
@@ -98,13 +104,17 @@ def save(
 
 def main() -> int:
     args = parse_args()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = args.backend
+    if backend == "auto":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+        backend = "nccl" if enough_gpus else "gloo"
     dist.init_process_group(backend)
     info = world_info()
     device = torch.device("cuda", info.local_rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    if events.current_path() is None:
+    if not os.environ.get(events.EVENTS_ENV):
         events.set_default_path(args.ckpt_dir / "events.jsonl")
     log_job_info()
     nan_steps = {int(s) for s in args.nan_steps.split(",") if s.strip()}

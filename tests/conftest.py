@@ -68,9 +68,9 @@ def no_leaks() -> Iterator[None]:
     assert not shm, f"shared-memory segments left behind: {sorted(shm)}"
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def event_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Route this test's events (and its children's) to a fresh file."""
+    """Route every test's events (and its children's) to a fresh file, never the repo."""
     path = tmp_path / "events.jsonl"
     monkeypatch.setenv(events.EVENTS_ENV, str(path))
     yield path

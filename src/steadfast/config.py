@@ -7,6 +7,7 @@ validation in steadfast raises :class:`ConfigError` through the helpers here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -40,7 +41,8 @@ def require_number(
 ) -> Any:
     """Return ``value`` if it is a number within bounds, else raise a ConfigError naming it.
 
-    Booleans are rejected (``True`` is an int in Python, never a sensible count).
+    Booleans are rejected (``True`` is an int in Python, never a sensible count), and so
+    are NaN and infinity (a NaN deadline never passes; a timer cannot wait forever).
     """
     if (
         isinstance(value, bool)
@@ -50,6 +52,8 @@ def require_number(
         what = "an integer" if integer else "a number"
         raise ConfigError(f"{field}: expected {what}, got {value!r}")
     number = float(value)
+    if not math.isfinite(number):
+        raise ConfigError(f"{field}: must be a finite number, got {value!r}")
     if minimum is not None and number < minimum:
         raise ConfigError(f"{field}: must be >= {minimum}, got {value!r}")
     if exclusive_minimum is not None and number <= exclusive_minimum:

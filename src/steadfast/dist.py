@@ -22,6 +22,7 @@ __all__ = [
     "backend_device",
     "count_true",
     "gather_flags",
+    "group_rank",
     "is_distributed",
     "world_info",
 ]
@@ -57,6 +58,13 @@ def world_info() -> WorldInfo:
     if is_distributed():
         return WorldInfo(dist.get_rank(), dist.get_world_size(), local_rank)
     return WorldInfo(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), local_rank)
+
+
+def group_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank within ``group`` (the world rank when not distributed)."""
+    if is_distributed():
+        return int(dist.get_rank(group))
+    return world_info().rank
 
 
 def backend_device(group: ProcessGroup | None = None) -> torch.device:

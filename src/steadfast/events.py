@@ -24,9 +24,12 @@ listed with the kind in :data:`EVENT_KINDS`.
 Where the log goes
 ------------------
 1. ``$STEADFAST_EVENTS`` when set (the launcher sets it for its workers);
+   ``STEADFAST_EVENTS=off`` writes no file;
 2. else a path given to :func:`set_default_path` (the checkpoint manager sets
    ``<checkpoint_dir>/events.jsonl``);
-3. else no file: events still go to the ``steadfast.events`` logger at DEBUG level.
+3. else ``steadfast_events.jsonl`` in the working directory.
+
+Every event also goes to the ``steadfast.events`` logger at DEBUG level.
 
 Writes are safe from many processes: the file is opened with ``O_APPEND`` and each event
 is exactly one ``os.write`` of one line, which the kernel appends atomically on a local
@@ -49,7 +52,9 @@ from typing import Any
 
 __all__ = [
     "COMMON_FIELDS",
+    "DEFAULT_EVENTS_FILE",
     "EVENTS_ENV",
+    "EVENTS_OFF",
     "EVENT_KINDS",
     "Event",
     "EventLogError",
@@ -63,6 +68,10 @@ __all__ = [
 logger = logging.getLogger("steadfast.events")
 
 EVENTS_ENV = "STEADFAST_EVENTS"
+#: ``STEADFAST_EVENTS=off`` turns the file off (events still reach the logger).
+EVENTS_OFF = "off"
+#: The file used when neither ``$STEADFAST_EVENTS`` nor :func:`set_default_path` says.
+DEFAULT_EVENTS_FILE = "steadfast_events.jsonl"
 
 COMMON_FIELDS: tuple[str, ...] = ("time", "kind", "rank", "step", "cause", "host", "pid", "restart")
 
@@ -132,38 +141,48 @@ class Event:
 
 class _Writer:
     """Process-local state of the log file: the open fd, reopened after fork or a path
-    change. Deliberately lock-free (see the module docstring)."""
+    change. Deliberately lock-free (see the module docstring): the open file is one tuple
+    ``(fd, path, pid)`` published with a single assignment, so a signal handler that emits
+    in the middle of an update sees either the old or the new file, never a mix."""
 
     def __init__(self) -> None:
         self.default_path: str | None = None
-        self._fd: int | None = None
-        self._fd_path: str | None = None
-        self._fd_pid: int | None = None
+        self._open: tuple[int, str, int] | None = None
         self._host = socket.gethostname()
 
     def path(self) -> str | None:
         env = os.environ.get(EVENTS_ENV)
         if env:
-            return env
-        return self.default_path
+            return None if env == EVENTS_OFF else env
+        if self.default_path is not None:
+            return self.default_path
+        return os.path.abspath(DEFAULT_EVENTS_FILE)
 
     def fd(self, path: str) -> int:
+        current = self._open
         pid = os.getpid()
-        if self._fd is not None and self._fd_path == path and self._fd_pid == pid:
-            return self._fd
-        self.close()  # path changed, or a forked child (which never closes its parent's fd)
+        if current is not None and current[1] == path and current[2] == pid:
+            return current[0]
+        self.close()  # the path changed
         parent = os.path.dirname(path)
         if parent:
             os.makedirs(parent, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-        self._fd, self._fd_path, self._fd_pid = fd, path, pid
+        self._open = (fd, path, pid)
         return fd
 
     def close(self) -> None:
-        if self._fd is not None and self._fd_pid == os.getpid():
+        current, self._open = self._open, None  # unpublish first, then close
+        if current is not None and current[2] == os.getpid():
             with contextlib.suppress(OSError):
-                os.close(self._fd)
-        self._fd = self._fd_path = self._fd_pid = None
+                os.close(current[0])
+
+    def after_fork_in_child(self) -> None:
+        """A forked child closes its copy of the parent's fd and opens its own lazily."""
+        current, self._open = self._open, None
+        if current is not None:
+            with contextlib.suppress(OSError):
+                os.close(current[0])
 
     @property
     def host(self) -> str:
@@ -171,16 +190,18 @@ class _Writer:
 
 
 _writer = _Writer()
+os.register_at_fork(after_in_child=_writer.after_fork_in_child)
 
 
 def set_default_path(path: str | os.PathLike[str] | None) -> None:
-    """Set where events go when ``$STEADFAST_EVENTS`` is not set (None: nowhere)."""
+    """Set where events go when ``$STEADFAST_EVENTS`` is not set (None: back to the
+    default, ``steadfast_events.jsonl`` in the working directory)."""
     _writer.default_path = os.fspath(path) if path is not None else None
     _writer.close()
 
 
 def current_path() -> str | None:
-    """The file events are appended to now, or None when no log file is configured."""
+    """The file events are appended to now, or None when ``STEADFAST_EVENTS=off``."""
     return _writer.path()
 
 

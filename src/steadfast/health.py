@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from . import events
 from .config import ConfigError, require_choice, require_number
-from .dist import backend_device, is_distributed, world_info
+from .dist import backend_device, group_rank, is_distributed
 
 __all__ = ["NaNDetector", "NaNState", "check_gpu_health", "check_nccl_health"]
 
@@ -83,7 +83,9 @@ class NaNDetector:
         )
         self.state = NaNState()
         self._last_nan_step: int | None = None
-        self._previous_good: tuple[float, int] | None = None
+        # (last_good_loss, last_good_step, consecutive_nans) before the latest good step,
+        # so that gradients found bad after a good loss can undo that step's "good"
+        self._previous_good: tuple[float, int, int] | None = None
 
     # ------------------------------------------------------------------ checks
     def check_loss(self, loss: float | torch.Tensor, step: int, group: Any = None) -> bool:
@@ -102,7 +104,12 @@ class NaNDetector:
         """
         device = backend_device(group)
         if isinstance(loss, torch.Tensor):
-            value_t = loss.detach().reshape(-1)[:1].to(device=device, dtype=torch.float64)
+            if loss.numel() != 1:
+                raise ConfigError(
+                    f"NaNDetector.check_loss: loss must be a scalar (one element), "
+                    f"got a tensor of shape {tuple(loss.shape)}"
+                )
+            value_t = loss.detach().reshape(1).to(device=device, dtype=torch.float64)
         else:
             value_t = torch.tensor([float(loss)], dtype=torch.float64, device=device)
         bad_t = (~torch.isfinite(value_t)).to(torch.float64)
@@ -113,7 +120,7 @@ class NaNDetector:
         if ranks_bad == 0:
             self._record_good(value, step)
             return True
-        self._record_nan(step, "loss", local_bad, int(ranks_bad), value)
+        self._record_nan(step, "loss", local_bad, int(ranks_bad), value, group=group)
         return False
 
     def check_gradients(self, model: torch.nn.Module, step: int, group: Any = None) -> bool:
@@ -144,7 +151,9 @@ class NaNDetector:
         bad_names = _nonfinite_params(model) if local_bad else []
         if self.action == "skip":
             model.zero_grad(set_to_none=True)
-        self._record_nan(step, "gradients", bool(local_bad), int(ranks_bad), None, bad_names)
+        self._record_nan(
+            step, "gradients", bool(local_bad), int(ranks_bad), None, bad_names, group=group
+        )
         return False
 
     # ------------------------------------------------------------------ state
@@ -193,7 +202,8 @@ class NaNDetector:
 
     # ------------------------------------------------------------------ internals
     def _record_good(self, value: float, step: int) -> None:
-        self._previous_good = (self.state.last_good_loss, self.state.last_good_step)
+        st = self.state
+        self._previous_good = (st.last_good_loss, st.last_good_step, st.consecutive_nans)
         self.state.consecutive_nans = 0
         self.state.last_good_loss = value
         self.state.last_good_step = step
@@ -206,12 +216,13 @@ class NaNDetector:
         ranks_affected: int,
         value: float | None,
         params: list[str] | None = None,
+        group: Any = None,
     ) -> None:
         st = self.state
         if self._last_nan_step != step:  # loss and gradients of one step count once
             if st.last_good_step == step and self._previous_good is not None:
                 # check_loss passed at this step but the gradients did not: undo "good"
-                st.last_good_loss, st.last_good_step = self._previous_good
+                st.last_good_loss, st.last_good_step, st.consecutive_nans = self._previous_good
             st.consecutive_nans += 1
             st.total_nans += 1
             st.nan_steps.append(step)
@@ -241,7 +252,7 @@ class NaNDetector:
                 action=self.action,
                 **extra,
             )
-        if st.consecutive_nans == self.max_consecutive and world_info().rank == 0:
+        if st.consecutive_nans == self.max_consecutive and group_rank(group) == 0:
             events.emit(
                 "nan_rollback_recommended",
                 step=step,
@@ -356,7 +367,9 @@ def check_nccl_health(timeout_sec: float = 10.0, group: Any = None) -> bool:
     start = time.monotonic()
     deadline = start + timeout_sec
     cause: str | None = None
+    backend = "unknown"
     try:
+        backend = str(dist.get_backend(group))
         device = backend_device(group)
         t = torch.ones(1, device=device)
         work = dist.all_reduce(t, async_op=True, group=group)
@@ -384,6 +397,6 @@ def check_nccl_health(timeout_sec: float = 10.0, group: Any = None) -> bool:
         cause=cause,
         check="collective",
         ok=ok,
-        details={"backend": str(dist.get_backend(group)), "seconds": round(elapsed, 4)},
+        details={"backend": backend, "seconds": round(elapsed, 4)},
     )
     return ok

@@ -21,6 +21,7 @@ chosen signal (default SIGTERM) and ``signals_received()`` gathers one flag per 
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -33,7 +34,7 @@ from typing import Any
 
 from . import events
 from .config import require_number
-from .dist import count_true, gather_flags, world_info
+from .dist import count_true, gather_flags, group_rank
 
 __all__ = ["DistributedSignalHandler", "ShutdownHandler", "FORCED_EXIT_CODE"]
 
@@ -94,6 +95,8 @@ class ShutdownHandler:
         self._signal_received: signal.Signals | None = None
         self._timer: threading.Timer | None = None
         self._original_handlers: dict[signal.Signals, _Handler] = {}
+        self._lock = threading.RLock()  # the handler (main thread) and the watcher share it
+        self._watcher: _WakeupWatcher | None = None
 
     @property
     def shutdown_requested(self) -> bool:
@@ -126,7 +129,7 @@ class ShutdownHandler:
             self._shutdown_requested = True
             logger.warning("another rank received a shutdown signal; stopping after this step")
             self._start_timer()
-        if world_info().rank == 0:
+        if group_rank(self._group) == 0:
             events.emit(
                 "shutdown_agreed",
                 step=step,
@@ -136,22 +139,33 @@ class ShutdownHandler:
         return True
 
     def register(self) -> None:
-        """Register signal handlers for SIGTERM and SIGUSR1. Must be called from the main
-        thread (Python only delivers signals there); calling it again is harmless."""
+        """Register signal handlers for SIGTERM and SIGUSR1.
+
+        Must be called from the main thread (Python only delivers signals there); calling
+        it again is harmless. Besides the Python handler, a small watcher thread reads
+        Python's signal wakeup fd: Python runs a handler only between bytecodes, so a
+        main thread blocked in a C call (a collective that never completes) would never
+        start the forced-exit countdown; the watcher starts it anyway.
+        """
         _require_main_thread("ShutdownHandler.register()")
         for sig in _SHUTDOWN_SIGNALS:
             if sig not in self._original_handlers:
                 self._original_handlers[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handle_signal)
+        if self._watcher is None:
+            self._watcher = _WakeupWatcher(self._on_wakeup)
         logger.info("Shutdown handler registered (SIGTERM, SIGUSR1)")
 
     def unregister(self) -> None:
         """Restore original signal handlers (and cancel a pending forced exit)."""
-        if self._original_handlers:
+        if self._original_handlers or self._watcher is not None:
             _require_main_thread("ShutdownHandler.unregister()")
         for sig, handler in self._original_handlers.items():
-            signal.signal(sig, handler)
+            _restore_handler(sig, handler)
         self._original_handlers.clear()
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
         self._cancel_timer()
 
     def finish(self) -> None:
@@ -170,23 +184,34 @@ class ShutdownHandler:
 
     # ------------------------------------------------------------------ internals
     def _handle_signal(self, signum: int, frame: FrameType | None) -> None:
-        sig = signal.Signals(signum)
-        if self._shutdown_requested and self._signal_received is not None:
-            logger.warning("Received %s again; shutdown already in progress", sig.name)
-            return
-        self._shutdown_requested = True
-        self._signal_received = sig
-        logger.warning("Received %s - requesting graceful shutdown", sig.name)
-        events.emit("shutdown_requested", cause=sig.name, signal=int(sig))
-        self._start_timer()
+        self._request(signal.Signals(signum))
+
+    def _on_wakeup(self, signum: int) -> None:
+        if signum in _SHUTDOWN_SIGNALS:
+            self._request(signal.Signals(signum))
+
+    def _request(self, sig: signal.Signals) -> None:
+        """Record a shutdown request once; called by the Python handler and the watcher,
+        whichever sees the signal first."""
+        with self._lock:
+            if self._signal_received is not None:
+                return
+            self._shutdown_requested = True
+            self._signal_received = sig
+            logger.warning("Received %s - requesting graceful shutdown", sig.name)
+            events.emit("shutdown_requested", cause=sig.name, signal=int(sig))
+            self._start_timer()
 
     def _start_timer(self) -> None:
-        if self._timeout_sec > 0 and self._timer is None:
-            self._timer = threading.Timer(self._timeout_sec, self._force_exit)
-            self._timer.name = "steadfast-forced-exit"
-            self._timer.daemon = True
-            self._timer.start()
-            logger.info("Forced exit in %.1fs if shutdown is not complete", self._timeout_sec)
+        with self._lock:
+            if self._timeout_sec <= 0 or self._timer is not None:
+                return
+            timer = threading.Timer(self._timeout_sec, self._force_exit)
+            timer.name = "steadfast-forced-exit"
+            timer.daemon = True
+            timer.start()
+            self._timer = timer
+        logger.info("Forced exit in %.1fs if shutdown is not complete", self._timeout_sec)
 
     def _force_exit(self) -> None:
         msg = (
@@ -209,11 +234,68 @@ class ShutdownHandler:
             os._exit(FORCED_EXIT_CODE)
 
     def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            if self._timer is not threading.current_thread():
-                self._timer.join(timeout=1.0)
-            self._timer = None
+        with self._lock:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+            if timer is not threading.current_thread():
+                timer.join(timeout=1.0)
+
+
+def _restore_handler(sig: signal.Signals, handler: _Handler) -> None:
+    """Put back a handler saved by ``getsignal``. ``None`` means it was installed from C
+    and cannot be reinstalled from Python: fall back to the default action."""
+    if handler is None:
+        logger.warning("original %s handler was set from C; restoring SIG_DFL", sig.name)
+        handler = signal.SIG_DFL
+    signal.signal(sig, handler)
+
+
+class _WakeupWatcher:
+    """Reads Python's signal wakeup fd in a daemon thread and reports each signal number.
+
+    CPython's C-level handler writes the signal number to the wakeup fd as soon as the
+    signal arrives, even while the main thread is blocked in C code. A previously set
+    wakeup fd (asyncio's, say) is chained: every byte is forwarded to it, and it is put
+    back on :meth:`stop`. Create and stop from the main thread.
+    """
+
+    def __init__(self, on_signal: Callable[[int], None]) -> None:
+        self._on_signal = on_signal
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        for fd in (self._read_fd, self._write_fd):
+            os.set_inheritable(fd, False)
+        self._previous = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        self._thread = threading.Thread(
+            target=self._run, name="steadfast-signal-watcher", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read_fd, 64)
+            except OSError:
+                return
+            if not data:  # write end closed by stop()
+                return
+            if self._previous >= 0:
+                with contextlib.suppress(OSError):
+                    os.write(self._previous, data)
+            for signum in data:
+                try:
+                    self._on_signal(signum)
+                except Exception:  # never let the watcher die on a logging/event error
+                    logger.exception("shutdown watcher failed to handle signal %d", signum)
+
+    def stop(self) -> None:
+        current = signal.set_wakeup_fd(self._previous, warn_on_full_buffer=False)
+        if current != self._write_fd:  # someone replaced ours after us: keep theirs
+            signal.set_wakeup_fd(current, warn_on_full_buffer=False)
+        os.close(self._write_fd)
+        self._thread.join(timeout=5.0)
+        os.close(self._read_fd)
 
 
 class DistributedSignalHandler:
@@ -273,7 +355,7 @@ class DistributedSignalHandler:
         if self.released:
             return False
         if self.installed:
-            signal.signal(self.sig, self.original_handler)
+            _restore_handler(self.sig, self.original_handler)
             self.installed = False
         self.released = True
         return True

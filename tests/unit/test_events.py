@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,11 +62,13 @@ def test_register_kind_is_accepted(event_log: Path):
     assert json.loads(event_log.read_text())["kind"] == "unit_test_kind"
 
 
-def test_env_wins_over_default_and_no_path_means_no_file(tmp_path: Path, monkeypatch):
+def test_where_events_go(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(events.EVENTS_ENV, raising=False)
     events.set_default_path(None)
-    assert events.current_path() is None
-    assert events.emit("restart")["kind"] == "restart"  # still returns the record
+    assert events.current_path() == str(tmp_path / events.DEFAULT_EVENTS_FILE)
+    events.emit("restart")
+    assert len((tmp_path / "steadfast_events.jsonl").read_text().splitlines()) == 1
     default = tmp_path / "sub" / "default.jsonl"
     events.set_default_path(default)
     events.emit("restart")
@@ -74,7 +78,35 @@ def test_env_wins_over_default_and_no_path_means_no_file(tmp_path: Path, monkeyp
     events.emit("restart")
     assert len(env_path.read_text().splitlines()) == 1
     assert len(default.read_text().splitlines()) == 1
+    monkeypatch.setenv(events.EVENTS_ENV, "off")
+    assert events.current_path() is None
+    assert events.emit("restart")["kind"] == "restart"  # still returns the record
+    assert len(env_path.read_text().splitlines()) == 1
     events.set_default_path(None)
+
+
+def _log_fds(path: Path) -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+    return n
+
+
+def test_forked_child_writes_through_its_own_fd(event_log: Path):
+    events.emit("restart", step=1)
+    assert _log_fds(event_log) == 1
+    pid = os.fork()
+    if pid == 0:  # child: the inherited fd was closed at fork, one is opened on use
+        code = 0 if _log_fds(event_log) == 0 else 3
+        events.emit("restart", step=2)
+        code = code or (0 if _log_fds(event_log) == 1 else 4)
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    events.emit("restart", step=3)
+    steps = [json.loads(x)["step"] for x in event_log.read_text().splitlines()]
+    assert steps == [1, 2, 3]
 
 
 def test_unwritable_log_does_not_raise(tmp_path: Path, monkeypatch, caplog):

@@ -39,19 +39,31 @@ def test_gpu_health_never_raises_when_the_device_is_unusable(monkeypatch, event_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_health_on_a_real_gpu():
+    res = check_gpu_health(0)
+    assert res == {
+        "cuda_available": True,
+        "device_accessible": True,
+        "compute_ok": True,
+        "memory_ok": True,
+        "error": "",
+    }
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_gpu_health_keeps_current_device():
-    torch.cuda.set_device(0)
     last = torch.cuda.device_count() - 1
-    res = check_gpu_health(last)
-    assert res["compute_ok"] and res["memory_ok"] and res["error"] == ""
-    assert torch.cuda.current_device() == 0
+    torch.cuda.set_device(last)
+    res = check_gpu_health(0)
+    assert res["compute_ok"] and res["error"] == ""
+    assert torch.cuda.current_device() == last
 
 
 def test_collective_health_without_a_group_is_true():
     assert check_nccl_health() is True
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, "10"])
+@pytest.mark.parametrize("bad", [0, -1.0, "10", float("nan"), float("inf")])
 def test_collective_health_bad_timeout(bad):
     with pytest.raises(ConfigError, match=r"check_nccl_health\.timeout_sec"):
         check_nccl_health(timeout_sec=bad)

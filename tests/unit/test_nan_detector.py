@@ -72,6 +72,40 @@ def test_nonfinite_loss_counts_and_events(bad, event_log: Path):
     assert not d.should_rollback
 
 
+def test_loss_must_be_a_scalar():
+    d = NaNDetector()
+    with pytest.raises(ConfigError, match=r"loss must be a scalar .* shape \(2,\)"):
+        d.check_loss(torch.tensor([1.0, NAN]), 1)
+    with pytest.raises(ConfigError, match=r"shape \(0,\)"):
+        d.check_loss(torch.tensor([]), 1)
+
+
+def test_bad_gradients_after_good_losses_still_lead_to_rollback():
+    d = NaNDetector(max_consecutive=3)
+    for step in range(5):
+        assert d.check_loss(1.0, step)
+        assert not d.check_gradients(_model_with_grads(NAN), step)
+        assert d.state.consecutive_nans == step + 1
+    assert d.should_rollback and d.state.last_good_step == 0
+
+
+def test_check_gradients_reads_the_device_once(monkeypatch):
+    """The hot path: one host read (the final flag), whatever the number of parameters."""
+    m = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(20)])
+    m(torch.randn(2, 4)).sum().backward()
+    reads = {"n": 0}
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _orig=original, **k):
+            reads["n"] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    assert NaNDetector().check_gradients(m, step=1)
+    assert reads["n"] == 1
+
+
 def test_raise_action_raises_after_recording(event_log: Path):
     d = NaNDetector(action="raise")
     with pytest.raises(RuntimeError, match="NaN/Inf loss at step 9"):

@@ -48,3 +48,9 @@ def test_broken_latest_falls_back_to_scan(tmp_path: Path, target: str):
     (tmp_path / "a_file").write_text("x")
     os.symlink(target, tmp_path / "latest")
     assert resolve_resume_path(tmp_path) == tmp_path / "step_4"
+
+
+def test_latest_symlink_loop_falls_back(tmp_path: Path):
+    _steps(tmp_path, 1, 2)
+    os.symlink("latest", tmp_path / "latest")  # points at itself
+    assert resolve_resume_path(tmp_path) == tmp_path / "step_2"

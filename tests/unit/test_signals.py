@@ -41,6 +41,26 @@ def test_signal_sets_flag_and_finish_restores(sig, event_log: Path):
     assert kinds[0]["cause"] == sig.name and kinds[0]["signal"] == int(sig)
 
 
+def test_wakeup_fd_is_chained_and_restored():
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    previous = signal.set_wakeup_fd(w)
+    try:
+        h = ShutdownHandler(timeout_sec=0)
+        h.register()
+        assert any(t.name == "steadfast-signal-watcher" for t in threading.enumerate())
+        _deliver(signal.SIGUSR1)
+        time.sleep(0.05)
+        assert os.read(r, 16) == bytes([signal.SIGUSR1])  # forwarded to the earlier fd
+        h.unregister()
+        assert signal.set_wakeup_fd(w) == w  # the earlier fd is back in place
+        assert not any(t.name == "steadfast-signal-watcher" for t in threading.enumerate())
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(r)
+        os.close(w)
+
+
 def test_timeout_zero_starts_no_timer():
     h = ShutdownHandler(timeout_sec=0)
     h.register()
@@ -56,6 +76,9 @@ def test_defaults_and_bad_timeout():
     assert ShutdownHandler().timeout_sec == 600.0
     with pytest.raises(ConfigError, match=r"ShutdownHandler\.timeout_sec: must be >= 0"):
         ShutdownHandler(timeout_sec=-1)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="must be a finite number"):
+            ShutdownHandler(timeout_sec=bad)
 
 
 def test_register_outside_main_thread_is_a_clear_error():

@@ -60,8 +60,11 @@ def resolve_resume_path(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
         raise ConfigError(f"checkpoint_dir {str(base)!r} exists but is not a directory")
     latest = base / LATEST
     if latest.is_symlink() or latest.exists():
-        resolved = latest.resolve()
-        if resolved.is_dir():
+        try:
+            resolved: Path | None = latest.resolve()
+        except (OSError, RuntimeError):  # a symlink loop, or an unreadable link
+            resolved = None
+        if resolved is not None and resolved.is_dir():
             logger.info("Auto-resume: found latest checkpoint at %s", resolved)
             return resolved
         logger.warning(
