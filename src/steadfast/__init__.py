@@ -8,7 +8,7 @@ without rewriting the training loop.
 from __future__ import annotations
 
 from . import events
-from .checkpoint import resolve_resume_path
+from .checkpoint import CheckpointError, CheckpointManager, resolve_resume_path
 from .config import ConfigError
 from .dist import agree_any, backend_device, world_info
 from .health import NaNDetector, NaNState, check_gpu_health, check_nccl_health
@@ -18,6 +18,8 @@ from .slurm import SLURMInfo, get_slurm_info, is_slurm_job, is_slurm_requeue, lo
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointManager",
     "ConfigError",
     "DistributedSignalHandler",
     "NaNDetector",

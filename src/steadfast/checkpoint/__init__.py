@@ -16,7 +16,14 @@ from pathlib import Path
 
 from ..config import ConfigError
 
-__all__ = ["LATEST", "resolve_resume_path", "step_dirs"]
+__all__ = [
+    "LATEST",
+    "CheckpointError",
+    "CheckpointManager",
+    "resolve_resume_path",
+    "step_dirs",
+    "verify",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +83,6 @@ def resolve_resume_path(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
         logger.info("Auto-resume: found checkpoint at %s", path)
         return path
     return None
+
+
+from .manager import CheckpointError, CheckpointManager, verify  # noqa: E402  (needs LATEST)

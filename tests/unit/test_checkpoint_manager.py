@@ -1,0 +1,205 @@
+"""CheckpointManager in one process: atomic save, verified load, fallback, retention, async."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from steadfast import CheckpointError, CheckpointManager, ConfigError, NaNDetector
+from steadfast.checkpoint import verify
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+
+
+def _kinds(path: Path, kind: str) -> list[dict]:
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == kind]
+
+
+def test_round_trip_of_stateful_objects(tmp_path: Path, event_log: Path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    nan = NaNDetector()
+    nan.check_loss(float("nan"), 3)
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    assert mgr.load() is None  # nothing yet: a first run
+    mgr.save(5, {"model": model, "optim": opt, "nan": nan, "step": 5, "tag": "x"})
+    assert os.readlink(tmp_path / "ckpt" / "latest") == "step_5"  # relative link
+    assert verify(tmp_path / "ckpt" / "step_5") == []
+    step, state = mgr.load()
+    assert step == 5 and state["step"] == 5 and state["tag"] == "x"
+    assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
+    fresh = torch.optim.AdamW(_model().parameters())
+    fresh.load_state_dict(state["optim"])
+    assert state["nan"]["nan_steps"] == [3]
+    saved = _kinds(event_log, "checkpoint_saved")
+    assert saved[0]["step"] == 5 and saved[0]["bytes"] > 0 and saved[0]["seconds"] >= 0
+    assert _kinds(event_log, "checkpoint_loaded")[0]["step"] == 5
+
+
+def _three(tmp_path: Path) -> tuple[CheckpointManager, Path]:
+    mgr = CheckpointManager(tmp_path / "ckpt", keep_last_n=0)
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((1000,), float(step))})
+    return mgr, tmp_path / "ckpt"
+
+
+def _truncate(d: Path) -> None:
+    f = d / "step_3" / "state.pt"
+    f.write_bytes(f.read_bytes()[:-100])
+
+
+def _flip(d: Path) -> None:
+    f = d / "step_3" / "state.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def _no_manifest(d: Path) -> None:
+    (d / "step_3" / "manifest.json").unlink()
+
+
+def _dangling_latest(d: Path) -> None:
+    (d / "latest").unlink()
+    os.symlink("step_99", d / "latest")
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (_truncate, "manifest says"),
+        (_flip, "checksum mismatch"),
+        (_no_manifest, "manifest.json: missing"),
+        (_dangling_latest, None),
+    ],
+)
+def test_corruption_is_detected_and_falls_back(tmp_path: Path, event_log: Path, damage, reason):
+    mgr, d = _three(tmp_path)
+    damage(d)
+    step, state = mgr.load()
+    if reason is None:  # latest points nowhere: the newest valid step_N is used
+        assert step == 3
+        return
+    assert step == 2 and float(state["w"][0]) == 2.0
+    corrupt = _kinds(event_log, "checkpoint_corrupt")
+    assert len(corrupt) == 1 and corrupt[0]["path"].endswith("step_3")
+    assert reason in corrupt[0]["reason"]
+
+
+def test_no_valid_checkpoint_is_one_error_naming_the_files(tmp_path: Path):
+    mgr, d = _three(tmp_path)
+    for n in (1, 2, 3):
+        (d / f"step_{n}" / "state.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=r"step_3/state\.pt: 7 bytes") as info:
+        mgr.load()
+    assert "step_1/state.pt" in str(info.value)
+
+
+def test_loading_never_runs_arbitrary_pickle(tmp_path: Path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "ckpt" / "step_1"
+    evil.mkdir(parents=True)
+    script = textwrap.dedent(f"""
+        import os, torch, zlib, json
+        class Evil:
+            def __reduce__(self):
+                return (os.system, ("touch {marker}",))
+        torch.save({{"x": Evil()}}, "{evil}/state.pt")
+        data = open("{evil}/state.pt", "rb").read()
+        json.dump({{"format": "steadfast-checkpoint/1", "step": 1, "files": {{"state.pt":
+                   {{"bytes": len(data), "crc32": zlib.crc32(data)}}}}}},
+                  open("{evil}/manifest.json", "w"))
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    with pytest.raises(CheckpointError, match="cannot be loaded"):
+        CheckpointManager(tmp_path / "ckpt").load()
+    assert not marker.exists()
+
+
+def test_retention_keeps_the_last_n(tmp_path: Path, event_log: Path):
+    mgr = CheckpointManager(tmp_path / "ckpt", keep_last_n=2)
+    for step in range(1, 6):
+        mgr.save(step, {"step": step})
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_4", "step_5"]
+    assert [e["step"] for e in _kinds(event_log, "checkpoint_deleted")] == [1, 2, 3]
+    assert mgr.load()[0] == 5
+
+
+def test_async_save_snapshots_then_writes(tmp_path: Path, event_log: Path):
+    mgr = CheckpointManager(tmp_path / "ckpt", async_save=True)
+    w = torch.zeros(100_000)
+    mgr.save(1, {"w": w})
+    w.add_(1.0)  # training goes on mutating the tensor while the write is in flight
+    mgr.wait()
+    step, state = mgr.load()
+    assert step == 1 and float(state["w"].sum()) == 0.0
+    ev = _kinds(event_log, "checkpoint_saved")[0]
+    assert ev["blocking_seconds"] <= ev["seconds"]
+
+
+def test_failed_background_save_is_raised_at_the_next_call(tmp_path: Path):
+    mgr = CheckpointManager(tmp_path / "ckpt", async_save=True)
+    mgr.save(1, {"ok": torch.ones(3)})
+    mgr.save(2, {"bad": lambda: None})  # cannot be pickled: fails in the background
+    with pytest.raises(CheckpointError, match="background checkpoint save failed"):
+        mgr.save(3, {"ok": torch.ones(3)})
+    assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".tmp")] == []
+    assert mgr.load()[0] == 1
+
+
+def test_bad_arguments(tmp_path: Path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="exists but is not a directory"):
+        CheckpointManager(f)
+    with pytest.raises(ConfigError, match="keep_last_n"):
+        CheckpointManager(tmp_path / "c", keep_last_n=1.5)
+    with pytest.raises(ConfigError, match="save step"):
+        CheckpointManager(tmp_path / "c").save(-1, {})
+
+
+def test_leftovers_of_an_interrupted_save_are_removed(tmp_path: Path):
+    d = tmp_path / "ckpt"
+    (d / ".tmp-step_7-123").mkdir(parents=True)
+    (d / ".tmp-step_7-123" / "state.pt").write_bytes(b"partial")
+    CheckpointManager(d)
+    assert list(d.iterdir()) == []
+
+
+_DISK_FULL = """
+import resource, signal, sys, torch
+from steadfast import CheckpointManager, CheckpointError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # get EFBIG instead of being killed
+mgr = CheckpointManager(sys.argv[1])
+mgr.save(1, {"w": torch.zeros(1000)})
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))   # the "disk" is now full
+try:
+    mgr.save(2, {"w": torch.zeros(1_000_000)})
+except CheckpointError as exc:
+    print("ERROR:", exc)
+    sys.exit(0)
+sys.exit(5)
+"""
+
+
+def test_disk_full_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path: Path):
+    d = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [sys.executable, "-c", _DISK_FULL, str(d)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "saving checkpoint step 2" in proc.stdout and "File too large" in proc.stdout
+    assert sorted(p.name for p in d.iterdir() if p.name != "events.jsonl") == ["latest", "step_1"]
+    assert CheckpointManager(d).load()[0] == 1
