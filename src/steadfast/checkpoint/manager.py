@@ -49,6 +49,16 @@ MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
 _FORMAT = "steadfast-checkpoint/1"
 _TMP_PREFIX = ".tmp-step_"
+_TRASH_PREFIX = ".del-step_"
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint directory without ever exposing a half-deleted ``step_N``:
+    rename it to a hidden name (atomic) first, then remove it. A crash in between leaves
+    only hidden leftovers, which the next manager removes."""
+    trash = path.with_name(f"{_TRASH_PREFIX}{path.name[len('step_') :]}-{os.getpid()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 class CheckpointError(RuntimeError):
@@ -281,7 +291,10 @@ class CheckpointManager:
 
     def _remove_stale_tmp(self) -> None:
         for entry in self.dir.iterdir():
-            if entry.name.startswith(_TMP_PREFIX) or entry.name == f".{LATEST}.tmp":
+            if (
+                entry.name.startswith((_TMP_PREFIX, _TRASH_PREFIX))
+                or entry.name == f".{LATEST}.tmp"
+            ):
                 logger.warning("removing %s left by an interrupted save", entry)
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry, ignore_errors=True)
@@ -321,7 +334,7 @@ class CheckpointManager:
             _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
             _fsync_dir(tmp)
             if final.exists():  # the same step saved again: the newer write wins
-                shutil.rmtree(final)
+                _discard(final)
             os.rename(tmp, final)
             _fsync_dir(self.dir)
             link = self.dir / f".{LATEST}.tmp"
@@ -357,7 +370,11 @@ class CheckpointManager:
         for n, path in existing[: max(0, len(existing) - self.keep_last_n)]:
             if n in protected or path.resolve() == latest_target:
                 continue
-            shutil.rmtree(path, ignore_errors=True)
+            try:
+                _discard(path)
+            except OSError as exc:
+                logger.warning("could not delete old checkpoint %s: %s", path, exc)
+                continue
             events.emit("checkpoint_deleted", step=n, path=str(path))
 
 
