@@ -13,15 +13,14 @@ What it shows:
   step depends only on (seed, step, rank), the resumed run ends bit-identical to a run
   that was never interrupted.
 
-The checkpoint here is deliberately minimal (rank 0 writes a temp dir, renames it, then
-swaps `latest`); steadfast's CheckpointManager is the full version.
+CheckpointManager writes each checkpoint atomically with a verified manifest (rank 0),
+and every rank waits until it is durable.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from steadfast import (
+    CheckpointManager,
     NaNDetector,
     ShutdownHandler,
     events,
@@ -66,42 +66,6 @@ def batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :4].sum(dim=1, keepdim=True) + 0.1 * torch.randn(16, 1, generator=g)
 
 
-def save(
-    ckpt_dir: Path, done: int, model: torch.nn.Module, opt: torch.optim.Optimizer, nan: NaNDetector
-) -> None:
-    """Rank 0 writes step_{done}; everyone waits until it is visible."""
-    if dist.get_rank() == 0:
-        start = time.monotonic()
-        final = ckpt_dir / f"step_{done}"
-        tmp = ckpt_dir / f".step_{done}.tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        state = {
-            "step": done,
-            "model": model.state_dict(),
-            "optim": opt.state_dict(),
-            "nan": nan.state_dict(),
-        }
-        torch.save(state, tmp / "state.pt")
-        if final.exists():  # the same step saved again: the newer write wins
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        link = ckpt_dir / ".latest.tmp"
-        if link.is_symlink():
-            link.unlink()
-        link.symlink_to(final.name)
-        os.replace(link, ckpt_dir / "latest")
-        seconds = time.monotonic() - start
-        events.emit(
-            "checkpoint_saved",
-            step=done,
-            path=str(final),
-            bytes=(final / "state.pt").stat().st_size,
-            seconds=seconds,
-            blocking_seconds=seconds,
-        )
-    dist.barrier()
-
-
 def main() -> int:
     args = parse_args()
     backend = args.backend
@@ -127,14 +91,19 @@ def main() -> int:
     handler = ShutdownHandler(timeout_sec=60, agree=True)
     handler.register()
 
-    start = 0
+    ckpt = CheckpointManager(args.ckpt_dir, keep_last_n=3)
     resume = resolve_resume_path(args.ckpt_dir)
-    if resume is not None:
-        state = torch.load(resume / "state.pt", map_location=device, weights_only=True)
-        model.load_state_dict(state["model"])
+    start = 0
+    loaded = ckpt.load()  # verified: a corrupt checkpoint falls back to an older one
+    if loaded is not None:
+        start, state = loaded
+        model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         detector.load_state_dict(state["nan"])
-        start = int(state["step"])
+
+    def save(done: int) -> None:
+        ckpt.save(done, {"model": model.module, "optim": opt, "nan": detector})
+
     events.emit(
         "job_start",
         step=start,
@@ -169,7 +138,7 @@ def main() -> int:
             (args.progress_dir / f"rank{info.rank}").write_text(f"{os.getpid()} {step}")
         done = step + 1
         if handler.should_shutdown(step):  # collective: all ranks stop after this step
-            save(args.ckpt_dir, done, model, opt, detector)
+            save(done)
             reason = "shutdown"
             if info.rank == 0:
                 print(
@@ -178,7 +147,7 @@ def main() -> int:
                 )
             break
         if done % args.save_every == 0:
-            save(args.ckpt_dir, done, model, opt, detector)
+            save(done)
         if args.step_sleep:
             time.sleep(args.step_sleep)
 
