@@ -200,6 +200,6 @@ def test_disk_full_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path: Path
         [sys.executable, "-c", _DISK_FULL, str(d)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "saving checkpoint step 2" in proc.stdout and "File too large" in proc.stdout
+    assert f"saving checkpoint step 2 to {d / 'step_2'} failed" in proc.stdout
     assert sorted(p.name for p in d.iterdir() if p.name != "events.jsonl") == ["latest", "step_1"]
     assert CheckpointManager(d).load()[0] == 1

@@ -21,7 +21,6 @@ arbitrary pickle is ever executed.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -88,17 +87,18 @@ def _crc32_file(path: Path) -> int:
     return crc
 
 
-def _snapshot(value: Any) -> Any:
-    """A host-memory copy of ``value`` (tensors cloned to CPU), so training can go on
-    mutating the originals while a background thread writes the copy."""
+def _snapshot(value: Any, copy: bool) -> Any:
+    """``value`` with every tensor on the CPU. With ``copy`` (async save) CPU tensors are
+    cloned too, so training can go on mutating the originals while a background thread
+    writes; a sync save writes CPU tensors as they are (no copy)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach().to("cpu", copy=copy)
     if isinstance(value, Mapping):
-        return {k: _snapshot(v) for k, v in value.items()}
+        return {k: _snapshot(v, copy) for k, v in value.items()}
     if isinstance(value, list):
-        return [_snapshot(v) for v in value]
+        return [_snapshot(v, copy) for v in value]
     if isinstance(value, tuple):
-        return tuple(_snapshot(v) for v in value)
+        return tuple(_snapshot(v, copy) for v in value)
     return value
 
 
@@ -184,7 +184,9 @@ class CheckpointManager:
         self.wait()
         start = time.monotonic()
         self._agree_on_step(step)
-        snapshot = _snapshot(_to_state_dicts(state)) if self._is_writer() else None
+        snapshot = (
+            _snapshot(_to_state_dicts(state), copy=self.async_save) if self._is_writer() else None
+        )
         if not self.async_save:
             self._write_and_publish(step, snapshot, start, blocking=None)
             self._barrier()
@@ -321,15 +323,18 @@ class CheckpointManager:
         tmp = self.dir / f"{_TMP_PREFIX}{step}-{os.getpid()}"
         try:
             tmp.mkdir(parents=True)
-            buf = io.BytesIO()
-            torch.save(snapshot, buf)
-            data = buf.getbuffer()
-            _write_file(tmp / STATE_FILE, data)
+            state_path = tmp / STATE_FILE
+            with open(state_path, "wb") as fh:  # a real file: torch's fast native writer
+                torch.save(snapshot, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            size = state_path.stat().st_size
+            crc = _crc32_file(state_path)  # read back from the page cache: ~3.5 GB/s
             manifest = {
                 "format": _FORMAT,
                 "step": step,
                 "time": time.time(),
-                "files": {STATE_FILE: {"bytes": len(data), "crc32": zlib.crc32(data)}},
+                "files": {STATE_FILE: {"bytes": size, "crc32": crc}},
             }
             _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
             _fsync_dir(tmp)
@@ -353,7 +358,7 @@ class CheckpointManager:
             "checkpoint_saved",
             step=step,
             path=str(final),
-            bytes=len(data),
+            bytes=size,
             seconds=seconds,
             blocking_seconds=seconds if blocking is None else blocking,
         )
