@@ -9,7 +9,7 @@ What it shows:
   (one all-reduce), and every rank skips that optimizer step, so replicas stay identical.
 - ShutdownHandler(agree=True): a SIGTERM delivered to any one rank makes every rank save
   a checkpoint and exit after the same step.
-- resolve_resume_path: a rerun resumes from the latest checkpoint; because the data of a
+- CheckpointManager.load: a rerun resumes from the latest checkpoint; because the data of a
   step depends only on (seed, step, rank), the resumed run ends bit-identical to a run
   that was never interrupted.
 
@@ -34,7 +34,6 @@ from steadfast import (
     ShutdownHandler,
     events,
     log_job_info,
-    resolve_resume_path,
     world_info,
 )
 
@@ -92,11 +91,12 @@ def main() -> int:
     handler.register()
 
     ckpt = CheckpointManager(args.ckpt_dir, keep_last_n=3)
-    resume = resolve_resume_path(args.ckpt_dir)
     start = 0
+    resume = None
     loaded = ckpt.load()  # verified: a corrupt checkpoint falls back to an older one
     if loaded is not None:
         start, state = loaded
+        resume = args.ckpt_dir / f"step_{start}"  # the checkpoint actually loaded
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         detector.load_state_dict(state["nan"])
