@@ -8,7 +8,15 @@ without rewriting the training loop.
 from __future__ import annotations
 
 from . import events
-from .checkpoint import CheckpointError, CheckpointManager, resolve_resume_path
+from .checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    DataPosition,
+    ResumableSampler,
+    RNGState,
+    Stateful,
+    resolve_resume_path,
+)
 from .config import ConfigError
 from .dist import agree_any, backend_device, world_info
 from .health import NaNDetector, NaNState, check_gpu_health, check_nccl_health
@@ -21,6 +29,10 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "ConfigError",
+    "DataPosition",
+    "RNGState",
+    "ResumableSampler",
+    "Stateful",
     "DistributedSignalHandler",
     "NaNDetector",
     "NaNState",

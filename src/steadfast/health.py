@@ -184,7 +184,9 @@ class NaNDetector:
             )
         for key in ("consecutive_nans", "total_nans", "last_good_step"):
             require_number(f"NaNDetector state.{key}", state[key], minimum=0, integer=True)
-        require_number("NaNDetector state.last_good_loss", state["last_good_loss"])
+        last_good = state["last_good_loss"]
+        if last_good != float("inf"):  # inf: no good loss seen yet (the initial state)
+            require_number("NaNDetector state.last_good_loss", last_good)
         steps = state["nan_steps"]
         if not isinstance(steps, list) or not all(
             isinstance(s, int) and not isinstance(s, bool) for s in steps

@@ -201,5 +201,6 @@ def test_disk_full_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path: Path
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"saving checkpoint step 2 to {d / 'step_2'} failed" in proc.stdout
+    assert "file size limit exceeded" in proc.stdout  # said in words, not "unexpected pos"
     assert sorted(p.name for p in d.iterdir() if p.name != "events.jsonl") == ["latest", "step_1"]
     assert CheckpointManager(d).load()[0] == 1

@@ -20,6 +20,10 @@ __all__ = [
     "LATEST",
     "CheckpointError",
     "CheckpointManager",
+    "DataPosition",
+    "RNGState",
+    "ResumableSampler",
+    "Stateful",
     "resolve_resume_path",
     "step_dirs",
     "verify",
@@ -86,3 +90,4 @@ def resolve_resume_path(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
 
 
 from .manager import CheckpointError, CheckpointManager, verify  # noqa: E402  (needs LATEST)
+from .state import DataPosition, ResumableSampler, RNGState, Stateful  # noqa: E402

@@ -1,26 +1,37 @@
 """CheckpointManager: checkpoints that are complete and verified, or invisible.
 
-Layout: ``{dir}/step_{N}/`` (``state.pt`` and ``manifest.json``) plus a relative
-``latest`` symlink, as :func:`steadfast.resolve_resume_path` expects.
+Layout of ``{dir}/step_{N}/`` (plus a relative ``latest`` symlink, as
+:func:`steadfast.resolve_resume_path` expects):
 
-Save protocol (replicated state, written once by rank 0):
-1. serialise the state in memory and compute a CRC-32 of the bytes;
-2. write it into a hidden temporary directory ``.tmp-step_{N}-{pid}``, ``fsync`` it;
-3. write ``manifest.json`` (format, step, files with sizes and checksums), ``fsync``;
-4. ``rename`` the directory to ``step_{N}`` and ``fsync`` the parent directory;
-5. point ``latest`` at it by renaming a fresh symlink over it (atomic), ``fsync`` again;
-6. every rank waits at a barrier, so none proceeds before the checkpoint is durable.
+- ``state.pt``: replicated state (model, optimizer under DDP, ...), written once by rank 0;
+- ``dcp/``: sharded state (FSDP, DTensor), written by every rank through
+  ``torch.distributed.checkpoint`` (DCP) instead of ``state.pt``;
+- ``rank_{r}.pt``: what differs per rank: RNG streams and data position;
+- ``manifest.json``: format, step, world size, the keys saved, and every file with its
+  size and CRC-32.
+
+Save protocol:
+1. rank 0 creates a hidden ``.tmp-step_{N}``; all ranks agree on the step (one all-reduce);
+2. each rank writes its files there, computing each file's CRC-32 while it is written,
+   and ``fsync``\\s them;
+3. the ranks send rank 0 their file lists (one all-gather on a gloo group of the manager);
+4. rank 0 writes ``manifest.json``, ``fsync``\\s, ``rename``\\s the directory to
+   ``step_{N}``, ``fsync``\\s the parent, then points ``latest`` at it by renaming a fresh
+   symlink over it (atomic) and ``fsync``\\s again;
+5. rank 0 broadcasts the outcome, so every rank returns (or raises) together.
 
 A crash at any moment leaves either the previous ``latest`` or the new one, never a
-partial checkpoint under a ``step_N`` name. Loading verifies the manifest (sizes and
-checksums); a corrupted or truncated checkpoint is reported (``checkpoint_corrupt``) and
-the newest valid older one is used. Loading uses ``torch.load(weights_only=True)``: no
-arbitrary pickle is ever executed.
+partial checkpoint under a ``step_N`` name: ``latest`` moves only after every rank's files
+are durable. Loading verifies the manifest (sizes and checksums, shared out among the
+ranks); a corrupted or truncated checkpoint is reported (``checkpoint_corrupt``) and all
+ranks fall back together to the newest valid older one. Files are read with
+``torch.load(weights_only=True)``: no arbitrary pickle is ever executed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -29,6 +40,7 @@ import threading
 import time
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,33 +49,28 @@ import torch.distributed as dist
 
 from .. import events
 from ..config import ConfigError, require_number
-from ..dist import backend_device, group_rank, is_distributed
+from ..dist import group_rank, is_distributed
 from . import LATEST, step_dirs
+from .state import RNGState, Stateful
 
-__all__ = ["CheckpointError", "CheckpointManager", "MANIFEST", "STATE_FILE"]
+__all__ = ["CheckpointError", "CheckpointManager", "MANIFEST", "STATE_FILE", "verify"]
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
+DCP_DIR = "dcp"
+RNG_KEY = "rng"
 _FORMAT = "steadfast-checkpoint/1"
 _TMP_PREFIX = ".tmp-step_"
 _TRASH_PREFIX = ".del-step_"
-
-
-def _discard(path: Path) -> None:
-    """Delete a checkpoint directory without ever exposing a half-deleted ``step_N``:
-    rename it to a hidden name (atomic) first, then remove it. A crash in between leaves
-    only hidden leftovers, which the next manager removes."""
-    trash = path.with_name(f"{_TRASH_PREFIX}{path.name[len('step_') :]}-{os.getpid()}")
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 class CheckpointError(RuntimeError):
     """No valid checkpoint could be loaded, or a save failed; the message names the files."""
 
 
+# ---------------------------------------------------------------------- file helpers
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -72,7 +79,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, data: bytes | memoryview) -> None:
+def _write_file(path: Path, data: bytes) -> None:
     with open(path, "wb") as fh:
         fh.write(data)
         fh.flush()
@@ -87,37 +94,115 @@ def _crc32_file(path: Path) -> int:
     return crc
 
 
-def _snapshot(value: Any, copy: bool) -> Any:
-    """``value`` with every tensor on the CPU. With ``copy`` (async save) CPU tensors are
-    cloned too, so training can go on mutating the originals while a background thread
-    writes; a sync save writes CPU tensors as they are (no copy)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=copy)
-    if isinstance(value, Mapping):
-        return {k: _snapshot(v, copy) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_snapshot(v, copy) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_snapshot(v, copy) for v in value)
-    return value
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank}.pt"
 
 
-def verify(path: str | os.PathLike[str]) -> list[str]:
-    """Problems found checking the checkpoint directory ``path`` against its manifest
-    (an empty list means it is complete and intact)."""
-    ckpt = Path(path)
+class _ChecksumWriter:
+    """A write-only file object for ``torch.save`` that computes the CRC-32 of everything
+    written while it is written: the checksum of each large chunk runs on a helper thread
+    (zlib releases the GIL) at the same time as the chunk is copied to the file, so it
+    costs almost nothing on top of the write (reading the file back would cost ~40%).
+    Each chunk is finished before ``write`` returns, because torch reuses its buffers.
+    The first ``OSError`` is kept, since torch reports it as a vague "unexpected pos"."""
+
+    _PARALLEL_MIN = 1 << 20
+
+    def __init__(self, fh: Any, pool: ThreadPoolExecutor) -> None:
+        self._fh = fh
+        self._pool = pool
+        self.crc = 0
+        self.bytes = 0
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            if len(view) < self._PARALLEL_MIN:
+                self.crc = zlib.crc32(view, self.crc)
+                self._fh.write(view)
+            else:
+                pending = self._pool.submit(zlib.crc32, view, self.crc)
+                try:
+                    self._fh.write(view)
+                finally:
+                    self.crc = pending.result()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        self.bytes += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+
+def _save_file(path: Path, obj: Any) -> dict[str, int]:
+    """``torch.save`` ``obj`` to ``path`` durably; its size and CRC-32 for the manifest."""
+    with open(path, "wb") as fh, ThreadPoolExecutor(1) as pool:
+        writer = _ChecksumWriter(fh, pool)
+        try:
+            torch.save(obj, writer)  # type: ignore[arg-type]
+            fh.flush()
+            os.fsync(fh.fileno())
+        except Exception as exc:
+            if writer.error is not None and writer.error is not exc:
+                raise writer.error from exc
+            raise
+        size = os.fstat(fh.fileno()).st_size
+    if size != writer.bytes:  # a short write the file object did not report
+        raise OSError(f"{path}: wrote {writer.bytes} bytes, the file has {size}")
+    return {"bytes": size, "crc32": writer.crc}
+
+
+def _describe(exc: BaseException, where: Path) -> str:
+    """One readable line for a failed write; "disk full" is said in words, not as torch's
+    "unexpected pos"."""
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device or quota of {where} ({exc})"
+    if code == errno.EFBIG:
+        return f"file size limit exceeded writing to {where} (RLIMIT_FSIZE / ulimit -f) ({exc})"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"no permission to write to {where} ({exc})"
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage(where if where.exists() else where.parent).free < 1 << 20:
+            return f"no space left on the device of {where} ({type(exc).__name__}: {exc})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _discard(path: Path) -> Path:
+    """Hide a checkpoint directory by renaming it (atomic), so that a crash never exposes
+    a half-deleted ``step_N``; the caller removes the returned hidden path."""
+    trash = path.with_name(f"{_TRASH_PREFIX}{path.name[len('step_') :]}-{os.getpid()}")
+    os.rename(path, trash)
+    return trash
+
+
+def _remove_all(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- verification
+def _manifest(ckpt: Path) -> tuple[dict[str, Any] | None, list[str]]:
     manifest_path = ckpt / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
     except FileNotFoundError:
-        return [f"{manifest_path}: missing"]
+        return None, [f"{manifest_path}: missing"]
     except (OSError, ValueError) as exc:
-        return [f"{manifest_path}: unreadable ({exc})"]
+        return None, [f"{manifest_path}: unreadable ({exc})"]
     if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
-        return [f"{manifest_path}: not a {_FORMAT} manifest"]
+        return None, [f"{manifest_path}: not a {_FORMAT} manifest"]
     files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        return [f"{manifest_path}: no file list"]
+    if not isinstance(files, dict) or not files or not isinstance(manifest.get("step"), int):
+        return None, [f"{manifest_path}: no step or no file list"]
+    return manifest, []
+
+
+def _check_files(ckpt: Path, files: Mapping[str, Any], checksum: set[str] | None) -> list[str]:
+    """Sizes of all ``files``; CRC-32 of those in ``checksum`` (all when None)."""
     problems = []
     for name, meta in files.items():
         f = ckpt / name
@@ -128,22 +213,145 @@ def verify(path: str | os.PathLike[str]) -> list[str]:
         if size != meta.get("bytes"):
             problems.append(f"{f}: {size} bytes, manifest says {meta.get('bytes')}")
             continue
-        if _crc32_file(f) != meta.get("crc32"):
+        if (checksum is None or name in checksum) and _crc32_file(f) != meta.get("crc32"):
             problems.append(f"{f}: checksum mismatch")
     return problems
 
 
+def verify(path: str | os.PathLike[str]) -> list[str]:
+    """Problems found checking the checkpoint directory ``path`` against its manifest
+    (an empty list means every file is present, of the right size and checksum)."""
+    manifest, problems = _manifest(Path(path))
+    if manifest is None:
+        return problems
+    return _check_files(Path(path), manifest["files"], None)
+
+
+# ---------------------------------------------------------------------- state capture
+def _to_state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Replace objects that have ``state_dict()`` by their state dict."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"checkpoint state keys must be strings, got {key!r}")
+        sd = getattr(value, "state_dict", None)
+        out[key] = sd() if callable(sd) else value
+    return out
+
+
+def _is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(value, DTensor)
+
+
+def _has_dtensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return _is_dtensor(value)
+    if isinstance(value, Mapping):
+        return any(_has_dtensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_dtensor(v) for v in value)
+    return False
+
+
+class _Stager:
+    """Copies the state to host memory for an async save, into buffers kept from the
+    previous save when shapes and dtypes match (pinned when the source is on CUDA).
+
+    Reusing the buffers is what makes the stall short: a fresh 200 MB allocation costs
+    page faults on every page, a copy into warm memory is a plain memcpy. The cost is one
+    host copy of the state kept alive between saves (as torch's async DCP does). Tensors
+    that are the same object (tied weights) stay one tensor.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._used: dict[str, torch.Tensor] = {}
+        self._memo: dict[int, torch.Tensor] = {}
+        self._cuda = False
+
+    def stage(self, value: Any) -> Any:
+        self._used, self._memo, self._cuda = {}, {}, False
+        staged = self._walk(value, "")
+        if self._cuda:
+            torch.cuda.synchronize()
+        self._buffers = self._used  # buffers for keys that went away are released
+        return staged
+
+    def clear(self) -> None:
+        self._buffers, self._used, self._memo = {}, {}, {}
+
+    def _copy(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        memo = self._memo.get(id(t))
+        if memo is not None:
+            return memo
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            pin = t.is_cuda and torch.cuda.is_available()
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        buf.copy_(t.detach(), non_blocking=t.is_cuda)
+        self._cuda = self._cuda or t.is_cuda
+        self._used[key] = buf
+        self._memo[id(t)] = buf
+        return buf
+
+    def _walk(self, value: Any, key: str) -> Any:
+        if _is_dtensor(value):
+            local = self._copy(value.to_local(), key)
+            return type(value).from_local(
+                local,
+                value.device_mesh,
+                value.placements,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        if isinstance(value, torch.Tensor):
+            return self._copy(value, key)
+        if isinstance(value, Mapping):
+            return {k: self._walk(v, f"{key}/{k}") for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._walk(v, f"{key}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            return tuple(self._walk(v, f"{key}/{i}") for i, v in enumerate(value))
+        return value
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every (non-sharded) tensor on the CPU, without copying CPU tensors."""
+    if isinstance(value, torch.Tensor) and not _is_dtensor(value):
+        return value.detach().to("cpu")
+    if isinstance(value, Mapping):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_cpu(v) for v in value)
+    return value
+
+
+# ---------------------------------------------------------------------- the manager
 class CheckpointManager:
-    """Saves and loads the whole training state so that no fault can lose it.
+    """Saves and restores the whole training state so that no fault can lose it.
 
     Args:
-        checkpoint_dir: Where ``step_N`` directories and ``latest`` live.
+        checkpoint_dir: Where ``step_N`` directories and ``latest`` live (on a file
+            system every rank sees).
         keep_last_n: How many checkpoints to keep (<= 0 keeps all); ``latest`` and the
             save in flight are never deleted.
         async_save: Snapshot to host memory and write in a background thread; at most one
             save is in flight, :meth:`wait` joins it, and a failed background save is
             raised at the next call.
         group: Process group whose ranks save together (default: the world).
+        rng: Save (and, in :meth:`restore`, restore) every rank's RNG streams.
+        sharded: Save through DCP, every rank writing its shards. ``None`` (default)
+            decides per save: DCP when the state holds a ``DTensor``.
+
+    Under ``torch.distributed`` the constructor is collective (it creates a small gloo
+    group used to coordinate saves, also from the background thread), so every rank of
+    the world must construct the manager, in the same order as other groups.
     """
 
     def __init__(
@@ -152,6 +360,8 @@ class CheckpointManager:
         keep_last_n: int = 3,
         async_save: bool = False,
         group: Any = None,
+        rng: bool = True,
+        sharded: bool | None = None,
     ) -> None:
         self.dir = Path(checkpoint_dir)
         if self.dir.exists() and not self.dir.is_dir():
@@ -160,136 +370,353 @@ class CheckpointManager:
             "CheckpointManager.keep_last_n", keep_last_n, integer=True
         )
         self.async_save = bool(async_save)
+        self.rng = bool(rng)
+        if sharded is not None and not isinstance(sharded, bool):
+            raise ConfigError(f"CheckpointManager.sharded must be True, False or None: {sharded!r}")
+        self.sharded = sharded
         self._group = group
+        self._rank = group_rank(group)
+        self._world = dist.get_world_size(group) if is_distributed() else 1
+        self._coord: Any = None
+        if is_distributed():
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            self._coord = dist.new_group(ranks=ranks, backend="gloo")
         self._thread: threading.Thread | None = None
+        self._reaper: threading.Thread | None = None
         self._error: BaseException | None = None
         self._in_flight: int | None = None
-        if self._is_writer():
+        self._stager = _Stager()  # replicated / sharded state
+        self._local_stager = _Stager()  # rank_state and RNG
+        if self._rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp()
         if not os.environ.get(events.EVENTS_ENV):
             events.set_default_path(self.dir / "events.jsonl")
 
     # ------------------------------------------------------------------ public API
-    def save(self, step: int, state: Mapping[str, Any]) -> None:
-        """Save ``state`` as checkpoint ``step``; every rank of the group must call it.
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        rank_state: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Save checkpoint ``step``; every rank of the group must call it.
 
-        Objects with ``state_dict()`` (model, optimizer, scheduler, NaNDetector, ...) are
-        saved through it. Sync: returns once the checkpoint is durable and ``latest``
-        points at it. Async: returns after the host snapshot; the write goes on in the
-        background.
+        ``state`` is what every rank holds the same copy of (model, optimizer, scheduler,
+        NaNDetector, plain values): written once by rank 0, or through DCP by every rank
+        when it is sharded. ``rank_state`` is what differs per rank (a
+        :class:`~steadfast.checkpoint.DataPosition`, a ``StatefulDataLoader``, your own
+        objects); each rank's goes to its own file, with its RNG streams under ``"rng"``.
+        Objects with ``state_dict()`` are saved through it.
+
+        Sync: returns once the checkpoint is durable and ``latest`` points at it. Async:
+        returns after the host snapshot; the write goes on in the background.
         """
         require_number("CheckpointManager.save step", step, minimum=0, integer=True)
-        self._raise_background_error()
         self.wait()
         start = time.monotonic()
-        self._agree_on_step(step)
-        snapshot = (
-            _snapshot(_to_state_dicts(state), copy=self.async_save) if self._is_writer() else None
-        )
+        replicated = _to_state_dicts(state)
+        local = _to_state_dicts(rank_state or {})
+        if self.rng:
+            if RNG_KEY in local or RNG_KEY in replicated:
+                raise ConfigError(f"checkpoint key {RNG_KEY!r} is reserved for RNG states")
+            local[RNG_KEY] = RNGState().state_dict()
+        both = sorted(set(replicated) & set(local))
+        if both:
+            raise ConfigError(f"keys in both state and rank_state: {both}")
+        sharded = self.sharded if self.sharded is not None else _has_dtensor(replicated)
+        tmp = self.dir / f"{_TMP_PREFIX}{step}"
+        prepared = None
+        if self._rank == 0:
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+            except OSError as exc:
+                prepared = _describe(exc, tmp)
+        agreed = self._agree(step, prepared is not None, sharded)
+        if prepared is not None or agreed is None:
+            raise CheckpointError(
+                f"saving checkpoint step {step}: cannot create {tmp}: "
+                + (prepared or "rank 0 failed to create it")
+            )
+        sharded = agreed
+        if self.async_save:  # snapshot to host memory; training may then change the originals
+            if sharded or self._rank == 0:
+                replicated = self._stager.stage(replicated)
+            local = self._local_stager.stage(local)
+        elif not sharded:  # sync: DCP takes device tensors as they are
+            replicated = _to_cpu(replicated)
+            local = _to_cpu(local)
+        else:
+            local = _to_cpu(local)
+        keys = {"state": sorted(replicated), "rank_state": sorted(local)}
+        payload = replicated if (sharded or self._rank == 0) else None
         if not self.async_save:
-            self._write_and_publish(step, snapshot, start, blocking=None)
-            self._barrier()
+            self._write_and_publish(step, tmp, payload, local, keys, sharded, start, None)
             return
         self._in_flight = step
         blocking = time.monotonic() - start
         self._thread = threading.Thread(
             target=self._background,
-            args=(step, snapshot, start, blocking),
+            args=(step, tmp, payload, local, keys, sharded, start, blocking),
             name="steadfast-checkpoint-writer",
             daemon=False,
         )
         self._thread.start()
 
-    def save_emergency(self, step: int, state: Mapping[str, Any]) -> None:
+    def save_emergency(
+        self, step: int, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None = None
+    ) -> None:
         """Synchronous save for shutdown paths: waits for any async save, skips retention."""
         saved_async, self.async_save = self.async_save, False
         keep, self.keep_last_n = self.keep_last_n, 0
         try:
-            self.save(step, state)
+            self.save(step, state, rank_state)
         finally:
             self.async_save, self.keep_last_n = saved_async, keep
 
     def wait(self) -> None:
-        """Wait for the save in flight (if any); raise its error if it failed."""
-        thread = self._thread
+        """Wait for the save in flight (if any) and for old checkpoints being deleted;
+        raise the background save's error if it failed."""
+        thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
-            self._thread = None
             self._in_flight = None
-            self._barrier()
-        self._raise_background_error()
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(f"background checkpoint save failed: {error}") from error
+
+    def close(self) -> None:
+        """Finish the save in flight, release the staging buffers and the gloo group."""
+        try:
+            self.wait()
+        finally:
+            self._stager.clear()
+            self._local_stager.clear()
+            if self._coord is not None and is_distributed():
+                dist.destroy_process_group(self._coord)
+            self._coord = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def load(self, path: str | os.PathLike[str] | None = None) -> tuple[int, dict[str, Any]] | None:
         """Load the newest valid checkpoint (or ``path``); None when there is none yet.
 
-        Each candidate is verified against its manifest; a corrupt one emits
-        ``checkpoint_corrupt`` and the next older one is tried. If checkpoints exist but
-        none is valid, raises :class:`CheckpointError` naming the files.
+        Returns ``(step, state)``: the replicated state plus this rank's ``rank_state``
+        and RNG states (under ``"rng"``), as saved (state dicts, on the CPU). Every rank
+        of the group must call it. Each candidate is verified against its manifest; if
+        any rank finds it corrupt, that rank emits ``checkpoint_corrupt`` and all ranks
+        fall back to the next older one. If checkpoints exist but none is valid, raises
+        :class:`CheckpointError` naming the files. A sharded (DCP) checkpoint needs
+        templates to load into: use :meth:`restore`.
         """
-        self.wait()
-        candidates = [Path(path)] if path is not None else self._candidates()
-        if not candidates:
+        return self._load(path, None)
+
+    def restore(
+        self, objects: Mapping[str, Any], path: str | os.PathLike[str] | None = None
+    ) -> tuple[int, dict[str, Any]] | None:
+        """Load the newest valid checkpoint into ``objects`` and this process's RNGs.
+
+        ``objects`` maps the keys used at :meth:`save` (of ``state`` and ``rank_state``
+        alike) to live objects; each :class:`~steadfast.checkpoint.Stateful` one gets
+        ``load_state_dict``. Sharded state is read with DCP straight into the objects'
+        own (sharded) state dicts. Returns ``(step, state)`` like :meth:`load`, so plain
+        values can be read from ``state``; None when there is no checkpoint yet.
+        """
+        loaded = self._load(path, objects)
+        if loaded is None:
             return None
-        failures: list[str] = []
-        for ckpt in candidates:
-            problems = verify(ckpt)
-            if problems:
-                failures.extend(problems)
-                logger.error("checkpoint %s is corrupt: %s", ckpt, "; ".join(problems))
-                events.emit(
-                    "checkpoint_corrupt", cause="verify", path=str(ckpt), reason="; ".join(problems)
-                )
-                continue
-            start = time.monotonic()
-            try:
-                state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                failures.append(f"{ckpt / STATE_FILE}: cannot be loaded ({exc})")
-                events.emit("checkpoint_corrupt", cause="load", path=str(ckpt), reason=str(exc))
-                continue
-            step = int(json.loads((ckpt / MANIFEST).read_text())["step"])
-            events.emit(
-                "checkpoint_loaded", step=step, path=str(ckpt), seconds=time.monotonic() - start
-            )
-            return step, state
-        raise CheckpointError(
-            "no valid checkpoint in " + str(self.dir) + ": " + "; ".join(failures)
-        )
+        step, state = loaded
+        for key, obj in objects.items():
+            if key not in state:
+                logger.warning("checkpoint step %d has no %r; it is not restored", step, key)
+            elif isinstance(obj, Stateful):
+                obj.load_state_dict(state[key])
+        if self.rng and RNG_KEY in state and RNG_KEY not in objects:
+            RNGState().load_state_dict(state[RNG_KEY])
+        return step, state
 
-    # ------------------------------------------------------------------ internals
-    def _is_writer(self) -> bool:
-        return group_rank(self._group) == 0
-
-    def _barrier(self) -> None:
-        if is_distributed():
-            dist.barrier(group=self._group)
-
-    def _agree_on_step(self, step: int) -> None:
-        """Every rank must save the same step; a mismatch is a bug in the caller's loop."""
-        if not is_distributed():
-            return
-        t = torch.tensor([step, -step], dtype=torch.int64, device=backend_device(self._group))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-        highest, lowest = (int(v) for v in t.tolist())
-        lowest = -lowest
-        if highest != lowest:
+    # ------------------------------------------------------------------ coordination
+    def _agree(self, step: int, failed: bool, sharded: bool) -> bool | None:
+        """One all-reduce: every rank saves the same step (a mismatch is a bug in the
+        caller's loop), rank 0 could create the temporary directory, and whether the
+        save is sharded (any rank with a DTensor makes it sharded). None if rank 0
+        failed."""
+        if self._coord is None:
+            return None if failed else sharded
+        t = torch.tensor([step, -step, int(failed), int(sharded)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._coord)
+        highest, lowest, any_failed, any_sharded = (int(v) for v in t.tolist())
+        if highest != -lowest:
             raise CheckpointError(
                 f"ranks disagree on the checkpoint step (this rank: {step}, "
-                f"max: {highest}, min: {lowest})"
+                f"max: {highest}, min: {-lowest})"
             )
+        return None if any_failed else bool(any_sharded)
 
-    def _candidates(self) -> list[Path]:
-        if not self.dir.is_dir():
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if self._coord is None:
+            return [obj]
+        out: list[Any] = [None] * self._world
+        dist.all_gather_object(out, obj, group=self._coord)
+        return out
+
+    def _from_rank0(self, obj: Any) -> Any:
+        if self._coord is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group=self._coord, group_src=0)
+        return box[0]
+
+    # ------------------------------------------------------------------ saving
+    def _background(self, *args: Any) -> None:
+        try:
+            self._write_and_publish(*args)
+        except BaseException as exc:  # raised at the next call, never swallowed
+            self._error = exc
+
+    def _write_files(
+        self, tmp: Path, payload: Any, local: dict[str, Any], sharded: bool
+    ) -> dict[str, dict[str, int]]:
+        """This rank's share of the checkpoint, written durably into ``tmp``."""
+        files: dict[str, dict[str, int]] = {}
+        if sharded:
+            from torch.distributed.checkpoint.filesystem import FileSystemWriter
+            from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+            dcp_dir = tmp / DCP_DIR
+            dcp_save(
+                payload,
+                storage_writer=FileSystemWriter(dcp_dir, sync_files=True),
+                process_group=self._coord,
+                no_dist=self._coord is None,
+            )
+            names = sorted(os.listdir(dcp_dir))
+            for name in names[self._rank :: self._world]:  # checksums shared out by rank
+                f = dcp_dir / name
+                files[f"{DCP_DIR}/{name}"] = {"bytes": f.stat().st_size, "crc32": _crc32_file(f)}
+        elif payload is not None:
+            files[STATE_FILE] = _save_file(tmp / STATE_FILE, payload)
+        if local:
+            files[_rank_file(self._rank)] = _save_file(tmp / _rank_file(self._rank), local)
+        return files
+
+    def _write_and_publish(
+        self,
+        step: int,
+        tmp: Path,
+        payload: Any,
+        local: dict[str, Any],
+        keys: dict[str, list[str]],
+        sharded: bool,
+        start: float,
+        blocking: float | None,
+    ) -> None:
+        final = self.dir / f"step_{step}"
+        files: dict[str, dict[str, int]] = {}
+        mine: str | None = None
+        try:
+            files = self._write_files(tmp, payload, local, sharded)
+        except Exception as exc:  # disk full, permissions, an unpicklable value...
+            mine = f"rank {self._rank}: {_describe(exc, tmp)}"
+        shares = self._all_gather((files, mine))
+        outcome: str | None = None
+        if self._rank == 0:
+            errors = [err for _, err in shares if err]
+            outcome = "; ".join(errors) if errors else None
+            if outcome is None:
+                try:
+                    everything = {k: v for share, _ in shares for k, v in share.items()}
+                    self._publish(step, tmp, final, everything, keys, sharded)
+                except Exception as exc:
+                    outcome = f"rank 0: {_describe(exc, final)}"
+            if outcome is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                (self.dir / f".{LATEST}.tmp").unlink(missing_ok=True)
+        outcome = self._from_rank0(outcome)
+        if outcome is not None:
+            raise CheckpointError(f"saving checkpoint step {step} to {final} failed: {outcome}")
+        if self._rank != 0:
+            return
+        seconds = time.monotonic() - start
+        events.emit(
+            "checkpoint_saved",
+            step=step,
+            path=str(final),
+            bytes=sum(meta["bytes"] for share, _ in shares for meta in share.values()),
+            seconds=seconds,
+            blocking_seconds=seconds if blocking is None else blocking,
+        )
+        trash = self._apply_retention(keep_step=step)
+        if trash and blocking is None:  # sync save: do not make training wait for unlink
+            self._reaper = threading.Thread(
+                target=_remove_all, args=(trash,), name="steadfast-checkpoint-reaper"
+            )
+            self._reaper.start()
+        else:
+            _remove_all(trash)
+
+    def _publish(
+        self,
+        step: int,
+        tmp: Path,
+        final: Path,
+        files: dict[str, dict[str, int]],
+        keys: dict[str, list[str]],
+        sharded: bool,
+    ) -> None:
+        manifest = {
+            "format": _FORMAT,
+            "step": step,
+            "time": time.time(),
+            "world_size": self._world,
+            "sharded": sharded,
+            "keys": keys,
+            "files": dict(sorted(files.items())),
+        }
+        _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        if sharded:
+            _fsync_dir(tmp / DCP_DIR)
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again: the newer write wins
+            shutil.rmtree(_discard(final), ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_dir(self.dir)
+        link = self.dir / f".{LATEST}.tmp"
+        link.unlink(missing_ok=True)
+        link.symlink_to(final.name)
+        os.replace(link, self.dir / LATEST)
+        _fsync_dir(self.dir)
+
+    def _apply_retention(self, keep_step: int) -> list[Path]:
+        """Hide checkpoints beyond ``keep_last_n`` (rename, atomic); returns the hidden
+        paths for the caller to remove."""
+        if self.keep_last_n <= 0:
             return []
-        found = [p for _, p in reversed(step_dirs(self.dir))]
-        latest = self.dir / LATEST
+        existing = step_dirs(self.dir)
+        latest_target: Path | None = None
         with contextlib.suppress(OSError, RuntimeError):
-            target = latest.resolve() if latest.is_symlink() else None
-            if target is not None and target in found:
-                found.remove(target)
-                found.insert(0, target)
-        return found
+            latest_target = (self.dir / LATEST).resolve()
+        protected = {keep_step, self._in_flight}
+        trash = []
+        for n, path in existing[: max(0, len(existing) - self.keep_last_n)]:
+            if n in protected or path.resolve() == latest_target:
+                continue
+            try:
+                trash.append(_discard(path))
+            except OSError as exc:
+                logger.warning("could not delete old checkpoint %s: %s", path, exc)
+                continue
+            events.emit("checkpoint_deleted", step=n, path=str(path))
+        return trash
 
     def _remove_stale_tmp(self) -> None:
         for entry in self.dir.iterdir():
@@ -303,90 +730,101 @@ class CheckpointManager:
                 else:
                     entry.unlink(missing_ok=True)
 
-    def _background(self, step: int, snapshot: Any, start: float, blocking: float) -> None:
-        try:
-            self._write_and_publish(step, snapshot, start, blocking)
-        except BaseException as exc:  # raised at the next call, never swallowed
-            self._error = exc
-
-    def _raise_background_error(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise CheckpointError(f"background checkpoint save failed: {error}") from error
-
-    def _write_and_publish(
-        self, step: int, snapshot: Any, start: float, blocking: float | None
-    ) -> None:
-        if not self._is_writer():
-            return
-        final = self.dir / f"step_{step}"
-        tmp = self.dir / f"{_TMP_PREFIX}{step}-{os.getpid()}"
-        try:
-            tmp.mkdir(parents=True)
-            state_path = tmp / STATE_FILE
-            with open(state_path, "wb") as fh:  # a real file: torch's fast native writer
-                torch.save(snapshot, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            size = state_path.stat().st_size
-            crc = _crc32_file(state_path)  # read back from the page cache: ~3.5 GB/s
-            manifest = {
-                "format": _FORMAT,
-                "step": step,
-                "time": time.time(),
-                "files": {STATE_FILE: {"bytes": size, "crc32": crc}},
-            }
-            _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-            _fsync_dir(tmp)
-            if final.exists():  # the same step saved again: the newer write wins
-                _discard(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.dir)
-            link = self.dir / f".{LATEST}.tmp"
-            link.unlink(missing_ok=True)
-            link.symlink_to(final.name)
-            os.replace(link, self.dir / LATEST)
-            _fsync_dir(self.dir)
-        except Exception as exc:  # disk full, permissions, an unpicklable value...
-            shutil.rmtree(tmp, ignore_errors=True)
-            (self.dir / f".{LATEST}.tmp").unlink(missing_ok=True)
-            raise CheckpointError(
-                f"saving checkpoint step {step} to {final} failed: {type(exc).__name__}: {exc}"
-            ) from exc
-        seconds = time.monotonic() - start
-        events.emit(
-            "checkpoint_saved",
-            step=step,
-            path=str(final),
-            bytes=size,
-            seconds=seconds,
-            blocking_seconds=seconds if blocking is None else blocking,
-        )
-        self._apply_retention(keep_step=step)
-
-    def _apply_retention(self, keep_step: int) -> None:
-        if self.keep_last_n <= 0:
-            return
-        existing = step_dirs(self.dir)
-        latest_target: Path | None = None
+    # ------------------------------------------------------------------ loading
+    def _candidates(self) -> list[Path]:
+        if not self.dir.is_dir():
+            return []
+        found = [p for _, p in reversed(step_dirs(self.dir))]
+        latest = self.dir / LATEST
         with contextlib.suppress(OSError, RuntimeError):
-            latest_target = (self.dir / LATEST).resolve()
-        protected = {keep_step, self._in_flight}
-        for n, path in existing[: max(0, len(existing) - self.keep_last_n)]:
-            if n in protected or path.resolve() == latest_target:
-                continue
-            try:
-                _discard(path)
-            except OSError as exc:
-                logger.warning("could not delete old checkpoint %s: %s", path, exc)
-                continue
-            events.emit("checkpoint_deleted", step=n, path=str(path))
+            target = latest.resolve() if latest.is_symlink() else None
+            if target is not None and target in found:
+                found.remove(target)
+                found.insert(0, target)
+        return found
 
+    def _check_mine(self, ckpt: Path) -> tuple[dict[str, Any] | None, list[str]]:
+        """Verify ``ckpt`` as far as this rank needs: every file's size, and the
+        checksums of the files this rank reads plus its share of the rest."""
+        manifest, problems = _manifest(ckpt)
+        if manifest is None:
+            return None, problems
+        names = sorted(manifest["files"])
+        mine = set(names[self._rank :: self._world])
+        mine |= {STATE_FILE, _rank_file(self._rank)}
+        return manifest, _check_files(ckpt, manifest["files"], mine)
 
-def _to_state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Replace objects that have ``state_dict()`` by their state dict."""
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        sd = getattr(value, "state_dict", None)
-        out[key] = sd() if callable(sd) else value
-    return out
+    def _read(
+        self, ckpt: Path, manifest: dict[str, Any], objects: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        if manifest.get("sharded"):
+            if objects is None:
+                raise CheckpointError(
+                    f"{ckpt} is a sharded (DCP) checkpoint: load it with restore(objects), "
+                    "which reads the shards into the objects' own state dicts"
+                )
+            from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+            from torch.distributed.checkpoint.filesystem import FileSystemReader
+            from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+            saved = manifest.get("keys", {}).get("state", [])
+            state = _to_state_dicts({k: objects[k] for k in saved if k in objects})
+            dcp_load(
+                state,
+                storage_reader=FileSystemReader(ckpt / DCP_DIR),
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+                process_group=self._coord,
+                no_dist=self._coord is None,
+            )
+        else:
+            state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+        own = _rank_file(self._rank)
+        if own in manifest["files"] and manifest.get("world_size", 1) == self._world:
+            state.update(torch.load(ckpt / own, map_location="cpu", weights_only=True))
+        elif any(name.startswith("rank_") for name in manifest["files"]):
+            logger.warning(
+                "%s was saved by %s ranks, this job has %d: per-rank state (RNG, data "
+                "position) is not restored",
+                ckpt,
+                manifest.get("world_size"),
+                self._world,
+            )
+        return dict(state)
+
+    def _load(
+        self, path: str | os.PathLike[str] | None, objects: Mapping[str, Any] | None
+    ) -> tuple[int, dict[str, Any]] | None:
+        self.wait()
+        candidates = [Path(path)] if path is not None else self._candidates()
+        # every rank tries the same candidates in the same order: rank 0's view
+        candidates = [Path(p) for p in self._from_rank0([str(p) for p in candidates])]
+        if not candidates:
+            return None
+        failures: list[str] = []
+        for ckpt in candidates:
+            start = time.monotonic()
+            manifest, problems = self._check_mine(ckpt)
+            state: dict[str, Any] | None = None
+            if manifest is not None and not problems:
+                try:
+                    state = self._read(ckpt, manifest, objects)
+                except CheckpointError:
+                    raise
+                except Exception as exc:
+                    problems = [f"{ckpt}: cannot be loaded ({type(exc).__name__}: {exc})"]
+            if problems:
+                logger.error("checkpoint %s is corrupt: %s", ckpt, "; ".join(problems))
+                events.emit(
+                    "checkpoint_corrupt", cause="verify", path=str(ckpt), reason="; ".join(problems)
+                )
+            verdicts = self._all_gather(problems)
+            bad = [p for rank_problems in verdicts for p in rank_problems]
+            if bad or state is None or manifest is None:
+                failures.extend(bad)
+                continue
+            step = int(manifest["step"])
+            events.emit(
+                "checkpoint_loaded", step=step, path=str(ckpt), seconds=time.monotonic() - start
+            )
+            return step, state
+        raise CheckpointError(f"no valid checkpoint in {self.dir}: " + "; ".join(failures))

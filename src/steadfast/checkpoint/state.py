@@ -1,0 +1,250 @@
+"""What a checkpoint captures beyond model and optimizer: the protocol for objects with
+state, this process's RNG streams, and the position in the data.
+
+A bit-exact resume needs every source of nondeterminism restored exactly where it was:
+the random number generators (python ``random``, numpy, torch CPU and every CUDA device),
+and how far each rank got through its data. RNG and data position differ per rank, so the
+:class:`~steadfast.checkpoint.CheckpointManager` saves them per rank (``rank_{r}.pt``),
+while replicated state (model, optimizer under DDP) is written once.
+
+Everything here is saved as tensors, numbers, strings and containers only, so it loads
+with ``torch.load(weights_only=True)``: no pickle of arbitrary classes.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch.utils.data import Sampler
+
+from ..config import ConfigError, require_number
+
+__all__ = ["DataPosition", "RNGState", "ResumableSampler", "Stateful"]
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything a checkpoint can save and restore: ``state_dict()`` and
+    ``load_state_dict(sd)``. Models, optimizers, LR schedulers, torchdata's
+    ``StatefulDataLoader``, :class:`~steadfast.NaNDetector`, :class:`RNGState` and
+    :class:`DataPosition` all qualify; register your own objects by giving them both
+    methods (the same protocol as ``torch.distributed.checkpoint.stateful.Stateful``)."""
+
+    def state_dict(self) -> Any:
+        """The object's state as tensors, numbers, strings and containers."""
+        ...
+
+    def load_state_dict(self, state_dict: Any, /) -> Any:
+        """Restore the state returned by :meth:`state_dict`."""
+        ...
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:  # numpy is optional
+        return None
+    return numpy
+
+
+class RNGState:
+    """The random number generators of this process: python ``random``, numpy's global
+    generator (when numpy is installed), torch's CPU generator and, when CUDA has been
+    initialised, the generator of every CUDA device.
+
+    Saved per rank by :class:`~steadfast.checkpoint.CheckpointManager` (``rng=True``), so
+    that dropout masks, random augmentations and shuffles continue exactly as in an
+    uninterrupted run.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """Capture every generator's state (CUDA only if CUDA is already initialised, so a
+        CPU job never creates a CUDA context)."""
+        version, internal, gauss = random.getstate()
+        state: dict[str, Any] = {
+            "python": {"version": version, "state": list(internal), "gauss": gauss},
+            "torch": torch.get_rng_state(),
+        }
+        np = _numpy()
+        if np is not None:
+            kind, keys, pos, has_gauss, cached = np.random.get_state()
+            state["numpy"] = {
+                "kind": str(kind),
+                "keys": torch.from_numpy(keys.astype("int64")),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            }
+        cuda_ready = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        if cuda_ready:
+            state["cuda"] = list(torch.cuda.get_rng_state_all())
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore the generators; a generator missing from ``state_dict`` (numpy not
+        installed when saved, a CPU checkpoint on a GPU job) is left as it is, with a
+        warning, because its stream can then not continue bit-exact."""
+        py = state_dict.get("python")
+        if py is not None:
+            random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+        if "torch" in state_dict:
+            torch.set_rng_state(state_dict["torch"])
+        np = _numpy()
+        saved_np = state_dict.get("numpy")
+        if np is not None and saved_np is not None:
+            np.random.set_state(
+                (
+                    saved_np["kind"],
+                    saved_np["keys"].numpy().astype("uint32"),
+                    saved_np["pos"],
+                    saved_np["has_gauss"],
+                    saved_np["cached_gaussian"],
+                )
+            )
+        elif np is not None:
+            logger.warning("checkpoint has no numpy RNG state; numpy's stream is not restored")
+        cuda = state_dict.get("cuda")
+        if cuda and torch.cuda.is_available():
+            if len(cuda) != torch.cuda.device_count():
+                logger.warning(
+                    "checkpoint has RNG states for %d CUDA devices, this process sees %d; "
+                    "restoring the first %d",
+                    len(cuda),
+                    torch.cuda.device_count(),
+                    min(len(cuda), torch.cuda.device_count()),
+                )
+            for device, rng in enumerate(cuda[: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(rng, device)
+
+
+class ResumableSampler(Sampler[int]):
+    """A distributed sampler that can start part-way through an epoch.
+
+    Like ``DistributedSampler``: each of ``num_replicas`` ranks gets a disjoint share of a
+    permutation that depends only on ``seed`` and the epoch (:meth:`set_epoch`), padded
+    (or, with ``drop_last``, trimmed) to equal length. :meth:`skip` makes the next
+    iteration start after the first ``n`` indices of this rank's share, without reading
+    the skipped samples. :class:`DataPosition` drives it on resume.
+    """
+
+    def __init__(
+        self,
+        dataset_len: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        self.dataset_len: int = require_number(
+            "ResumableSampler.dataset_len", dataset_len, minimum=1, integer=True
+        )
+        self.num_replicas = require_number(
+            "ResumableSampler.num_replicas", num_replicas, minimum=1, integer=True
+        )
+        self.rank = require_number("ResumableSampler.rank", rank, minimum=0, integer=True)
+        if self.rank >= self.num_replicas:
+            raise ConfigError(f"ResumableSampler.rank must be < num_replicas, got {rank}")
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.epoch = 0
+        self._skip = 0
+        self.per_rank: int
+        if self.drop_last:
+            self.per_rank = self.dataset_len // self.num_replicas
+        else:
+            self.per_rank = -(-self.dataset_len // self.num_replicas)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose permutation the next iteration uses."""
+        self.epoch = int(epoch)
+
+    def skip(self, n: int) -> None:
+        """Start the next iteration after this rank's first ``n`` indices."""
+        self._skip = require_number("ResumableSampler.skip", n, minimum=0, integer=True)
+
+    def _indices(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_len, generator=g).tolist()
+        else:
+            order = list(range(self.dataset_len))
+        total = self.per_rank * self.num_replicas
+        if total > len(order):  # pad by repeating from the start, like DistributedSampler
+            order += (order * (total // len(order) + 1))[: total - len(order)]
+        return order[:total][self.rank :: self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self._skip = self._skip, 0
+        return iter(self._indices()[skip:])
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+
+class DataPosition:
+    """Where the training loop is in its data, as a checkpointable object.
+
+    Wrap any re-iterable loader (a ``DataLoader``, a list of batches...) and iterate the
+    wrapper instead; it counts the batches the *training loop* has taken, which is the
+    true position even when a ``DataLoader``'s workers prefetch ahead. ``state_dict`` is
+    ``{"epoch", "batches"}``. After ``load_state_dict``, the next iteration resumes after
+    the batches already consumed: by telling a :class:`ResumableSampler` to skip them (no
+    data is read) when the loader uses one with a fixed ``batch_size``, otherwise by
+    drawing and discarding them (correct for any deterministic loader, but it reads the
+    data). For torchdata's ``StatefulDataLoader`` checkpoint the loader itself instead.
+    """
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self.loader = loader
+        self.epoch = 0
+        self.batches = 0
+        self._resume_at = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its first batch (forwarded to the sampler)."""
+        if epoch != self.epoch:
+            self.batches = 0
+            self._resume_at = 0
+        self.epoch = int(epoch)
+        set_epoch = getattr(getattr(self.loader, "sampler", None), "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self._resume_at = self._resume_at, 0
+        self.batches = skip
+        sampler = getattr(self.loader, "sampler", None)
+        batch_size = getattr(self.loader, "batch_size", None)
+        if skip and isinstance(sampler, ResumableSampler) and batch_size:
+            sampler.skip(skip * batch_size)
+            skip = 0
+        for i, batch in enumerate(self.loader):
+            if i < skip:
+                continue
+            self.batches += 1
+            yield batch
+        self.batches = 0  # the epoch is complete
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "batches"}``: batches of the epoch the loop has consumed."""
+        return {"epoch": self.epoch, "batches": self.batches}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume at ``state_dict``'s position on the next iteration."""
+        try:
+            epoch, batches = int(state_dict["epoch"]), int(state_dict["batches"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"DataPosition state must have int 'epoch' and 'batches': {exc}"
+            ) from exc
+        self.set_epoch(epoch)
+        self.batches = self._resume_at = batches

@@ -1,0 +1,148 @@
+"""The training state beyond model and optimizer: RNG streams, data position, restore()."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from steadfast import (
+    CheckpointManager,
+    ConfigError,
+    DataPosition,
+    NaNDetector,
+    ResumableSampler,
+    RNGState,
+    Stateful,
+)
+
+
+def _draw() -> tuple[float, float, torch.Tensor]:
+    return random.random(), float(np.random.rand()), torch.rand(3)
+
+
+def test_rng_state_restores_every_stream():
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    _draw()
+    saved = RNGState().state_dict()
+    expected = _draw()
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)  # streams move on
+    RNGState().load_state_dict(saved)
+    got = _draw()
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+
+
+def test_restore_loads_objects_and_rng(tmp_path: Path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    nan = NaNDetector()
+    nan.check_loss(float("inf"), 7)
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    mgr.save(3, {"model": model, "nan": nan, "epoch": 1})
+    after_save = torch.rand(2)
+    fresh, fresh_nan = torch.nn.Linear(4, 2), NaNDetector()
+    torch.rand(100)  # the stream moves on
+    step, state = mgr.restore({"model": fresh, "nan": fresh_nan})
+    assert step == 3 and state["epoch"] == 1
+    assert torch.equal(fresh.weight, model.weight) and fresh_nan.state_dict() == nan.state_dict()
+    assert torch.equal(torch.rand(2), after_save)  # RNG restored to the moment of save
+
+
+def test_rank_state_goes_to_its_own_file(tmp_path: Path):
+    mgr = CheckpointManager(tmp_path / "ckpt", rng=False)
+    mgr.save(1, {"w": torch.ones(2)}, rank_state={"data": {"epoch": 2, "batches": 5}})
+    files = sorted(p.name for p in (tmp_path / "ckpt" / "step_1").iterdir())
+    assert files == ["manifest.json", "rank_0.pt", "state.pt"]
+    _, state = mgr.load()
+    assert state["data"] == {"epoch": 2, "batches": 5} and "rng" not in state
+
+
+def test_reserved_and_colliding_keys_are_config_errors(tmp_path: Path):
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match="'rng' is reserved"):
+        mgr.save(1, {"rng": 1})
+    with pytest.raises(ConfigError, match=r"keys in both state and rank_state: \['x'\]"):
+        mgr.save(1, {"x": 1}, rank_state={"x": 2})
+    with pytest.raises(ConfigError, match="keys must be strings"):
+        mgr.save(1, {3: 1})
+    assert not list((tmp_path / "ckpt").glob(".tmp-*"))
+
+
+def test_stateful_protocol_accepts_user_objects():
+    class Counter:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def state_dict(self) -> dict[str, int]:
+            return {"n": self.n}
+
+        def load_state_dict(self, sd: dict[str, int]) -> None:
+            self.n = sd["n"]
+
+    assert isinstance(Counter(), Stateful) and isinstance(DataPosition([]), Stateful)
+    assert not isinstance(object(), Stateful)
+
+
+def _epoch(pos: DataPosition, stop_after: int | None = None) -> list[list[int]]:
+    out = []
+    for batch in pos:
+        out.append(batch.tolist())
+        if stop_after is not None and len(out) == stop_after:
+            break
+    return out
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+def test_data_position_resumes_mid_epoch(resumable: bool):
+    data = torch.arange(20)
+
+    def loader() -> DataLoader:
+        if resumable:
+            return DataLoader(data, batch_size=3, sampler=ResumableSampler(20, seed=4))
+        g = torch.Generator().manual_seed(4)
+        return DataLoader(data, batch_size=3, shuffle=True, generator=g)
+
+    full = DataPosition(loader())
+    full.set_epoch(1)
+    uninterrupted = _epoch(full)
+    first = DataPosition(loader())
+    first.set_epoch(1)
+    head = _epoch(first, stop_after=4)
+    saved = first.state_dict()
+    assert saved == {"epoch": 1, "batches": 4}
+    resumed = DataPosition(loader())
+    resumed.load_state_dict(saved)
+    assert head + _epoch(resumed) == uninterrupted
+    assert resumed.state_dict() == {"epoch": 1, "batches": 0}  # the epoch completed
+
+
+def test_resumable_sampler_shares_out_an_epoch():
+    shares = [list(ResumableSampler(10, num_replicas=3, rank=r, seed=1)) for r in range(3)]
+    assert all(len(s) == 4 for s in shares)
+    assert set().union(*shares) == set(range(10))  # padded, so every index is seen
+    s = ResumableSampler(10, num_replicas=3, rank=0, seed=1)
+    s.set_epoch(1)
+    assert list(s) != shares[0]  # a new permutation per epoch
+    with pytest.raises(ConfigError, match="rank must be < num_replicas"):
+        ResumableSampler(10, num_replicas=2, rank=2)
+
+
+def test_async_staging_reuses_buffers_and_keeps_tied_tensors(tmp_path: Path):
+    w = torch.randn(100)
+    mgr = CheckpointManager(tmp_path / "ckpt", async_save=True, rng=False)
+    mgr.save(1, {"a": w, "tied": w})
+    buffers = dict(mgr._stager._buffers)
+    before = w.clone()
+    w.add_(1)  # training goes on while the snapshot is written
+    mgr.save(2, {"a": w, "tied": w})
+    assert all(mgr._stager._buffers[k] is buf for k, buf in buffers.items())
+    mgr.wait()
+    _, one = mgr.load(tmp_path / "ckpt" / "step_1")
+    _, two = mgr.load()
+    assert torch.equal(one["a"], before) and torch.equal(two["a"], w)
+    assert two["a"].data_ptr() == two["tied"].data_ptr()  # tied weights stay one tensor
+    mgr.close()
