@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,16 +47,14 @@ class Stateful(Protocol):
 
 
 def _numpy() -> Any:
-    try:
-        import numpy
-    except ImportError:  # numpy is optional
-        return None
-    return numpy
+    """numpy, if this process uses it: a process that never imported numpy never drew
+    from its generator (and importing it just to ask would cost every save ~0.1 s)."""
+    return sys.modules.get("numpy")
 
 
 class RNGState:
     """The random number generators of this process: python ``random``, numpy's global
-    generator (when numpy is installed), torch's CPU generator and, when CUDA has been
+    generator (when the process has imported numpy), torch's CPU generator and, when CUDA has been
     initialised, the generator of every CUDA device.
 
     Saved per rank by :class:`~steadfast.checkpoint.CheckpointManager` (``rng=True``), so
@@ -87,9 +86,8 @@ class RNGState:
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the generators; a generator missing from ``state_dict`` (numpy not
-        installed when saved, a CPU checkpoint on a GPU job) is left as it is, with a
-        warning, because its stream can then not continue bit-exact."""
+        """Restore the generators; a generator missing from ``state_dict`` (numpy not in
+        use when saved, a CPU checkpoint on a GPU job) is left as it is."""
         py = state_dict.get("python")
         if py is not None:
             random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
@@ -107,8 +105,6 @@ class RNGState:
                     saved_np["cached_gaussian"],
                 )
             )
-        elif np is not None:
-            logger.warning("checkpoint has no numpy RNG state; numpy's stream is not restored")
         cuda = state_dict.get("cuda")
         if cuda and torch.cuda.is_available():
             if len(cuda) != torch.cuda.device_count():
@@ -197,7 +193,10 @@ class DataPosition:
     the batches already consumed: by telling a :class:`ResumableSampler` to skip them (no
     data is read) when the loader uses one with a fixed ``batch_size``, otherwise by
     drawing and discarding them (correct for any deterministic loader, but it reads the
-    data). For torchdata's ``StatefulDataLoader`` checkpoint the loader itself instead.
+    data). RNG draws made while positioning are undone (see :meth:`_resume`). With
+    ``num_workers > 0`` the workers' seeds come from a fresh base seed, so random
+    transforms inside workers do not repeat bit-exact; torchdata's
+    ``StatefulDataLoader`` saves worker state too: checkpoint that loader itself instead.
     """
 
     def __init__(self, loader: Iterable[Any]) -> None:
@@ -219,17 +218,32 @@ class DataPosition:
     def __iter__(self) -> Iterator[Any]:
         skip, self._resume_at = self._resume_at, 0
         self.batches = skip
-        sampler = getattr(self.loader, "sampler", None)
-        batch_size = getattr(self.loader, "batch_size", None)
-        if skip and isinstance(sampler, ResumableSampler) and batch_size:
-            sampler.skip(skip * batch_size)
-            skip = 0
-        for i, batch in enumerate(self.loader):
-            if i < skip:
-                continue
+        it = self._resume(skip) if skip else iter(self.loader)
+        for batch in it:
             self.batches += 1
             yield batch
         self.batches = 0  # the epoch is complete
+
+    def _resume(self, skip: int) -> Iterator[Any]:
+        """An iterator positioned after ``skip`` batches. In the uninterrupted run the
+        iterator was created, and the skipped batches drawn, *before* the checkpoint, so
+        whatever random numbers that took (a ``DataLoader`` draws its base seed from
+        torch's generator; transforms may draw more) are already in the saved RNG state:
+        they are drawn here with every RNG stream put back afterwards."""
+        rng = RNGState()
+        saved = rng.state_dict()
+        try:
+            sampler = getattr(self.loader, "sampler", None)
+            batch_size = getattr(self.loader, "batch_size", None)
+            if isinstance(sampler, ResumableSampler) and batch_size:
+                sampler.skip(skip * batch_size)  # no data is read
+                return iter(self.loader)
+            it = iter(self.loader)
+            for _ in range(skip):
+                next(it)
+            return it
+        finally:
+            rng.load_state_dict(saved)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
