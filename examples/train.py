@@ -9,12 +9,13 @@ What it shows:
   (one all-reduce), and every rank skips that optimizer step, so replicas stay identical.
 - ShutdownHandler(agree=True): a SIGTERM delivered to any one rank makes every rank save
   a checkpoint and exit after the same step.
-- CheckpointManager.load: a rerun resumes from the latest checkpoint; because the data of a
+- CheckpointManager.restore: a rerun resumes from the latest checkpoint; because the data of a
   step depends only on (seed, step, rank), the resumed run ends bit-identical to a run
   that was never interrupted.
 
-CheckpointManager writes each checkpoint atomically with a verified manifest (rank 0),
-and every rank waits until it is durable.
+CheckpointManager writes each checkpoint atomically with a verified manifest (the
+replicated state once, by rank 0; each rank's RNG streams to its own file), and every
+rank waits until it is durable.
 """
 
 from __future__ import annotations
@@ -93,13 +94,11 @@ def main() -> int:
     ckpt = CheckpointManager(args.ckpt_dir, keep_last_n=3)
     start = 0
     resume = None
-    loaded = ckpt.load()  # verified: a corrupt checkpoint falls back to an older one
-    if loaded is not None:
-        start, state = loaded
+    # verified: a corrupt checkpoint falls back to an older one; RNG streams are restored too
+    restored = ckpt.restore({"model": model.module, "optim": opt, "nan": detector})
+    if restored is not None:
+        start = restored[0]
         resume = args.ckpt_dir / f"step_{start}"  # the checkpoint actually loaded
-        model.module.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-        detector.load_state_dict(state["nan"])
 
     def save(done: int) -> None:
         ckpt.save(done, {"model": model.module, "optim": opt, "nan": detector})
@@ -152,6 +151,7 @@ def main() -> int:
             time.sleep(args.step_sleep)
 
     handler.finish()
+    ckpt.close()
     if reason == "completed" and args.out is not None and info.rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.out)

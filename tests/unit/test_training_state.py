@@ -146,3 +146,23 @@ def test_async_staging_reuses_buffers_and_keeps_tied_tensors(tmp_path: Path):
     assert torch.equal(one["a"], before) and torch.equal(two["a"], w)
     assert two["a"].data_ptr() == two["tied"].data_ptr()  # tied weights stay one tensor
     mgr.close()
+
+
+def test_stateful_dataloader_resumes_through_rank_state(tmp_path: Path):
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    data = list(range(12))
+    loader = sdl.StatefulDataLoader(data, batch_size=2, shuffle=False)
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(2)]
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    mgr.save(1, {}, rank_state={"data": loader})
+    resumed = sdl.StatefulDataLoader(data, batch_size=2, shuffle=False)
+    mgr.restore({"data": resumed})
+    assert head + [b.tolist() for b in resumed] == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+        [8, 9],
+        [10, 11],
+    ]
