@@ -204,3 +204,18 @@ def test_disk_full_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path: Path
     assert "file size limit exceeded" in proc.stdout  # said in words, not "unexpected pos"
     assert sorted(p.name for p in d.iterdir() if p.name != "events.jsonl") == ["latest", "step_1"]
     assert CheckpointManager(d).load()[0] == 1
+
+
+def test_a_checkpoint_hidden_for_replacement_comes_back_after_a_crash(tmp_path: Path):
+    """Saving a step that exists hides the old copy, then renames the new one in; a kill
+    in between must not lose the step (nor leave a damaged copy visible)."""
+    d = tmp_path / "ckpt"
+    mgr = CheckpointManager(d, keep_last_n=0)
+    mgr.save(4, {"w": torch.ones(3)})
+    mgr.save(5, {"w": torch.ones(3) * 5})
+    os.rename(d / "step_5", d / ".del-step_5-999")  # the moment of the kill
+    os.rename(d / "step_4", d / ".del-step_4-999")
+    (d / ".del-step_4-999" / "state.pt").write_bytes(b"half deleted")
+    step, state = CheckpointManager(d).load()
+    assert step == 5 and torch.equal(state["w"], torch.ones(3) * 5)
+    assert sorted(p.name for p in d.iterdir()) == ["latest", "step_5"]

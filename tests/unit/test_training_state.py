@@ -117,7 +117,21 @@ def test_data_position_resumes_mid_epoch(resumable: bool):
     resumed = DataPosition(loader())
     resumed.load_state_dict(saved)
     assert head + _epoch(resumed) == uninterrupted
-    assert resumed.state_dict() == {"epoch": 1, "batches": 0}  # the epoch completed
+    assert resumed.state_dict() == {"epoch": 2, "batches": 0}  # the epoch completed
+
+
+def test_data_position_after_a_complete_epoch_means_the_next_one():
+    sampler = ResumableSampler(8, seed=1)
+    pos = DataPosition(DataLoader(torch.arange(8), batch_size=2, sampler=sampler))
+    first = _epoch(pos)
+    saved = pos.state_dict()
+    assert saved == {"epoch": 1, "batches": 0}
+    second = _epoch(pos)
+    resumed = DataPosition(
+        DataLoader(torch.arange(8), batch_size=2, sampler=ResumableSampler(8, seed=1))
+    )
+    resumed.load_state_dict(saved)
+    assert _epoch(resumed) == second != first  # epoch 1 from its start, not epoch 0 again
 
 
 def test_resumable_sampler_shares_out_an_epoch():

@@ -272,36 +272,37 @@ class _Stager:
         self._buffers: dict[str, torch.Tensor] = {}
         self._used: dict[str, torch.Tensor] = {}
         self._memo: dict[int, torch.Tensor] = {}
-        self._cuda = False
+        self._devices: set[torch.device] = set()
 
     def stage(self, value: Any) -> Any:
-        self._used, self._memo, self._cuda = {}, {}, False
+        self._used, self._memo, self._devices = {}, {}, set()
         staged = self._walk(value, "")
-        if self._cuda:
-            torch.cuda.synchronize()
+        for device in self._devices:  # the non-blocking copies must land before writing
+            torch.cuda.synchronize(device)
         self._buffers = self._used  # buffers for keys that went away are released
         return staged
 
     def clear(self) -> None:
         self._buffers, self._used, self._memo = {}, {}, {}
 
-    def _copy(self, t: torch.Tensor, key: str) -> torch.Tensor:
-        memo = self._memo.get(id(t))
-        if memo is not None:
-            return memo
+    def _copy(self, t: torch.Tensor, key: str, memo: bool = True) -> torch.Tensor:
+        if memo and id(t) in self._memo:
+            return self._memo[id(t)]
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             pin = t.is_cuda and torch.cuda.is_available()
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
         buf.copy_(t.detach(), non_blocking=t.is_cuda)
-        self._cuda = self._cuda or t.is_cuda
+        if t.is_cuda:
+            self._devices.add(t.device)
         self._used[key] = buf
-        self._memo[id(t)] = buf
+        if memo:  # t is alive for the whole walk: its id cannot be reused meanwhile
+            self._memo[id(t)] = buf
         return buf
 
     def _walk(self, value: Any, key: str) -> Any:
         if _is_dtensor(value):
-            local = self._copy(value.to_local(), key)
+            local = self._copy(value.to_local(), key, memo=False)  # a temporary: no id()
             return type(value).from_local(
                 local,
                 value.device_mesh,
@@ -349,6 +350,16 @@ def _dcp_plain_values(metadata: Any) -> set[str]:
     }
 
 
+def _dtensor_off_cpu(value: Any) -> bool:
+    if _is_dtensor(value):
+        return bool(value.device.type != "cpu")
+    if isinstance(value, Mapping):
+        return any(_dtensor_off_cpu(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_dtensor_off_cpu(v) for v in value)
+    return False
+
+
 def _to_cpu(value: Any) -> Any:
     """``value`` with every (non-sharded) tensor on the CPU, without copying CPU tensors."""
     if isinstance(value, torch.Tensor) and not _is_dtensor(value):
@@ -378,6 +389,12 @@ class CheckpointManager:
         rng: Save (and, in :meth:`restore`, restore) every rank's RNG streams.
         sharded: Save through DCP, every rank writing its shards. ``None`` (default)
             decides per save: DCP when the state holds a ``DTensor``.
+
+    Sharded state is read by DCP *into* the objects' current state dicts, so each
+    object must already hold tensors of the right shapes. A fresh optimizer holds no
+    state yet: for sharded optimizers, register a small Stateful that uses
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict``
+    (DCP's documented pattern), which creates the state to load into.
 
     Under ``torch.distributed`` the constructor is collective (it creates a small gloo
     group used to coordinate saves, also from the background thread), so every rank of
@@ -445,6 +462,70 @@ class CheckpointManager:
         require_number("CheckpointManager.save step", step, minimum=0, integer=True)
         self.wait()
         start = time.monotonic()
+        bad_state: ConfigError | None = None
+        try:  # a bad key must not leave the other ranks waiting in the collective below
+            replicated, local = self._capture(state, rank_state)
+        except ConfigError as exc:
+            bad_state, replicated, local = exc, {}, {}
+        sharded = self.sharded if self.sharded is not None else _has_dtensor(replicated)
+        tmp = self.dir / f"{_TMP_PREFIX}{step}"
+        prepared = None
+        if self._rank == 0 and bad_state is None:
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+            except OSError as exc:
+                prepared = _describe(exc, tmp)
+        failed = prepared is not None or bad_state is not None
+        agreed = self._agree(step, failed, sharded)
+        if bad_state is not None:
+            raise bad_state
+        if agreed is None:
+            if self._rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(
+                f"saving checkpoint step {step} failed before writing: "
+                + (f"cannot create {tmp}: {prepared}" if prepared else "another rank failed")
+            )
+        sharded = agreed
+        keys = {"state": sorted(replicated), "rank_state": sorted(local)}
+        writes = sharded or self._rank == 0  # replicated state: rank 0 only
+        run_async = self.async_save
+        if run_async and sharded and _dtensor_off_cpu(replicated):
+            # DTensor.from_local would move a host-staged shard back to its device: until
+            # sharded device state has a proper host stager, such saves run synchronously
+            logger.warning("async save of sharded device (DTensor) state runs synchronously")
+            run_async = False
+        payload: Any = None
+        failure: str | None = None
+        try:  # a failure here (host OOM...) is reported through the write phase's gather,
+            # so that no rank is left alone in a collective
+            if run_async:  # snapshot to host memory; training may then change the originals
+                payload = self._stager.stage(replicated) if writes else None
+                local = self._local_stager.stage(local)
+            else:  # sync: DCP takes device tensors as they are
+                payload = replicated if sharded else (_to_cpu(replicated) if writes else None)
+                local = _to_cpu(local)
+        except Exception as exc:
+            failure = f"rank {self._rank}: snapshot failed: {type(exc).__name__}: {exc}"
+        if not run_async:
+            self._write_and_publish(step, tmp, payload, local, keys, sharded, start, None, failure)
+            return
+        self._in_flight = step
+        blocking = time.monotonic() - start
+        self._thread = threading.Thread(
+            target=self._background,
+            args=(step, tmp, payload, local, keys, sharded, start, blocking, failure),
+            name="steadfast-checkpoint-writer",
+            daemon=False,
+        )
+        self._thread.start()
+
+    def _capture(
+        self, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The state dicts to save: replicated, and this rank's own (with its RNG)."""
         replicated = _to_state_dicts(state)
         local = _to_state_dicts(rank_state or {})
         if self.rng:
@@ -454,51 +535,17 @@ class CheckpointManager:
         both = sorted(set(replicated) & set(local))
         if both:
             raise ConfigError(f"keys in both state and rank_state: {both}")
-        sharded = self.sharded if self.sharded is not None else _has_dtensor(replicated)
-        tmp = self.dir / f"{_TMP_PREFIX}{step}"
-        prepared = None
-        if self._rank == 0:
-            try:
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                tmp.mkdir(parents=True)
-            except OSError as exc:
-                prepared = _describe(exc, tmp)
-        agreed = self._agree(step, prepared is not None, sharded)
-        if prepared is not None or agreed is None:
-            raise CheckpointError(
-                f"saving checkpoint step {step}: cannot create {tmp}: "
-                + (prepared or "rank 0 failed to create it")
-            )
-        sharded = agreed
-        if self.async_save:  # snapshot to host memory; training may then change the originals
-            if sharded or self._rank == 0:
-                replicated = self._stager.stage(replicated)
-            local = self._local_stager.stage(local)
-        elif not sharded:  # sync: DCP takes device tensors as they are
-            replicated = _to_cpu(replicated)
-            local = _to_cpu(local)
-        else:
-            local = _to_cpu(local)
-        keys = {"state": sorted(replicated), "rank_state": sorted(local)}
-        payload = replicated if (sharded or self._rank == 0) else None
-        if not self.async_save:
-            self._write_and_publish(step, tmp, payload, local, keys, sharded, start, None)
-            return
-        self._in_flight = step
-        blocking = time.monotonic() - start
-        self._thread = threading.Thread(
-            target=self._background,
-            args=(step, tmp, payload, local, keys, sharded, start, blocking),
-            name="steadfast-checkpoint-writer",
-            daemon=False,
-        )
-        self._thread.start()
+        return replicated, local
 
     def save_emergency(
         self, step: int, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None = None
     ) -> None:
-        """Synchronous save for shutdown paths: waits for any async save, skips retention."""
+        """Synchronous save for shutdown paths: waits for any async save (a failed one is
+        logged, not raised: this save replaces it), skips retention."""
+        try:
+            self.wait()
+        except CheckpointError as exc:
+            logger.error("emergency save of step %d goes on after: %s", step, exc)
         saved_async, self.async_save = self.async_save, False
         keep, self.keep_last_n = self.keep_last_n, 0
         try:
@@ -509,13 +556,13 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait for the save in flight (if any) and for old checkpoints being deleted;
         raise the background save's error if it failed."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        if self._thread is not None:
+            self._thread.join()  # cleared only once joined: an interrupted join retries
+            self._thread = None
             self._in_flight = None
-        reaper, self._reaper = self._reaper, None
-        if reaper is not None:
-            reaper.join()
+        if self._reaper is not None:
+            self._reaper.join()
+            self._reaper = None
         error, self._error = self._error, None
         if error is not None:
             raise CheckpointError(f"background checkpoint save failed: {error}") from error
@@ -611,7 +658,14 @@ class CheckpointManager:
         try:
             self._write_and_publish(*args)
         except BaseException as exc:  # raised at the next call, never swallowed
+            logger.error("background checkpoint save failed: %s", exc)
             self._error = exc
+
+    def _agree_sharded_write(self, mine: str | None) -> str | None:
+        """Before the collective ``dcp.save``: if any rank's snapshot failed, no rank
+        enters it (one all-gather)."""
+        failed = [m for m in self._all_gather(mine) if m]
+        return "; ".join(failed) if failed else None
 
     def _write_files(
         self, tmp: Path, payload: Any, local: dict[str, Any], sharded: bool
@@ -649,14 +703,18 @@ class CheckpointManager:
         sharded: bool,
         start: float,
         blocking: float | None,
+        failure: str | None = None,
     ) -> None:
         final = self.dir / f"step_{step}"
         files: dict[str, dict[str, int]] = {}
-        mine: str | None = None
-        try:
-            files = self._write_files(tmp, payload, local, sharded)
-        except Exception as exc:  # disk full, permissions, an unpicklable value...
-            mine = f"rank {self._rank}: {_describe(exc, tmp)}"
+        mine = failure
+        if sharded and self._coord is not None:  # dcp.save is collective: all or none
+            mine = self._agree_sharded_write(mine)
+        if mine is None:
+            try:
+                files = self._write_files(tmp, payload, local, sharded)
+            except Exception as exc:  # disk full, permissions, an unpicklable value...
+                mine = f"rank {self._rank}: {_describe(exc, tmp)}"
         shares = self._all_gather((files, mine))
         outcome: str | None = None
         if self._rank == 0:
@@ -670,7 +728,8 @@ class CheckpointManager:
                     outcome = f"rank 0: {_describe(exc, final)}"
             if outcome is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-                (self.dir / f".{LATEST}.tmp").unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    (self.dir / f".{LATEST}.tmp").unlink(missing_ok=True)
         outcome = self._from_rank0(outcome)
         if outcome is not None:
             raise CheckpointError(f"saving checkpoint step {step} to {final} failed: {outcome}")
@@ -685,7 +744,11 @@ class CheckpointManager:
             seconds=seconds,
             blocking_seconds=seconds if blocking is None else blocking,
         )
-        trash = self._apply_retention(keep_step=step)
+        try:  # rank 0 alone: a failure here must not fail a published checkpoint
+            trash = self._apply_retention(keep_step=step)
+        except Exception as exc:
+            logger.warning("retention after checkpoint step %d failed: %s", step, exc)
+            trash = []
         if trash and blocking is None:  # sync save: do not make training wait for unlink
             self._reaper = threading.Thread(
                 target=_remove_all, args=(trash,), name="steadfast-checkpoint-reaper"
@@ -749,7 +812,16 @@ class CheckpointManager:
         return trash
 
     def _remove_stale_tmp(self) -> None:
-        for entry in self.dir.iterdir():
+        for entry in sorted(self.dir.iterdir()):
+            if entry.name.startswith(_TRASH_PREFIX) and entry.is_dir():
+                step = entry.name[len(_TRASH_PREFIX) :].split("-", 1)[0]
+                original = self.dir / f"step_{step}"
+                if step.isdigit() and not original.exists() and not verify(entry):
+                    # a checkpoint being replaced by a new save of the same step when the
+                    # job died: the new copy never landed, so the old one comes back
+                    logger.warning("recovering %s from %s", original, entry)
+                    os.rename(entry, original)
+                    continue
             if (
                 entry.name.startswith((_TMP_PREFIX, _TRASH_PREFIX))
                 or entry.name == f".{LATEST}.tmp"
@@ -847,7 +919,10 @@ class CheckpointManager:
             # verify, agree, then read: reading sharded state is collective, so every rank
             # must decide to read the same candidate before any rank starts
             start = time.monotonic()
-            manifest, problems = self._check_mine(ckpt)
+            try:
+                manifest, problems = self._check_mine(ckpt)
+            except OSError as exc:  # EIO, a file vanishing under us...
+                manifest, problems = None, [f"{ckpt}: cannot be verified ({exc})"]
             bad = self._agreed_problems(ckpt, problems, "verify")
             if bad or manifest is None:
                 failures.extend(bad)

@@ -193,7 +193,11 @@ class DataPosition:
     the batches already consumed: by telling a :class:`ResumableSampler` to skip them (no
     data is read) when the loader uses one with a fixed ``batch_size``, otherwise by
     drawing and discarding them (correct for any deterministic loader, but it reads the
-    data). RNG draws made while positioning are undone (see :meth:`_resume`). With
+    data; and only correct when a re-created loader yields the epoch's batches in the
+    same order, as with :class:`ResumableSampler` or any sampler whose order follows
+    from its seed and ``set_epoch``, but not ``DataLoader(shuffle=True)``, whose order
+    comes from a generator that has moved on since the epoch began).
+    RNG draws made while positioning are undone (see :meth:`_resume`). With
     ``num_workers > 0`` the workers' seeds come from a fresh base seed, so random
     transforms inside workers do not repeat bit-exact; torchdata's
     ``StatefulDataLoader`` saves worker state too: checkpoint that loader itself instead.
@@ -206,23 +210,31 @@ class DataPosition:
         self._resume_at = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` from its first batch (forwarded to the sampler)."""
+        """Start epoch ``epoch`` from its first batch (forwarded to the sampler). Optional:
+        the position moves to the next epoch by itself when an epoch is iterated to its
+        end, and each iteration tells the sampler its epoch."""
         if epoch != self.epoch:
             self.batches = 0
             self._resume_at = 0
         self.epoch = int(epoch)
-        set_epoch = getattr(getattr(self.loader, "sampler", None), "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(self.epoch)
+        self._sampler_epoch()
 
     def __iter__(self) -> Iterator[Any]:
         skip, self._resume_at = self._resume_at, 0
         self.batches = skip
+        self._sampler_epoch()
         it = self._resume(skip) if skip else iter(self.loader)
         for batch in it:
             self.batches += 1
             yield batch
-        self.batches = 0  # the epoch is complete
+        # the epoch is complete: a checkpoint from now on means "the next one, from its
+        # start", not "this one, from its start"
+        self.epoch, self.batches = self.epoch + 1, 0
+
+    def _sampler_epoch(self) -> None:
+        set_epoch = getattr(getattr(self.loader, "sampler", None), "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch)
 
     def _resume(self, skip: int) -> Iterator[Any]:
         """An iterator positioned after ``skip`` batches. In the uninterrupted run the
