@@ -17,7 +17,7 @@ from .checkpoint import (
     Stateful,
     resolve_resume_path,
 )
-from .config import ConfigError
+from .config import ConfigError, FaultToleranceConfig
 from .dist import agree_any, backend_device, world_info
 from .health import NaNDetector, NaNState, check_gpu_health, check_nccl_health
 from .signals import DistributedSignalHandler, ShutdownHandler
@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointManager",
     "ConfigError",
     "DataPosition",
+    "FaultToleranceConfig",
     "RNGState",
     "ResumableSampler",
     "Stateful",

@@ -8,10 +8,13 @@ validation in steadfast raises :class:`ConfigError` through the helpers here.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+import os
+import signal
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["ConfigError", "require_choice", "require_number"]
+__all__ = ["ConfigError", "FaultToleranceConfig", "require_choice", "require_number"]
 
 
 class ConfigError(ValueError):
@@ -59,3 +62,202 @@ def require_number(
     if exclusive_minimum is not None and number <= exclusive_minimum:
         raise ConfigError(f"{field}: must be > {exclusive_minimum}, got {value!r}")
     return value
+
+
+# ---------------------------------------------------------------------------------------
+# Fault tolerance (in-job restart) configuration
+# ---------------------------------------------------------------------------------------
+def _timeout(field: str, value: Any) -> float | None:
+    """A timeout in seconds; None (YAML ``null``) means infinite."""
+    if value is None:
+        return None
+    return float(require_number(field, value, exclusive_minimum=0))
+
+
+def _signal(field: str, value: Any) -> signal.Signals:
+    if isinstance(value, signal.Signals):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return signal.Signals(value)
+        except ValueError:
+            pass
+    if isinstance(value, str):
+        name = value.strip().upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        if name in signal.Signals.__members__:
+            return signal.Signals[name]
+    raise ConfigError(f"{field}: {value!r} is not a signal (e.g. SIGKILL, SIGTERM or 9)")
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Settings of the rank monitors and the launcher's restart policy.
+
+    The fields and defaults of NVIDIA Resiliency Extension's ``FaultToleranceConfig``
+    (seed 002), plus the launcher's stop grace period and progress guard. A timeout of
+    ``None`` (YAML ``null``) is infinite: it never fires, so it must be calculated from
+    observed intervals (``calculate_and_set_*_timeouts``) to be useful.
+
+    Attributes:
+        workload_check_interval: Longest the launcher's watcher sleeps between looks at
+            the heartbeat table. Unlike the original, which polls at this interval (so a
+            hang is seen up to 5 s late), the watcher sleeps until the nearest deadline.
+        initial_rank_heartbeat_timeout: Time allowed until a rank's first heartbeat.
+        rank_heartbeat_timeout: Time allowed between heartbeats.
+        rank_section_timeouts: Section name -> time allowed inside it. The ``warmup``
+            entry, if given, replaces ``step`` for the first ``num_warmup_iterations``.
+        rank_out_of_section_timeout: Time allowed outside any section (checked from the
+            first ``step`` section on).
+        safety_factor: Calculated timeout = safety_factor x max observed interval.
+        rank_termination_signal: How a hung rank is terminated.
+        log_level: Log level of the monitors and launcher.
+        num_warmup_iterations: Iterations that use the ``warmup`` timeout.
+        workers_stop_timeout: Grace period between SIGTERM and SIGKILL when the workers
+            are stopped for a restart or a shutdown.
+        max_no_progress_restarts: Stop restarting (exit code 76) after this many
+            consecutive restarts in which no rank completed a step; 0 disables the guard.
+    """
+
+    workload_check_interval: float = 5.0
+    initial_rank_heartbeat_timeout: float | None = None
+    rank_heartbeat_timeout: float | None = None
+    rank_section_timeouts: dict[str, float | None] = field(default_factory=dict)
+    rank_out_of_section_timeout: float | None = None
+    safety_factor: float = 5.0
+    rank_termination_signal: signal.Signals = signal.SIGKILL
+    log_level: str = "INFO"
+    num_warmup_iterations: int = 5
+    workers_stop_timeout: float = 15.0
+    max_no_progress_restarts: int = 3
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; one :class:`ConfigError` names the first bad one."""
+        p = "fault_tolerance."
+        self.workload_check_interval = float(
+            require_number(
+                p + "workload_check_interval", self.workload_check_interval, exclusive_minimum=0
+            )
+        )
+        self.initial_rank_heartbeat_timeout = _timeout(
+            p + "initial_rank_heartbeat_timeout", self.initial_rank_heartbeat_timeout
+        )
+        self.rank_heartbeat_timeout = _timeout(
+            p + "rank_heartbeat_timeout", self.rank_heartbeat_timeout
+        )
+        if not isinstance(self.rank_section_timeouts, Mapping):
+            raise ConfigError(
+                f"{p}rank_section_timeouts: expected a mapping of section name to "
+                f"seconds, got {self.rank_section_timeouts!r}"
+            )
+        sections: dict[str, float | None] = {}
+        for name, value in self.rank_section_timeouts.items():
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"{p}rank_section_timeouts: bad section name {name!r}")
+            sections[name] = _timeout(f"{p}rank_section_timeouts.{name}", value)
+        self.rank_section_timeouts = sections
+        self.rank_out_of_section_timeout = _timeout(
+            p + "rank_out_of_section_timeout", self.rank_out_of_section_timeout
+        )
+        self.safety_factor = float(
+            require_number(p + "safety_factor", self.safety_factor, minimum=1)
+        )
+        self.rank_termination_signal = _signal(
+            p + "rank_termination_signal", self.rank_termination_signal
+        )
+        level = str(self.log_level).upper()
+        require_choice(p + "log_level", level, _LOG_LEVELS)
+        self.log_level = level
+        self.num_warmup_iterations = require_number(
+            p + "num_warmup_iterations", self.num_warmup_iterations, minimum=0, integer=True
+        )
+        self.workers_stop_timeout = float(
+            require_number(p + "workers_stop_timeout", self.workers_stop_timeout, minimum=0)
+        )
+        self.max_no_progress_restarts = require_number(
+            p + "max_no_progress_restarts",
+            self.max_no_progress_restarts,
+            minimum=0,
+            integer=True,
+        )
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_mapping(
+        cls, values: Mapping[str, Any], source: str = "config"
+    ) -> FaultToleranceConfig:
+        """Build from a mapping (a YAML section); an unknown key is an error naming it."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown fault_tolerance field(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(**dict(values))
+
+    @classmethod
+    def from_yaml_file(cls, path: str | os.PathLike[str]) -> FaultToleranceConfig:
+        """Read the ``fault_tolerance:`` section of a YAML file."""
+        import yaml
+
+        try:
+            with open(path) as fh:
+                doc = yaml.safe_load(fh)
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read the FT config ({exc})") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+        if not isinstance(doc, Mapping) or not isinstance(doc.get("fault_tolerance"), Mapping):
+            raise ConfigError(f"{path}: no 'fault_tolerance:' section")
+        return cls.from_mapping(doc["fault_tolerance"], source=str(path))
+
+    def with_overrides(self, overrides: Mapping[str, str]) -> FaultToleranceConfig:
+        """A copy with fields set from command-line strings (``--ft-param-<field>=VALUE``):
+        ``null``/``none`` is None, ``a:1,b:2`` is a mapping, numbers are numbers."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, raw in overrides.items():
+            if name not in values:
+                raise ConfigError(
+                    f"--ft-param-{name}: unknown fault_tolerance field; known: {sorted(values)}"
+                )
+            values[name] = _parse_flag(f"--ft-param-{name}", name, raw)
+        return type(self)(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (the signal by name), e.g. to pass to the workers as JSON."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["rank_termination_signal"] = self.rank_termination_signal.name
+        out["rank_section_timeouts"] = dict(self.rank_section_timeouts)
+        return out
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _scalar(raw: str) -> Any:
+    text = raw.strip()
+    if text.lower() in ("null", "none", "~", ""):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _parse_flag(flag: str, name: str, raw: str) -> Any:
+    if name == "rank_section_timeouts":
+        out: dict[str, Any] = {}
+        if raw.strip() in ("", "{}"):
+            return out
+        for item in raw.split(","):
+            key, sep, value = item.partition(":")
+            if not sep or not key.strip():
+                raise ConfigError(f"{flag}: expected name:seconds[,name:seconds...], got {raw!r}")
+            out[key.strip()] = _scalar(value)
+        return out
+    return _scalar(raw)

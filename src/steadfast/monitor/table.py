@@ -1,0 +1,234 @@
+"""The node's heartbeat table: one row per local rank in a shared-memory file.
+
+The launcher creates the table (a file in ``/dev/shm``, mapped by every process) and
+passes its path to the workers (``$STEADFAST_HB_TABLE``); each rank's
+:class:`~steadfast.monitor.RankMonitorClient` maps it and writes only its own row
+(``$LOCAL_RANK``). A heartbeat or a section change is a handful of plain memory stores
+and a read of the monotonic clock (a vDSO call, not a system call): no socket, no pickle,
+no lock. The launcher's watcher thread reads the rows.
+
+A row is an array of float64 slots followed by a small area of section names. Writers
+bracket every update with a sequence counter (odd while writing, a seqlock), so a
+reader never acts on a half-written row. ``time.monotonic()`` is CLOCK_MONOTONIC,
+shared by all processes of the node, so the watcher can compare its own clock with the
+timestamps the ranks wrote.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import secrets
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError
+
+__all__ = ["HB_TABLE_ENV", "HeartbeatTable", "RowSnapshot"]
+
+HB_TABLE_ENV = "STEADFAST_HB_TABLE"
+
+# float64 slot indices of a row
+SEQ = 0  # seqlock: odd while the row is being written
+PID = 1  # the rank's pid once attached (0 = not yet)
+ATTACHED = 2  # monotonic time of init_workload_monitoring
+LAST_HB = 3  # monotonic time of the last heartbeat (0 = none yet)
+SECTION = 4  # index of the open section (-1 = none)
+SECTION_START = 5  # monotonic time the open section began
+OOS_START = 6  # monotonic time the rank left its last section (0 = before the first step)
+STEPS = 7  # completed "step" sections
+HB_INITIAL_TIMEOUT = 8
+HB_TIMEOUT = 9
+OOS_TIMEOUT = 10
+NAMES = 11  # number of section names in the row
+CLOSED = 12  # 1 once shutdown_workload_monitoring ran
+TIMEOUTS = 16  # TIMEOUTS + i: the timeout of section i (inf = none)
+MAX_SECTIONS = 32
+SLOTS = TIMEOUTS + MAX_SECTIONS
+NAME_BYTES = 48
+ROW_BYTES = 4096  # slots + names, one page per row: no false sharing between ranks
+_NAMES_OFFSET = SLOTS * 8
+
+assert _NAMES_OFFSET + MAX_SECTIONS * NAME_BYTES <= ROW_BYTES
+
+
+def _inf(value: float | None) -> float:
+    return math.inf if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class RowSnapshot:
+    """A consistent copy of one row, as the watcher sees it."""
+
+    pid: int
+    attached: float
+    last_heartbeat: float
+    section: str | None
+    section_start: float
+    out_of_section_start: float
+    steps: int
+    initial_heartbeat_timeout: float
+    heartbeat_timeout: float
+    out_of_section_timeout: float
+    section_timeouts: dict[str, float]
+    closed: bool
+
+
+class HeartbeatTable:
+    """A shared-memory table of ``rows`` rank rows (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike[str], rows: int, owner: bool) -> None:
+        self.path = Path(path)
+        self.rows = rows
+        self.owner = owner
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < rows * ROW_BYTES:
+                raise ConfigError(
+                    f"{self.path}: heartbeat table has {size} bytes, {rows} rows need "
+                    f"{rows * ROW_BYTES}"
+                )
+            self._map = mmap.mmap(fd, rows * ROW_BYTES)
+        finally:
+            os.close(fd)  # the mapping keeps the memory; no descriptor stays open
+        self._view = memoryview(self._map)
+        self._slots: list[Any] = [
+            self._view[r * ROW_BYTES : r * ROW_BYTES + _NAMES_OFFSET].cast("d") for r in range(rows)
+        ]
+
+    # ------------------------------------------------------------------ life cycle
+    @classmethod
+    def create(cls, rows: int, directory: str | os.PathLike[str] | None = None) -> HeartbeatTable:
+        """Create a zeroed table (the launcher); :meth:`close` unlinks it."""
+        base = Path(directory) if directory else Path("/dev/shm")
+        if not base.is_dir():
+            base = Path(tempfile.gettempdir())
+        path = base / f"steadfast-hb-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, rows * ROW_BYTES)
+        finally:
+            os.close(fd)
+        return cls(path, rows, owner=True)
+
+    @classmethod
+    def attach(cls, path: str | os.PathLike[str], row: int) -> HeartbeatTable:
+        """Map an existing table (a rank); only ``row`` is written by this process."""
+        try:
+            size = os.stat(path).st_size
+        except OSError as exc:
+            raise ConfigError(f"${HB_TABLE_ENV}={path}: cannot open the table ({exc})") from exc
+        rows = size // ROW_BYTES
+        if not 0 <= row < rows:
+            raise ConfigError(f"${HB_TABLE_ENV}={path}: has {rows} rows, no row {row}")
+        return cls(path, rows, owner=False)
+
+    def close(self) -> None:
+        """Unmap; the creator also removes the file."""
+        for slots in self._slots:
+            slots.release()
+        self._slots = []
+        self._view.release()
+        self._map.close()
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ writers
+    def slots(self, row: int) -> Any:
+        """The float64 slots of ``row`` (writers store into it directly)."""
+        return self._slots[row]
+
+    @contextmanager
+    def writing(self, row: int) -> Iterator[Any]:
+        """Bracket a multi-slot update of ``row`` with the seqlock."""
+        s = self._slots[row]
+        s[SEQ] += 1
+        try:
+            yield s
+        finally:
+            s[SEQ] += 1
+
+    def reset(
+        self,
+        row: int,
+        config_timeouts: Mapping[str, float | None],
+        initial_hb: float | None,
+        hb: float | None,
+        oos: float | None,
+    ) -> None:
+        """Empty ``row`` for a new worker, with the configured timeouts (launcher)."""
+        with self.writing(row) as s:
+            for i in range(1, SLOTS):
+                s[i] = 0.0
+            s[SECTION] = -1.0
+            s[HB_INITIAL_TIMEOUT] = _inf(initial_hb)
+            s[HB_TIMEOUT] = _inf(hb)
+            s[OOS_TIMEOUT] = _inf(oos)
+            for i in range(MAX_SECTIONS):
+                s[TIMEOUTS + i] = math.inf
+            base = row * ROW_BYTES + _NAMES_OFFSET
+            self._view[base : base + MAX_SECTIONS * NAME_BYTES] = bytes(MAX_SECTIONS * NAME_BYTES)
+            for name, timeout in config_timeouts.items():
+                self._add_name(row, name, timeout)
+
+    def _add_name(self, row: int, name: str, timeout: float | None) -> int:
+        s = self._slots[row]
+        index = int(s[NAMES])
+        encoded = name.encode()
+        if index >= MAX_SECTIONS:
+            raise ConfigError(f"at most {MAX_SECTIONS} section names, got {name!r} too")
+        if not encoded or len(encoded) > NAME_BYTES:
+            raise ConfigError(f"section name {name!r} must be 1..{NAME_BYTES} bytes")
+        base = row * ROW_BYTES + _NAMES_OFFSET + index * NAME_BYTES
+        self._view[base : base + NAME_BYTES] = encoded.ljust(NAME_BYTES, b"\0")
+        s[TIMEOUTS + index] = _inf(timeout)
+        s[NAMES] = float(index + 1)
+        return index
+
+    def add_section(self, row: int, name: str, timeout: float | None = None) -> int:
+        """Register a section name in ``row`` (a rank, once per new name); its index."""
+        with self.writing(row):
+            return self._add_name(row, name, timeout)
+
+    def names(self, row: int) -> list[str]:
+        """The section names of ``row``, by index."""
+        out = []
+        for i in range(int(self._slots[row][NAMES])):
+            base = row * ROW_BYTES + _NAMES_OFFSET + i * NAME_BYTES
+            out.append(bytes(self._view[base : base + NAME_BYTES]).rstrip(b"\0").decode())
+        return out
+
+    # ------------------------------------------------------------------ reader
+    def snapshot(self, row: int) -> RowSnapshot:
+        """A consistent copy of ``row`` (retries while a writer is mid-update)."""
+        s = self._slots[row]
+        while True:
+            before = s[SEQ]
+            if int(before) % 2:
+                os.sched_yield()
+                continue
+            values = s.tolist()
+            names = self.names(row)
+            if s[SEQ] == before:
+                break
+        section = int(values[SECTION])
+        return RowSnapshot(
+            pid=int(values[PID]),
+            attached=values[ATTACHED],
+            last_heartbeat=values[LAST_HB],
+            section=names[section] if 0 <= section < len(names) else None,
+            section_start=values[SECTION_START],
+            out_of_section_start=values[OOS_START],
+            steps=int(values[STEPS]),
+            initial_heartbeat_timeout=values[HB_INITIAL_TIMEOUT],
+            heartbeat_timeout=values[HB_TIMEOUT],
+            out_of_section_timeout=values[OOS_TIMEOUT],
+            section_timeouts={n: values[TIMEOUTS + i] for i, n in enumerate(names)},
+            closed=bool(values[CLOSED]),
+        )

@@ -1,0 +1,326 @@
+"""Rank monitoring: FT config, the shared-memory table, the client, and the watcher
+terminating real hung processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from steadfast import ConfigError, FaultToleranceConfig
+from steadfast.monitor import (
+    FT_CONFIG_ENV,
+    HB_TABLE_ENV,
+    HeartbeatTable,
+    RankMonitorClient,
+    Watcher,
+    load_ft_state,
+    save_ft_state,
+)
+from steadfast.monitor.watcher import next_deadline
+
+
+# ---------------------------------------------------------------------- config
+def test_config_defaults_are_the_originals():
+    cfg = FaultToleranceConfig()
+    assert cfg.workload_check_interval == 5.0 and cfg.safety_factor == 5.0
+    assert cfg.initial_rank_heartbeat_timeout is None and cfg.rank_heartbeat_timeout is None
+    assert cfg.rank_section_timeouts == {} and cfg.rank_out_of_section_timeout is None
+    assert cfg.rank_termination_signal == signal.SIGKILL and cfg.log_level == "INFO"
+    assert cfg.num_warmup_iterations == 5
+
+
+def test_config_from_yaml_and_flags(tmp_path: Path):
+    f = tmp_path / "ft.yaml"
+    f.write_text(
+        textwrap.dedent("""
+        fault_tolerance:
+            initial_rank_heartbeat_timeout: null
+            rank_heartbeat_timeout: null
+            rank_section_timeouts:
+                init: 20
+                step: 10
+                checkpoint: 30
+            rank_out_of_section_timeout: 30
+            log_level: "DEBUG"
+            rank_termination_signal: SIGTERM
+    """)
+    )
+    cfg = FaultToleranceConfig.from_yaml_file(f)
+    assert cfg.rank_section_timeouts == {"init": 20.0, "step": 10.0, "checkpoint": 30.0}
+    assert cfg.rank_termination_signal == signal.SIGTERM and cfg.log_level == "DEBUG"
+    cfg = cfg.with_overrides(
+        {
+            "rank_section_timeouts": "setup:600,step:180,checkpointing:null",
+            "rank_out_of_section_timeout": "null",
+            "safety_factor": "2.5",
+        }
+    )
+    assert cfg.rank_section_timeouts == {"setup": 600.0, "step": 180.0, "checkpointing": None}
+    assert cfg.rank_out_of_section_timeout is None and cfg.safety_factor == 2.5
+    assert json.loads(json.dumps(cfg.to_dict()))["rank_termination_signal"] == "SIGTERM"
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: FaultToleranceConfig(rank_heartbeat_timeout=-1), "rank_heartbeat_timeout"),
+        (
+            lambda: FaultToleranceConfig(rank_section_timeouts={"step": "x"}),
+            "rank_section_timeouts.step",
+        ),
+        (lambda: FaultToleranceConfig(rank_termination_signal="SIGNOPE"), "not a signal"),
+        (lambda: FaultToleranceConfig(log_level="LOUD"), "log_level"),
+        (lambda: FaultToleranceConfig().with_overrides({"bogus": "1"}), "--ft-param-bogus"),
+        (
+            lambda: FaultToleranceConfig().with_overrides({"rank_section_timeouts": "step"}),
+            "name:seconds",
+        ),
+        (lambda: FaultToleranceConfig.from_mapping({"typo_field": 1}), "typo_field"),
+    ],
+)
+def test_bad_config_names_the_field(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+def test_yaml_without_section_is_a_clear_error(tmp_path: Path):
+    f = tmp_path / "ft.yaml"
+    f.write_text("something_else: {}\n")
+    with pytest.raises(ConfigError, match="no 'fault_tolerance:' section"):
+        FaultToleranceConfig.from_yaml_file(f)
+
+
+# ---------------------------------------------------------------------- table + client
+@pytest.fixture
+def table(monkeypatch: pytest.MonkeyPatch):
+    tab = HeartbeatTable.create(rows=2)
+    tab.reset(0, {"step": 10.0}, None, None, None)
+    tab.reset(1, {}, None, None, None)
+    monkeypatch.setenv(HB_TABLE_ENV, str(tab.path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv(FT_CONFIG_ENV, json.dumps({"safety_factor": 2.0}))
+    yield tab
+    tab.close()
+    assert not tab.path.exists()
+
+
+def test_client_writes_its_row(table: HeartbeatTable):
+    client = RankMonitorClient()
+    client.init_workload_monitoring()
+    snap = table.snapshot(0)
+    assert snap.pid == os.getpid() and snap.last_heartbeat == 0 and snap.section is None
+    client.send_heartbeat()
+    client.start_section("setup")  # a name the launcher did not know
+    snap = table.snapshot(0)
+    assert snap.section == "setup" and snap.last_heartbeat > 0
+    assert snap.section_timeouts == {"step": 10.0, "setup": math.inf}
+    with pytest.raises(RuntimeError, match="'step' started while 'setup' is open"):
+        client.start_section("step")
+    client.end_section("setup")
+    assert table.snapshot(0).out_of_section_start == 0  # not before the first step
+    client.start_section("step")
+    client.end_section("step")
+    snap = table.snapshot(0)
+    assert snap.steps == 1 and snap.out_of_section_start > 0 and snap.section is None
+    assert table.snapshot(1).pid == 0  # other rows untouched
+    client.shutdown_workload_monitoring()
+    assert table.snapshot(0).closed
+
+
+def test_calculated_timeouts_and_ft_state(table: HeartbeatTable, tmp_path: Path):
+    client = RankMonitorClient()
+    client.init_workload_monitoring()
+    for _ in range(3):
+        client.send_heartbeat()
+        client.start_section("step")
+        time.sleep(0.01)
+        client.end_section("step")
+    assert client.calculate_and_set_hb_timeouts()
+    assert client.calculate_and_set_section_timeouts()
+    state = client.state_dict()
+    step_timeout = state["rank_section_timeouts"]["step"]
+    assert 2 * 0.01 <= step_timeout < 2 * 5  # safety_factor x max observed
+    assert table.snapshot(0).section_timeouts["step"] == step_timeout  # the watcher sees it
+    assert table.snapshot(0).heartbeat_timeout == state["rank_heartbeat_timeout"]
+    client.calculate_and_set_section_timeouts()  # merged: 0.5 new + 0.5 current
+    path = tmp_path / "ft_state.json"
+    save_ft_state(client, path)
+    client.shutdown_workload_monitoring()
+    table.reset(0, {"step": 10.0}, None, None, None)  # a restart
+    fresh = RankMonitorClient()
+    fresh.init_workload_monitoring()
+    assert load_ft_state(fresh, path)
+    assert fresh.state_dict() == json.loads(path.read_text())
+    assert (
+        table.snapshot(0).section_timeouts["step"]
+        == fresh.state_dict()["rank_section_timeouts"]["step"]
+    )
+    path.write_text('{"rank_heartbeat_timeout": -3}')
+    with pytest.raises(ConfigError, match=r"ft_state\.json: ft state\.rank_heartbeat_timeout"):
+        load_ft_state(fresh, path)
+    assert not load_ft_state(fresh, tmp_path / "missing.json")
+    fresh.shutdown_workload_monitoring()
+
+
+def test_client_outside_the_launcher_is_a_clear_error(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv(HB_TABLE_ENV, raising=False)
+    with pytest.raises(ConfigError, match="steadfast launch"):
+        RankMonitorClient().init_workload_monitoring()
+
+
+def test_deadlines():
+    tab = HeartbeatTable.create(rows=1)
+    try:
+        tab.reset(0, {"step": 2.0, "warmup": 9.0}, 30.0, 5.0, 4.0)
+        s = tab.slots(0)
+        snap = tab.snapshot(0)
+        assert next_deadline(snap, 100.0, 2)[:2] == (130.0, "initial_heartbeat")
+        s[3] = 200.0  # a heartbeat at t=200
+        s[4], s[5] = 1.0, 201.0  # in "warmup"-timed step (index 1 is "warmup"; 0 is step)
+        s[4] = 0.0
+        assert next_deadline(tab.snapshot(0), 100.0, 2)[:2] == (205.0, "heartbeat")
+        s[7] = 5.0  # past warm-up: the step timeout applies
+        assert next_deadline(tab.snapshot(0), 100.0, 2)[:2] == (203.0, "section:step")
+        s[4], s[6] = -1.0, 210.0  # out of section since t=210
+        assert next_deadline(tab.snapshot(0), 100.0, 2)[:2] == (205.0, "heartbeat")
+        s[9] = math.inf
+        assert next_deadline(tab.snapshot(0), 100.0, 2)[:2] == (214.0, "out_of_section")
+    finally:
+        tab.close()
+
+
+# ---------------------------------------------------------------------- watcher, real hangs
+_WORKER = """
+import os, signal, sys, time
+from steadfast.monitor import RankMonitorClient
+mode = sys.argv[1]
+c = RankMonitorClient()
+if mode != "never_attaches":
+    c.init_workload_monitoring()
+print("ready", flush=True)
+if mode == "hang_in_step":
+    c.send_heartbeat()
+    for _ in range(3):
+        c.start_section("step"); c.end_section("step")
+    c.start_section("step")
+    time.sleep(60)
+elif mode == "hang_out_of_section":
+    c.send_heartbeat()
+    c.start_section("step"); c.end_section("step")
+    time.sleep(60)
+elif mode == "stopped":
+    c.send_heartbeat()
+    c.start_section("step")
+    os.kill(os.getpid(), signal.SIGSTOP)
+elif mode == "clean":
+    c.send_heartbeat()
+    c.start_section("step"); c.end_section("step")
+    c.shutdown_workload_monitoring()
+    time.sleep(1.5)
+    sys.exit(0)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "what"),
+    [
+        ("hang_in_step", "section:step"),
+        ("hang_out_of_section", "out_of_section"),
+        ("never_attaches", "initial_heartbeat"),
+        ("stopped", "section:step"),  # the rank_hung simulation: SIGSTOP itself
+    ],
+)
+def test_watcher_terminates_a_hung_rank(event_log: Path, mode: str, what: str):
+    cfg = FaultToleranceConfig(
+        initial_rank_heartbeat_timeout=1.5,
+        rank_heartbeat_timeout=30,
+        rank_section_timeouts={"step": 0.5},
+        rank_out_of_section_timeout=0.5,
+        workload_check_interval=0.2,
+    )
+    tab = HeartbeatTable.create(rows=1)
+    tab.reset(
+        0,
+        cfg.rank_section_timeouts,
+        cfg.initial_rank_heartbeat_timeout,
+        cfg.rank_heartbeat_timeout,
+        cfg.rank_out_of_section_timeout,
+    )
+    env = dict(
+        os.environ,
+        **{
+            HB_TABLE_ENV: str(tab.path),
+            "LOCAL_RANK": "0",
+            FT_CONFIG_ENV: json.dumps(cfg.to_dict()),
+        },
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WORKER, mode],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    watcher = Watcher(tab, cfg, global_rank=lambda local: local + 4)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        watcher.start()
+        watcher.watch({0: proc.pid})
+        _, err = proc.communicate(timeout=30)
+    finally:
+        watcher.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        tab.close()
+    assert proc.returncode == -signal.SIGKILL  # rank_termination_signal
+    [hang] = watcher.hangs
+    assert hang.what == what and hang.elapsed >= hang.timeout
+    [event] = [
+        e for e in map(json.loads, event_log.read_text().splitlines()) if e["kind"] == "rank_hung"
+    ]
+    assert event["rank"] == 4 and event["cause"] == what and event["worker_pid"] == proc.pid
+    if mode != "never_attaches":  # its stacks reached the rank's log first
+        assert "most recent call first" in err and "<module>" in err
+
+
+def test_watcher_leaves_a_rank_that_shut_down_alone():
+    cfg = FaultToleranceConfig(
+        rank_section_timeouts={"step": 0.3},
+        rank_out_of_section_timeout=0.3,
+        workload_check_interval=0.1,
+    )
+    tab = HeartbeatTable.create(rows=1)
+    tab.reset(0, cfg.rank_section_timeouts, None, None, cfg.rank_out_of_section_timeout)
+    env = dict(
+        os.environ,
+        **{
+            HB_TABLE_ENV: str(tab.path),
+            "LOCAL_RANK": "0",
+            FT_CONFIG_ENV: json.dumps(cfg.to_dict()),
+        },
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WORKER, "clean"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    watcher = Watcher(tab, cfg)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        watcher.start()
+        watcher.watch({0: proc.pid})
+        proc.communicate(timeout=30)
+    finally:
+        watcher.stop()
+        tab.close()
+    assert proc.returncode == 0 and watcher.hangs == []
