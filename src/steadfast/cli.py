@@ -221,7 +221,7 @@ def _health(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``steadfast`` argument parser (sub-commands ``demo`` and ``health``)."""
+    """The ``steadfast`` argument parser (sub-commands ``demo``, ``launch``, ``health``)."""
     parser = argparse.ArgumentParser(prog="steadfast", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the fault-injection demo on CPU ranks")
@@ -234,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--step-sleep", type=float, default=0.05)
     demo.add_argument("--script", default=None, help="training script (default examples/train.py)")
     demo.set_defaults(func=_demo)
+    sub.add_parser(
+        "launch",
+        help="torchrun with hang detection and in-job restarts (torchrun flags + --ft-*)",
+        add_help=False,
+    )
     health = sub.add_parser("health", help="check this node's GPU")
     health.add_argument("--device", type=int, default=0)
     health.add_argument("--allow-no-cuda", action="store_true", help="exit 0 on CPU-only nodes")
@@ -243,7 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``steadfast`` console script."""
-    ns = build_parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["launch"]:  # its flags are torchrun's and --ft-*: passed through whole
+        from .launcher import main as launch_main
+
+        return launch_main(args[1:])
+    ns = build_parser().parse_args(args)
     code: int = ns.func(ns)
     return code
 

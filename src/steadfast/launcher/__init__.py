@@ -1,0 +1,145 @@
+"""``steadfast launch`` (alias ``ft_launcher``): torchrun with hang detection and in-job
+restarts.
+
+Every torchrun flag works as in torchrun (torch's own parser reads them); the FT config
+comes from ``--ft-cfg-path FILE.yaml`` (a ``fault_tolerance:`` section), then
+``--ft-param-<field>=VALUE`` / ``--ft-<field> VALUE`` flags. The workers are run by
+:class:`~steadfast.launcher.agent.FTAgent`, torch's elastic agent plus the heartbeat
+table and watcher.
+
+Exit codes (for job scripts that decide whether to requeue):
+
+==== ===================================================================================
+0    the workers finished successfully
+2    bad flags or FT config (one message names the flag, field or file)
+76   no progress: ``max_no_progress_restarts`` consecutive restarts completed no step
+77   the workers failed and the in-job restarts (``--max-restarts``) are spent
+128+N the launcher was stopped by signal N (SIGTERM: 143, SIGINT: 130); the workers got
+     the signal and ``workers_stop_timeout`` seconds to save before SIGKILL
+==== ===================================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from typing import Any
+
+from ..config import ConfigError
+
+__all__ = [
+    "EXIT_BAD_CONFIG",
+    "EXIT_NO_PROGRESS",
+    "EXIT_OK",
+    "EXIT_RESTARTS_EXHAUSTED",
+    "main",
+]
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_BAD_CONFIG = 2
+EXIT_NO_PROGRESS = 76
+EXIT_RESTARTS_EXHAUSTED = 77
+
+
+def _launch(argv: list[str]) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    from .agent import FTAgent, NoProgressError
+    from .args import split_argv
+
+    parser = torchrun.get_args_parser()
+    split = split_argv(argv, parser)
+    args = parser.parse_args(split.torchrun_argv)
+    single_node_default = (
+        args.rdzv_backend == "static"
+        and not args.rdzv_endpoint
+        and args.master_port is None
+        and torchrun.parse_min_max_nnodes(args.nnodes)[1] == 1
+    )
+    if args.standalone or single_node_default:  # a private c10d store on a free port
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    # torch 2.13's default shares the rendezvous TCPStore with the workers, and keys of
+    # the previous generation survive a restart: the restarted ranks read stale gloo
+    # addresses ("connectFullMesh failed ... Connection refused", pytorch#135712).
+    # A store of their own per generation avoids it.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    config, cmd, cmd_args = torchrun.config_from_args(args)
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id or str(uuid.uuid4().int),
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr: str | None = None
+    master_port: int | None = None
+    if params.backend == "static":
+        master_addr, master_port = parse_rendezvous_endpoint(params.endpoint, default_port=-1)
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=cmd,
+        args=tuple(cmd_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+    )
+    agent = FTAgent(
+        spec=spec,
+        logs_specs=config.logs_specs,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        ft=split.ft,
+    )
+    shutdown_rdzv = True
+    try:
+        result: Any = agent.run()
+    except NoProgressError as exc:
+        logger.error("steadfast launch: %s; stopping (exit %d)", exc, EXIT_NO_PROGRESS)
+        return EXIT_NO_PROGRESS
+    except SignalException as exc:
+        shutdown_rdzv = False  # other nodes may still re-rendezvous under this id
+        return 128 + int(exc.sigval)
+    finally:
+        agent.close()
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
+    if result is not None and result.is_failed():
+        logger.error(
+            "steadfast launch: workers failed and in-job restarts are spent (exit %d)",
+            EXIT_RESTARTS_EXHAUSTED,
+        )
+        return EXIT_RESTARTS_EXHAUSTED
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``steadfast launch``; returns the documented exit code."""
+    logging.basicConfig(level=logging.INFO, format="[steadfast launch] %(message)s")
+    try:
+        return _launch(list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        print(f"steadfast launch: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+
+
+def console_main() -> None:
+    """Entry point of the ``ft_launcher`` / ``steadfast-launch`` scripts."""
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""The fault-tolerant elastic agent: torch's LocalElasticAgent plus hang detection.
+
+It owns the node's heartbeat table and watcher: before each start of the worker group
+the rows are reset to the configured timeouts and the watcher follows the new pids; a
+hung rank is terminated, which torch's agent sees as a failed worker and answers by
+restarting the whole group (every node, through the rendezvous) while restarts remain.
+On top of torch's behaviour:
+
+- workers are stopped with SIGTERM, then SIGKILL after ``workers_stop_timeout``, to the
+  whole process group of each worker (torch starts each in its own session);
+- every failure and restart is an event (``rank_failed``, ``restart``);
+- the progress guard: when ``max_no_progress_restarts`` consecutive generations ended
+  without any rank completing a ``step`` section, the agent stops with
+  :class:`NoProgressError` instead of restarting again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from .. import events
+from ..config import FaultToleranceConfig
+from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
+
+__all__ = ["FTAgent", "NoProgressError"]
+
+logger = logging.getLogger(__name__)
+
+
+class NoProgressError(RuntimeError):
+    """Consecutive restarts made no step progress: restarting again would loop."""
+
+
+class FTAgent(LocalElasticAgent):
+    """``LocalElasticAgent`` with the heartbeat table, watcher and restart policy."""
+
+    def __init__(self, *args: Any, ft: FaultToleranceConfig, **kwargs: Any) -> None:
+        kwargs.setdefault("shutdown_timeout", max(1, round(ft.workers_stop_timeout)))
+        super().__init__(*args, **kwargs)
+        self.ft = ft
+        spec = self._worker_group.spec
+        self.table = HeartbeatTable.create(rows=spec.local_world_size)
+        # the workers inherit these from the launcher's environment
+        os.environ[HB_TABLE_ENV] = str(self.table.path)
+        os.environ[FT_CONFIG_ENV] = json.dumps(ft.to_dict())
+        self.watcher = Watcher(self.table, ft, global_rank=self._global_rank)
+        self.watcher.start()
+        self.no_progress_restarts = 0
+        self.restarts = 0
+
+    def close(self) -> None:
+        """Stop the watcher and remove the heartbeat table."""
+        self.watcher.stop()
+        self.table.close()
+        for name in (HB_TABLE_ENV, FT_CONFIG_ENV):
+            os.environ.pop(name, None)
+
+    def _global_rank(self, local_rank: int) -> int:
+        for worker in self._worker_group.workers:
+            if worker.local_rank == local_rank:
+                return int(worker.global_rank)
+        return local_rank
+
+    # ------------------------------------------------------------------ life cycle hooks
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        ft = self.ft
+        for row in range(self.table.rows):
+            self.table.reset(
+                row,
+                ft.rank_section_timeouts,
+                ft.initial_rank_heartbeat_timeout,
+                ft.rank_heartbeat_timeout,
+                ft.rank_out_of_section_timeout,
+            )
+        ids = super()._start_workers(worker_group)
+        pcontext = self._pcontext
+        if pcontext is not None:
+            self.watcher.watch(pcontext.pids())
+        return ids  # type: ignore[no-any-return]
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self.watcher.unwatch()
+        self._shutdown(signal.SIGTERM, timeout=self._shutdown_timeout)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result: RunResult = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            for rank, failure in result.failures.items():
+                code = int(failure.exitcode)
+                events.emit(
+                    "rank_failed",
+                    cause=f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}",
+                    rank=int(rank),
+                    exit_code=code,
+                    signal=signal.Signals(-code).name if code < 0 else None,
+                    local_rank=int(failure.local_rank),
+                    worker_pid=int(failure.pid),
+                )
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        if self.watcher.attached() and self.watcher.progress() == 0:
+            self.no_progress_restarts += 1
+        else:
+            self.no_progress_restarts = 0
+        limit = self.ft.max_no_progress_restarts
+        if limit and self.no_progress_restarts > limit:
+            self._stop_workers(worker_group)
+            raise NoProgressError(
+                f"{self.no_progress_restarts} consecutive worker generations completed no "
+                f"step (max_no_progress_restarts={limit})"
+            )
+        self.restarts += 1
+        events.emit(
+            "restart",
+            cause="worker_failure",
+            restart_count=self.restarts,
+            reason=f"worker group {worker_group.state.name}",
+            remaining_restarts=self._remaining_restarts,
+        )
+        super()._restart_workers(worker_group)

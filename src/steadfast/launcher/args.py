@@ -1,0 +1,77 @@
+"""Command line of ``steadfast launch``: every torchrun flag, plus the FT config flags.
+
+The FT flags (``--ft-cfg-path FILE``, ``--ft-param-<field>=VALUE`` and
+``--ft-<field> VALUE``, with ``_`` or ``-`` in field names) are taken out of the
+launcher's part of the command line (everything before the training script); the rest
+goes to torchrun's own parser unchanged. Nothing after the training script's path is
+ever taken by the launcher: those are the script's flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from ..config import ConfigError, FaultToleranceConfig
+
+__all__ = ["LaunchArgs", "split_argv"]
+
+_FT_FIELDS = {f.name for f in fields(FaultToleranceConfig)}
+
+
+@dataclass
+class LaunchArgs:
+    """The launcher's command line, split: torchrun's flags and the FT config."""
+
+    torchrun_argv: list[str]
+    ft: FaultToleranceConfig
+
+
+def _takes_value(parser: argparse.ArgumentParser, option: str) -> bool:
+    action = parser._option_string_actions.get(option)  # torchrun's own option table
+    return action is not None and action.nargs != 0
+
+
+def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> LaunchArgs:
+    """Separate the FT flags from torchrun's flags (``parser``) in the launcher's part of
+    ``argv``; build the :class:`FaultToleranceConfig` (YAML file first, then flags)."""
+    torchrun: list[str] = []
+    overrides: dict[str, str] = {}
+    cfg_path: str | None = None
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            torchrun.extend(argv[i:])
+            break
+        if token.startswith("--ft-"):
+            name, eq, value = token[len("--ft-") :].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{token}: needs a value")
+                value = argv[i + 1]
+                i += 1
+            i += 1
+            if name in ("cfg-path", "cfg_path"):
+                cfg_path = value
+                continue
+            field = name.removeprefix("param-").replace("-", "_")
+            if field not in _FT_FIELDS:
+                raise ConfigError(
+                    f"{token}: unknown fault_tolerance field {field!r}; known: {sorted(_FT_FIELDS)}"
+                )
+            overrides[field] = value
+            continue
+        if not token.startswith("-") or token in ("-m", "--module", "--no-python", "--no_python"):
+            if token.startswith("-"):  # a flag without a value, then the script
+                torchrun.append(token)
+                i += 1
+            torchrun.extend(argv[i:])  # the training script and its own flags
+            break
+        torchrun.append(token)
+        if "=" not in token and _takes_value(parser, token) and i + 1 < len(argv):
+            torchrun.append(argv[i + 1])
+            i += 1
+        i += 1
+    base = FaultToleranceConfig.from_yaml_file(cfg_path) if cfg_path else FaultToleranceConfig()
+    return LaunchArgs(torchrun, base.with_overrides(overrides) if overrides else base)
