@@ -1,0 +1,284 @@
+"""`steadfast launch` end to end: 2 gloo ranks, real faults, real restarts.
+
+Each fault test checks three things: the fault was detected (an event with its cause),
+the run recovered (exit 0 after an in-job restart), and the final parameters equal the
+fault-free run's bit for bit. The conftest leak check also fails a test that leaves a
+process or the /dev/shm heartbeat table behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("ft_train.py")
+TIMEOUTS = [
+    "--ft-param-rank_section_timeouts=setup:60,step:2,checkpointing:5",
+    "--ft-rank_out_of_section_timeout",
+    "3",
+    "--ft-param-workers_stop_timeout=5",
+]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmdline = fh.read().decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_worker_outlives_its_launcher(tmp_path: Path):
+    """The conftest leak check sees only direct children: workers are grandchildren."""
+    yield
+    deadline = time.monotonic() + 10
+    while (left := _processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes of this test still running: {left}"
+
+
+def _launch(
+    workdir: Path,
+    *script_args: str,
+    flags: tuple[str, ...] = (),
+    nproc: int = 2,
+    wait: bool = True,
+    timeout: float = 180,
+    ckpt: Path | None = None,
+) -> subprocess.Popen[str]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "steadfast.cli",
+        "launch",
+        f"--nproc-per-node={nproc}",
+        "--monitor-interval=0.1",
+        *flags,
+        str(SCRIPT),
+        "--ckpt",
+        str(ckpt or workdir / "ckpt"),
+        "--out",
+        str(workdir / "out.pt"),
+        *script_args,
+    ]
+    log = open(workdir / "launcher.log", "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=workdir)
+    log.close()
+    if wait:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise AssertionError((workdir / "launcher.log").read_text()[-4000:]) from None
+    return proc
+
+
+def _events(path: Path, kind: str) -> list[dict]:
+    if not path.exists():
+        return []
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == kind]
+
+
+def _params(workdir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(workdir / "out.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    workdir = tmp_path_factory.mktemp("reference")
+    proc = _launch(workdir, flags=tuple(TIMEOUTS))
+    assert proc.returncode == 0, (workdir / "launcher.log").read_text()[-4000:]
+    return _params(workdir)
+
+
+def _assert_recovered(workdir: Path, proc: subprocess.Popen[str], reference) -> None:
+    log = (workdir / "launcher.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    out = _params(workdir)
+    assert out.keys() == reference.keys()
+    assert all(torch.equal(out[k], reference[k]) for k in reference)  # bit for bit
+
+
+@pytest.mark.parametrize(
+    ("fault", "cause", "kind", "resumed_at"),
+    [
+        ("hang_step", "section:step", "rank_hung", 4),
+        ("hang_checkpointing", "section:checkpointing", "rank_hung", 2),  # saving step 4
+        ("hang_out_of_section", "out_of_section", "rank_hung", 4),
+        ("kill", "signal SIGKILL", "rank_failed", 4),
+        ("raise", "exit 1", "rank_failed", 4),
+        ("exit3", "exit 3", "rank_failed", 4),
+    ],
+)
+def test_fault_is_detected_and_the_run_recovers_bit_exact(
+    tmp_path: Path,
+    event_log: Path,
+    reference,
+    fault: str,
+    cause: str,
+    kind: str,
+    resumed_at: int,
+):
+    flags = (*TIMEOUTS, "--max-restarts=2")
+    if fault == "hang_out_of_section":
+        # the peer waits for the hung rank inside its next step: with a shorter step
+        # timeout it would be the one caught first (a victim, not the culprit)
+        flags = (*flags, "--ft-rank_out_of_section_timeout", "1.5")
+    proc = _launch(tmp_path, "--fault", fault, "--fault-step", "4", flags=flags)
+    _assert_recovered(tmp_path, proc, reference)
+    detected = [e for e in _events(event_log, kind) if e["cause"] == cause]
+    # rank 1 has the fault; with a hang, rank 0 waits for it in a collective and times
+    # out in the same section too
+    assert 1 in {e["rank"] for e in detected}, _events(event_log, kind)
+    restarts = _events(event_log, "restart")
+    assert [e["restart_count"] for e in restarts] == [1]
+    resumed = _events(event_log, "checkpoint_loaded")
+    assert {e["step"] for e in resumed} == {resumed_at}  # the latest complete checkpoint
+    if kind == "rank_hung":  # the hung rank's stacks reached the log before it died
+        assert "most recent call first" in (tmp_path / "launcher.log").read_text()
+
+
+def test_rank_without_a_first_heartbeat(tmp_path: Path, event_log: Path, reference):
+    proc = _launch(
+        tmp_path,
+        "--fault",
+        "no_heartbeat",
+        flags=(
+            *TIMEOUTS,
+            "--max-restarts=1",
+            "--ft-initial_rank_heartbeat_timeout",
+            "15",
+            "--ft-rank_heartbeat_timeout",
+            "30",
+        ),
+    )
+    _assert_recovered(tmp_path, proc, reference)
+    hung = _events(event_log, "rank_hung")
+    assert any(e["cause"] == "initial_heartbeat" and e["rank"] == 1 for e in hung), hung
+
+
+def test_restarts_exhausted_exit_code(tmp_path: Path, event_log: Path):
+    from steadfast.launcher import EXIT_RESTARTS_EXHAUSTED
+
+    proc = _launch(tmp_path, "--fault", "kill", flags=(*TIMEOUTS, "--max-restarts=0"))
+    assert proc.returncode == EXIT_RESTARTS_EXHAUSTED
+    assert _events(event_log, "rank_failed")[0]["cause"] == "signal SIGKILL"
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_no_progress_across_restarts_exit_code(tmp_path: Path, event_log: Path):
+    from steadfast.launcher import EXIT_NO_PROGRESS
+
+    proc = _launch(
+        tmp_path,
+        "--fault",
+        "always_fail",
+        flags=(*TIMEOUTS, "--max-restarts=10", "--ft-param-max_no_progress_restarts=2"),
+    )
+    assert proc.returncode == EXIT_NO_PROGRESS, (tmp_path / "launcher.log").read_text()[-3000:]
+    assert len(_events(event_log, "restart")) == 2  # then the guard stopped it
+
+
+def test_sigterm_to_the_launcher_stops_the_workers(tmp_path: Path, event_log: Path):
+    proc = _launch(
+        tmp_path, "--step-sleep", "0.5", "--steps", "200", flags=tuple(TIMEOUTS), wait=False
+    )
+    deadline = time.monotonic() + 120
+    while not _events(event_log, "checkpoint_saved"):  # training is under way
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+
+
+def test_calculated_timeouts_are_saved_and_used_after_a_restart(tmp_path: Path, event_log: Path):
+    """A first run learns the step timeout and saves ft_state.json; the next run has no
+    configured step timeout at all, so only the loaded calculated one can catch its
+    hang."""
+    first = _launch(tmp_path / "learn", "--calc-timeouts", flags=tuple(TIMEOUTS))
+    assert first.returncode == 0, (tmp_path / "learn" / "launcher.log").read_text()[-3000:]
+    state = json.loads((tmp_path / "learn" / "ckpt" / "ft_state.json").read_text())
+    learned = state["rank_section_timeouts"]["step"]
+    assert 0 < learned < 2  # 5 x the slowest step seen (ms), not a configured value
+    run = tmp_path / "use"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "ckpt" / "ft_state.json").write_text(json.dumps(state))
+    proc = _launch(
+        run,
+        "--fault",
+        "hang_step",
+        "--fault-step",
+        "4",
+        flags=("--ft-param-rank_section_timeouts=setup:60", "--max-restarts=1"),
+    )
+    assert proc.returncode == 0, (run / "launcher.log").read_text()[-3000:]
+    hung = [e for e in _events(event_log, "rank_hung") if e["cause"] == "section:step"]
+    assert hung and hung[0]["timeout"] == pytest.approx(learned)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_launchers_form_a_two_node_job_and_restart_together(
+    tmp_path: Path, event_log: Path, reference
+):
+    port = _free_port()
+    flags = (
+        *TIMEOUTS,
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=two-nodes",
+        "--max-restarts=2",
+    )
+    workdir = tmp_path / "job"
+    nodes = []
+    for node in range(2):
+        (workdir / f"node{node}").mkdir(parents=True)
+        # one checkpoint directory for both nodes, as on a shared file system
+        nodes.append(
+            _launch(
+                workdir / f"node{node}",
+                "--fault",
+                "hang_step",
+                "--fault-step",
+                "4",
+                flags=flags,
+                nproc=1,
+                wait=False,
+                ckpt=workdir / "ckpt",
+            )
+        )
+    for node in nodes:
+        node.wait(240)
+    logs = [(workdir / f"node{n}" / "launcher.log").read_text()[-3000:] for n in range(2)]
+    assert [n.returncode for n in nodes] == [0, 0], logs
+    hung = [e for e in _events(event_log, "rank_hung") if e["cause"] == "section:step"]
+    assert hung and 1 in {e["rank"] for e in hung}
+    assert len(_events(event_log, "restart")) >= 2  # every node restarted its workers
+    out = torch.load(workdir / "node0" / "out.pt", weights_only=True)
+    assert all(torch.equal(out[k], reference[k]) for k in reference)
