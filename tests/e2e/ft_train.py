@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from steadfast import CheckpointManager
+from steadfast import CheckpointManager, setup_simulated_fault
 from steadfast.monitor import RankMonitorClient, load_ft_state, save_ft_state
 
 FAULTS = (
@@ -52,6 +52,7 @@ def main() -> int:
     ap.add_argument("--calc-timeouts", action="store_true")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--no-ft", action="store_true", help="run without the rank monitor")
+    ap.add_argument("--simulate", default=None, help="a Megatron Bridge simulated_fault_type")
     args = ap.parse_args()
     generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ["RANK"])
@@ -79,6 +80,14 @@ def main() -> int:
     if fault == "always_fail":
         raise RuntimeError("injected: fails before any step, every generation")
     ft.end_section("setup")
+    if args.simulate and generation == 0:
+        setup_simulated_fault(
+            simulate_fault=True,
+            simulated_fault_type=args.simulate,
+            simulated_fault_rank=args.fault_rank,
+            simulated_fault_base_delay=0.5,
+            extra_delay_max=0.3,
+        )
     for step in range(start, args.steps):
         ft.send_heartbeat()
         ft.start_section("step")

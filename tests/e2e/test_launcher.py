@@ -159,6 +159,28 @@ def test_fault_is_detected_and_the_run_recovers_bit_exact(
         assert "most recent call first" in (tmp_path / "launcher.log").read_text()
 
 
+@pytest.mark.parametrize(
+    ("fault_type", "kind", "cause"),
+    [("rank_hung", "rank_hung", "section:step"), ("rank_killed", "rank_failed", "signal SIGKILL")],
+)
+def test_simulated_fault_megatron_bridge_names(
+    tmp_path: Path, event_log: Path, reference, fault_type: str, kind: str, cause: str
+):
+    proc = _launch(
+        tmp_path,
+        "--simulate",
+        fault_type,
+        "--step-sleep",
+        "0.25",
+        flags=(*TIMEOUTS, "--max-restarts=1", "--ft-param-rank_out_of_section_timeout=2"),
+    )
+    _assert_recovered(tmp_path, proc, reference)
+    injected = _events(event_log, "fault_injected")
+    assert [(e["rank"], e["fault"]) for e in injected] == [(1, fault_type)]
+    detected = _events(event_log, kind)
+    assert any(e["rank"] == 1 and e["cause"] in (cause, "out_of_section") for e in detected)
+
+
 def test_rank_without_a_first_heartbeat(tmp_path: Path, event_log: Path, reference):
     proc = _launch(
         tmp_path,
