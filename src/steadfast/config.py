@@ -117,6 +117,9 @@ class FaultToleranceConfig:
             are stopped for a restart or a shutdown.
         max_no_progress_restarts: Stop restarting (exit code 76) after this many
             consecutive restarts in which no rank completed a step; 0 disables the guard.
+        num_job_retries_on_failure: Job retries (Megatron Bridge's name): when the
+            in-job restarts are spent under Slurm, requeue the job while
+            ``SLURM_RESTART_COUNT`` is below this (exit code 78); 0 never requeues.
     """
 
     workload_check_interval: float = 5.0
@@ -130,6 +133,7 @@ class FaultToleranceConfig:
     num_warmup_iterations: int = 5
     workers_stop_timeout: float = 15.0
     max_no_progress_restarts: int = 3
+    num_job_retries_on_failure: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -176,6 +180,12 @@ class FaultToleranceConfig:
         )
         self.workers_stop_timeout = float(
             require_number(p + "workers_stop_timeout", self.workers_stop_timeout, minimum=0)
+        )
+        self.num_job_retries_on_failure = require_number(
+            p + "num_job_retries_on_failure",
+            self.num_job_retries_on_failure,
+            minimum=0,
+            integer=True,
         )
         self.max_no_progress_restarts = require_number(
             p + "max_no_progress_restarts",

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 
 from .config import ConfigError
 
-__all__ = ["SLURMInfo", "get_slurm_info", "is_slurm_job", "is_slurm_requeue", "log_job_info"]
+__all__ = [
+    "SLURMInfo",
+    "get_slurm_info",
+    "is_slurm_job",
+    "is_slurm_requeue",
+    "log_job_info",
+    "requeue_job",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -118,3 +125,32 @@ def log_job_info() -> None:
     )
     if info.is_requeued:
         logger.info("Job was requeued (restart #%d) - will auto-resume", info.restart_count)
+
+
+def requeue_job(job_id: str | None = None, timeout: float = 60.0) -> bool:
+    """Ask Slurm to requeue the job (``scontrol requeue <job_id>``, default this job):
+    the job retry after in-job restarts are spent. True if scontrol accepted it; the
+    reason is logged when it did not (no scontrol, a job that is not requeueable...)."""
+    import subprocess
+
+    from . import events
+
+    job = job_id or os.environ.get("SLURM_JOB_ID")
+    if not job:
+        logger.error("cannot requeue: not a Slurm job (SLURM_JOB_ID is not set)")
+        return False
+    try:
+        proc = subprocess.run(
+            ["scontrol", "requeue", job], capture_output=True, text=True, timeout=timeout
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        logger.error("scontrol requeue %s failed: %s", job, exc)
+        return False
+    if proc.returncode != 0:
+        logger.error(
+            "scontrol requeue %s failed (exit %d): %s", job, proc.returncode, proc.stderr.strip()
+        )
+        return False
+    events.emit("job_requeued", cause="restarts_exhausted", slurm_job=job)
+    logger.warning("requeued Slurm job %s", job)
+    return True

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from steadfast import CheckpointManager, setup_simulated_fault
+from steadfast import CheckpointManager, ShutdownHandler, setup_simulated_fault
 from steadfast.monitor import RankMonitorClient, load_ft_state, save_ft_state
 
 FAULTS = (
@@ -53,6 +53,7 @@ def main() -> int:
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--no-ft", action="store_true", help="run without the rank monitor")
     ap.add_argument("--simulate", default=None, help="a Megatron Bridge simulated_fault_type")
+    ap.add_argument("--graceful", action="store_true", help="save and stop on SIGTERM")
     args = ap.parse_args()
     generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ["RANK"])
@@ -80,6 +81,9 @@ def main() -> int:
     if fault == "always_fail":
         raise RuntimeError("injected: fails before any step, every generation")
     ft.end_section("setup")
+    stop = ShutdownHandler(timeout_sec=30, agree=True) if args.graceful else None
+    if stop is not None:
+        stop.register()
     if args.simulate and generation == 0:
         setup_simulated_fault(
             simulate_fault=True,
@@ -108,6 +112,12 @@ def main() -> int:
         ft.end_section("step")
         if fault == "hang_out_of_section" and step == args.fault_step:
             time.sleep(3600)
+        if stop is not None and stop.should_shutdown(step):  # every rank, the same step
+            ft.start_section("checkpointing")
+            ckpt.save_emergency(step + 1, {"model": model.module, "optim": opt})
+            ft.end_section("checkpointing")
+            stop.finish()
+            break
         if (step + 1) % 2 == 0:
             ft.start_section("checkpointing")
             if fault == "hang_checkpointing" and step + 1 == args.fault_step:

@@ -209,6 +209,40 @@ def test_restarts_exhausted_exit_code(tmp_path: Path, event_log: Path):
     assert not (tmp_path / "out.pt").exists()
 
 
+@pytest.mark.parametrize(("restart_count", "requeued"), [(None, True), ("2", False)])
+def test_job_retry_requeues_the_slurm_job(
+    tmp_path: Path, event_log: Path, monkeypatch: pytest.MonkeyPatch, restart_count, requeued
+):
+    """A stand-in ``scontrol`` on PATH records the call (a real Slurm is the Slurm
+    issue's test); SLURM_RESTART_COUNT is unset until the first requeue, as in Slurm."""
+    from steadfast.launcher import EXIT_REQUEUED, EXIT_RESTARTS_EXHAUSTED
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    scontrol = bindir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    if restart_count is None:
+        monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_RESTART_COUNT", restart_count)
+    proc = _launch(
+        tmp_path / "run",
+        "--fault",
+        "kill",
+        flags=(*TIMEOUTS, "--max-restarts=0", "--ft-num_job_retries_on_failure", "2"),
+    )
+    if requeued:
+        assert proc.returncode == EXIT_REQUEUED
+        assert calls.read_text().split() == ["requeue", "4242"]
+        assert _events(event_log, "job_requeued")[0]["slurm_job"] == "4242"
+    else:  # retries spent: no requeue
+        assert proc.returncode == EXIT_RESTARTS_EXHAUSTED and not calls.exists()
+
+
 def test_no_progress_across_restarts_exit_code(tmp_path: Path, event_log: Path):
     from steadfast.launcher import EXIT_NO_PROGRESS
 
@@ -222,9 +256,16 @@ def test_no_progress_across_restarts_exit_code(tmp_path: Path, event_log: Path):
     assert len(_events(event_log, "restart")) == 2  # then the guard stopped it
 
 
-def test_sigterm_to_the_launcher_stops_the_workers(tmp_path: Path, event_log: Path):
+def test_sigterm_to_the_launcher_reaches_the_workers_which_save(tmp_path: Path, event_log: Path):
     proc = _launch(
-        tmp_path, "--step-sleep", "0.5", "--steps", "200", flags=tuple(TIMEOUTS), wait=False
+        tmp_path,
+        "--step-sleep",
+        "0.3",
+        "--steps",
+        "200",
+        "--graceful",
+        flags=tuple(TIMEOUTS),
+        wait=False,
     )
     deadline = time.monotonic() + 120
     while not _events(event_log, "checkpoint_saved"):  # training is under way
@@ -232,6 +273,12 @@ def test_sigterm_to_the_launcher_stops_the_workers(tmp_path: Path, event_log: Pa
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 128 + signal.SIGTERM
+    requested = _events(event_log, "shutdown_requested")
+    assert sorted(e["rank"] for e in requested) == [0, 1]  # forwarded to every worker
+    agreed = _events(event_log, "shutdown_agreed")
+    saved = _events(event_log, "checkpoint_saved")
+    assert agreed and saved[-1]["step"] == agreed[0]["step"] + 1  # the emergency save
+    assert _events(event_log, "rank_failed") == []  # a clean stop, not a crash
 
 
 def test_calculated_timeouts_are_saved_and_used_after_a_restart(tmp_path: Path, event_log: Path):

@@ -14,6 +14,8 @@ Exit codes (for job scripts that decide whether to requeue):
 2    bad flags or FT config (one message names the flag, field or file)
 76   no progress: ``max_no_progress_restarts`` consecutive restarts completed no step
 77   the workers failed and the in-job restarts (``--max-restarts``) are spent
+78   as 77, and the Slurm job was requeued (``num_job_retries_on_failure`` >
+     ``SLURM_RESTART_COUNT``; only the launcher with ``SLURM_PROCID`` 0 requeues)
 128+N the launcher was stopped by signal N (SIGTERM: 143, SIGINT: 130); the workers got
      the signal and ``workers_stop_timeout`` seconds to save before SIGKILL
 ==== ===================================================================================
@@ -33,6 +35,7 @@ __all__ = [
     "EXIT_BAD_CONFIG",
     "EXIT_NO_PROGRESS",
     "EXIT_OK",
+    "EXIT_REQUEUED",
     "EXIT_RESTARTS_EXHAUSTED",
     "main",
 ]
@@ -43,6 +46,7 @@ EXIT_OK = 0
 EXIT_BAD_CONFIG = 2
 EXIT_NO_PROGRESS = 76
 EXIT_RESTARTS_EXHAUSTED = 77
+EXIT_REQUEUED = 78
 
 
 def _launch(argv: list[str]) -> int:
@@ -122,12 +126,28 @@ def _launch(argv: list[str]) -> int:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
     if result is not None and result.is_failed():
+        logger.error("steadfast launch: workers failed and in-job restarts are spent")
+        return _job_retry(split.ft.num_job_retries_on_failure)
+    return EXIT_OK
+
+
+def _job_retry(retries: int) -> int:
+    """Requeue the Slurm job when job retries remain (the launcher of SLURM_PROCID 0)."""
+    from ..slurm import get_slurm_info, requeue_job
+
+    info = get_slurm_info()
+    if info is None or retries <= 0:
+        return EXIT_RESTARTS_EXHAUSTED
+    if info.restart_count >= retries:
         logger.error(
-            "steadfast launch: workers failed and in-job restarts are spent (exit %d)",
-            EXIT_RESTARTS_EXHAUSTED,
+            "job retries spent (SLURM_RESTART_COUNT=%d, num_job_retries_on_failure=%d)",
+            info.restart_count,
+            retries,
         )
         return EXIT_RESTARTS_EXHAUSTED
-    return EXIT_OK
+    if os.environ.get("SLURM_PROCID", "0") != "0":
+        return EXIT_REQUEUED  # the launcher of SLURM_PROCID 0 asks Slurm
+    return EXIT_REQUEUED if requeue_job(info.job_id) else EXIT_RESTARTS_EXHAUSTED
 
 
 def main(argv: list[str] | None = None) -> int:
