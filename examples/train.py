@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +39,7 @@ from steadfast import (
     log_job_info,
     world_info,
 )
+from steadfast.monitor import HB_TABLE_ENV, RankMonitorClient
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,6 +59,8 @@ def parse_args() -> argparse.Namespace:
         help="auto: nccl when every local rank has its own GPU, else gloo",
     )
     p.add_argument("--progress-dir", type=Path, default=None, help="per-rank 'pid step' files")
+    p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL --kill-rank at this step")
+    p.add_argument("--kill-rank", type=int, default=1)
     return p.parse_args()
 
 
@@ -66,8 +71,21 @@ def batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :4].sum(dim=1, keepdim=True) + 0.1 * torch.randn(16, 1, generator=g)
 
 
+class _Unmonitored:
+    """Stands in for RankMonitorClient when the script runs under plain torchrun."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
 def main() -> int:
     args = parse_args()
+    generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    ft: Any = _Unmonitored()
+    if os.environ.get(HB_TABLE_ENV):  # under steadfast launch: report sections
+        ft = RankMonitorClient()
+        ft.init_workload_monitoring()
+    ft.start_section("setup")
     backend = args.backend
     if backend == "auto":
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -101,7 +119,9 @@ def main() -> int:
         resume = args.ckpt_dir / f"step_{start}"  # the checkpoint actually loaded
 
     def save(done: int) -> None:
+        ft.start_section("checkpointing")
         ckpt.save(done, {"model": model.module, "optim": opt, "nan": detector})
+        ft.end_section("checkpointing")
 
     events.emit(
         "job_start",
@@ -116,9 +136,16 @@ def main() -> int:
             flush=True,
         )
 
+    ft.end_section("setup")
     step = start
     reason = "completed"
     for step in range(start, args.steps):
+        if step == args.kill_at and info.rank == args.kill_rank and generation == 0:
+            events.emit("fault_injected", step=step, cause="rank_killed", fault="rank_killed")
+            print(f"[train] rank {info.rank}: SIGKILL to myself at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)  # a crashed rank: the launcher restarts all
+        ft.send_heartbeat()
+        ft.start_section("step")
         x, y = (t.to(device) for t in batch(args.seed, step, info.rank))
         loss = torch.nn.functional.mse_loss(model(x), y)
         if step in nan_steps and info.rank == args.nan_rank:
@@ -132,6 +159,7 @@ def main() -> int:
             print(
                 f"[train] step {step}: NaN seen by all ranks -> optimizer step skipped", flush=True
             )
+        ft.end_section("step")
         if args.progress_dir is not None:
             args.progress_dir.mkdir(parents=True, exist_ok=True)
             (args.progress_dir / f"rank{info.rank}").write_text(f"{os.getpid()} {step}")
@@ -152,6 +180,7 @@ def main() -> int:
 
     handler.finish()
     ckpt.close()
+    ft.shutdown_workload_monitoring()
     if reason == "completed" and args.out is not None and info.rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, args.out)

@@ -42,15 +42,20 @@ def _find_train_script(explicit: str | None) -> Path:
     )
 
 
-def _torchrun(
+def _launch(
     nproc: int, script: Path, args: list[str], env: dict[str, str]
 ) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "steadfast.cli",
+        "launch",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        "--max-restarts=2",
+        "--monitor-interval=0.1",
+        "--ft-param-rank_section_timeouts=setup:120,step:20,checkpointing:60",
+        "--ft-param-rank_out_of_section_timeout=30",
         str(script),
         *args,
     ]
@@ -88,6 +93,8 @@ def _demo(ns: argparse.Namespace) -> int:
     steps, sigterm_at = ns.steps, ns.sigterm_at
     if not 0 < sigterm_at < steps - 1:
         raise SystemExit(f"steadfast demo: --sigterm-at must be between 1 and {steps - 2}")
+    if not 0 < ns.kill_at < sigterm_at:
+        raise SystemExit("steadfast demo: --kill-at must be between 1 and --sigterm-at")
     nan_steps = ns.nan_steps
     common = [
         "--steps",
@@ -106,7 +113,7 @@ def _demo(ns: argparse.Namespace) -> int:
     # 1. reference run, no interruption
     say(f"1/3 fault-free reference: {ns.nproc} ranks x {steps} steps (NaN on steps {nan_steps})")
     ref_env = dict(env, STEADFAST_EVENTS=str(work / "reference" / "events.jsonl"))
-    ref = _torchrun(
+    ref = _launch(
         ns.nproc,
         script,
         [
@@ -136,8 +143,12 @@ def _demo(ns: argparse.Namespace) -> int:
         "--progress-dir",
         str(work / "run" / "progress"),
     ]
-    say(f"2/3 faulted run: SIGTERM to rank {ns.nproc - 1} once it passes step {sigterm_at}")
-    proc = _torchrun(ns.nproc, script, run_args, run_env)
+    faulted_args = [*run_args, "--kill-at", str(ns.kill_at), "--kill-rank", str(ns.nproc - 1)]
+    say(
+        f"2/3 faulted run under steadfast launch: rank {ns.nproc - 1} killed at step "
+        f"{ns.kill_at} (in-job restart), then SIGTERM once it passes step {sigterm_at}"
+    )
+    proc = _launch(ns.nproc, script, faulted_args, run_env)
     target = ns.nproc - 1
     sent = False
     deadline = time.monotonic() + 300
@@ -159,7 +170,7 @@ def _demo(ns: argparse.Namespace) -> int:
 
     # 3. rerun: resumes from the latest checkpoint
     say("3/3 rerun: resume from the latest checkpoint")
-    rerun = _torchrun(ns.nproc, script, run_args, run_env)
+    rerun = _launch(ns.nproc, script, run_args, run_env)
     if rerun.wait() != 0:
         say(f"rerun failed with exit code {rerun.returncode}")
         return 1
@@ -176,11 +187,16 @@ def _demo(ns: argparse.Namespace) -> int:
             "shutdown_agreed",
             "checkpoint_saved",
             "job_start",
+            "fault_injected",
+            "rank_failed",
+            "rank_hung",
+            "restart",
         ):
             extra = {
                 k: v
                 for k, v in e.fields.items()
-                if k in ("resumed_from", "ranks_affected", "ranks_signalled", "path")
+                if k
+                in ("resumed_from", "ranks_affected", "ranks_signalled", "path", "restart_count")
             }
             print(
                 f"  rank {e.rank} step {e.step}: {e.kind} ({e.cause}) "
@@ -206,7 +222,14 @@ def _demo(ns: argparse.Namespace) -> int:
         f"in {run_events}"
     )
     print(f"  final parameters equal the fault-free run bit for bit: {'YES' if exact else 'NO'}")
-    ok = exact and same_step and kinds["nan_detected"] > 0 and kinds["shutdown_requested"] > 0
+    print(f"  in-job restarts after a killed rank: {kinds['restart']}")
+    ok = (
+        exact
+        and same_step
+        and kinds["nan_detected"] > 0
+        and kinds["shutdown_requested"] > 0
+        and kinds["restart"] > 0
+    )
     print(f"  verdict: {'every injected fault was detected and recovered' if ok else 'FAILED'}")
     return 0 if ok else 1
 
@@ -231,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--save-every", type=int, default=10)
     demo.add_argument("--nan-steps", default="12", help="comma-separated NaN steps")
     demo.add_argument("--sigterm-at", type=int, default=22, help="step to send SIGTERM at")
+    demo.add_argument("--kill-at", type=int, default=16, help="step a rank is SIGKILLed at")
     demo.add_argument("--step-sleep", type=float, default=0.05)
     demo.add_argument("--script", default=None, help="training script (default examples/train.py)")
     demo.set_defaults(func=_demo)

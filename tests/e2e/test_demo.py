@@ -1,4 +1,5 @@
-"""The foundation demo end to end: torchrun, 2 gloo ranks, a NaN, a real SIGTERM, a resume."""
+"""The demo end to end under steadfast launch: 2 gloo ranks, a NaN, a killed rank and its
+in-job restart, a real SIGTERM, a resume."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def test_demo_detects_recovers_and_matches_bit_for_bit(tmp_path: Path):
     work = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "steadfast.cli", "demo", "--workdir", str(work), "--steps", "24",
-         "--save-every", "8", "--nan-steps", "5", "--sigterm-at", "13", "--step-sleep", "0.05"],
+         "--save-every", "8", "--nan-steps", "5", "--kill-at", "10", "--sigterm-at", "13",
+         "--step-sleep", "0.05"],
         cwd=REPO, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     out = proc.stdout
@@ -28,14 +30,20 @@ def test_demo_detects_recovers_and_matches_bit_for_bit(tmp_path: Path):
     evs = [json.loads(x) for x in (work / "run" / "events.jsonl").read_text().splitlines()]
     nan = [e for e in evs if e["kind"] == "nan_detected"]
     assert [(e["rank"], e["step"]) for e in nan] == [(1, 5)]  # detected where injected
-    assert [e["rank"] for e in evs if e["kind"] == "shutdown_requested"] == [1]
+    killed = [e for e in evs if e["kind"] == "rank_failed" and e["cause"] == "signal SIGKILL"]
+    assert [e["rank"] for e in killed] == [1]
+    assert [e["restart_count"] for e in evs if e["kind"] == "restart"] == [1]
+    # the demo's SIGTERM reached rank 1 after the restart (rank 0's came from the launcher
+    # stopping the survivors of the kill)
+    assert 1 in [e["rank"] for e in evs if e["kind"] == "shutdown_requested"]
     stops = {
         e["rank"]: e["step"] for e in evs if e["kind"] == "job_end" and e["cause"] == "shutdown"
     }
     assert len(stops) == 2 and len(set(stops.values())) == 1
     resumed = [e for e in evs if e["kind"] == "job_start" and e["resumed_from"]]
-    assert len(resumed) == 2
-    assert resumed[0]["resumed_from"].endswith(f"step_{stops[0]}")  # resumed where it stopped
+    assert len(resumed) == 4  # after the in-job restart, and after the stop
+    assert resumed[0]["resumed_from"].endswith("step_8")  # the checkpoint before the kill
+    assert resumed[-1]["resumed_from"].endswith(f"step_{stops[0]}")  # resumed where it stopped
 
 
 def test_demo_rejects_bad_sigterm_step(tmp_path: Path):

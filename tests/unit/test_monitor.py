@@ -324,3 +324,20 @@ def test_watcher_leaves_a_rank_that_shut_down_alone():
         watcher.stop()
         tab.close()
     assert proc.returncode == 0 and watcher.hangs == []
+
+
+def test_a_table_left_by_a_killed_launcher_is_removed(tmp_path: Path):
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = int(proc.stdout)  # a pid that no longer runs
+    orphan = tmp_path / f"steadfast-hb-{dead}-deadbeef"
+    orphan.write_bytes(b"\0" * 4096)
+    mine = HeartbeatTable.create(rows=1, directory=tmp_path)
+    try:
+        assert not orphan.exists() and mine.path.exists()
+    finally:
+        mine.close()

@@ -57,6 +57,22 @@ _NAMES_OFFSET = SLOTS * 8
 assert _NAMES_OFFSET + MAX_SECTIONS * NAME_BYTES <= ROW_BYTES
 
 
+def _remove_orphans(base: Path) -> None:
+    """Remove tables left by launchers that died without cleaning up (SIGKILL, OOM):
+    the creator's pid is in the name, and a table whose creator is gone is garbage."""
+    for entry in base.glob("steadfast-hb-*-*"):
+        try:
+            pid = int(entry.name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            entry.unlink(missing_ok=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 def _inf(value: float | None) -> float:
     return math.inf if value is None else float(value)
 
@@ -109,6 +125,7 @@ class HeartbeatTable:
         base = Path(directory) if directory else Path("/dev/shm")
         if not base.is_dir():
             base = Path(tempfile.gettempdir())
+        _remove_orphans(base)
         path = base / f"steadfast-hb-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
