@@ -1,0 +1,51 @@
+"""`steadfast launch` command line: torchrun's flags pass through, --ft-* flags become the
+FT config, and nothing after the training script is taken by the launcher."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torch.distributed import run as torchrun
+
+from steadfast import ConfigError
+from steadfast.launcher import main
+from steadfast.launcher.args import split_argv
+
+
+def _split(argv: list[str]):
+    return split_argv(argv, torchrun.get_args_parser())
+
+
+def test_ft_flags_are_taken_and_torchrun_flags_pass_through():
+    split = _split([
+        "--nproc-per-node", "2", "--max-restarts=3",
+        "--ft-param-rank_section_timeouts=setup:600,step:180,checkpointing:420",
+        "--ft-rank_out_of_section_timeout", "300",
+        "--ft-param-rank-heartbeat-timeout", "null",
+        "--rdzv-endpoint", "host:29500",
+        "train.py", "--ft-param-safety_factor=9", "--nproc-per-node", "7",
+    ])  # fmt: skip
+    assert split.torchrun_argv == [
+        "--nproc-per-node", "2", "--max-restarts=3", "--rdzv-endpoint", "host:29500",
+        "train.py", "--ft-param-safety_factor=9", "--nproc-per-node", "7",
+    ]  # fmt: skip
+    ft = split.ft
+    assert ft.rank_section_timeouts == {"setup": 600, "step": 180, "checkpointing": 420}
+    assert ft.rank_out_of_section_timeout == 300 and ft.rank_heartbeat_timeout is None
+    assert ft.safety_factor == 5.0  # the script's own flag was not taken
+
+
+def test_module_and_yaml(tmp_path: Path):
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text("fault_tolerance:\n  rank_section_timeouts: {step: 10}\n  safety_factor: 3\n")
+    split = _split(["--ft-cfg-path", str(cfg), "--ft-safety_factor=4", "-m", "pkg.train", "-x"])
+    assert split.torchrun_argv == ["-m", "pkg.train", "-x"]
+    assert split.ft.rank_section_timeouts == {"step": 10.0} and split.ft.safety_factor == 4.0
+
+
+def test_bad_ft_flag_is_one_clear_error(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(ConfigError, match="--ft-param-step_timeout=3: unknown fault_tolerance field"):
+        _split(["--ft-param-step_timeout=3", "train.py"])
+    assert main(["--nproc-per-node=1", "--ft-rank_heartbeat_timeout", "-5", "train.py"]) == 2
+    assert "rank_heartbeat_timeout: must be > 0" in capsys.readouterr().err
