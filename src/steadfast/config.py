@@ -120,6 +120,8 @@ class FaultToleranceConfig:
         num_job_retries_on_failure: Job retries (Megatron Bridge's name): when the
             in-job restarts are spent under Slurm, requeue the job while
             ``SLURM_RESTART_COUNT`` is below this (exit code 78); 0 never requeues.
+        worker_template: Start script workers by forking a template process that has
+            imported torch already, so a (re)start does not pay ``import torch`` again.
     """
 
     workload_check_interval: float = 5.0
@@ -134,6 +136,7 @@ class FaultToleranceConfig:
     workers_stop_timeout: float = 15.0
     max_no_progress_restarts: int = 3
     num_job_retries_on_failure: int = 0
+    worker_template: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -181,6 +184,15 @@ class FaultToleranceConfig:
         self.workers_stop_timeout = float(
             require_number(p + "workers_stop_timeout", self.workers_stop_timeout, minimum=0)
         )
+        if not isinstance(self.worker_template, bool):
+            if str(self.worker_template).lower() in ("true", "1", "yes"):
+                self.worker_template = True
+            elif str(self.worker_template).lower() in ("false", "0", "no"):
+                self.worker_template = False
+            else:
+                raise ConfigError(
+                    f"{p}worker_template: expected true or false, got {self.worker_template!r}"
+                )
         self.num_job_retries_on_failure = require_number(
             p + "num_job_retries_on_failure",
             self.num_job_retries_on_failure,

@@ -45,7 +45,9 @@ def test_module_and_yaml(tmp_path: Path):
 
 
 def test_bad_ft_flag_is_one_clear_error(capsys: pytest.CaptureFixture[str]):
-    with pytest.raises(ConfigError, match="--ft-param-step_timeout=3: unknown fault_tolerance field"):
+    with pytest.raises(
+        ConfigError, match="--ft-param-step_timeout=3: unknown fault_tolerance field"
+    ):
         _split(["--ft-param-step_timeout=3", "train.py"])
     assert main(["--nproc-per-node=1", "--ft-rank_heartbeat_timeout", "-5", "train.py"]) == 2
     assert "rank_heartbeat_timeout: must be > 0" in capsys.readouterr().err

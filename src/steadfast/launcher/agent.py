@@ -28,6 +28,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from .. import events
 from ..config import FaultToleranceConfig
 from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
+from .template import Template
 
 __all__ = ["FTAgent", "NoProgressError"]
 
@@ -54,10 +55,15 @@ class FTAgent(LocalElasticAgent):
         self.watcher.start()
         self.no_progress_restarts = 0
         self.restarts = 0
+        self.template: Template | None = None
+        if ft.worker_template:
+            self.template = Template()  # imports torch now, in parallel with the rendezvous
 
     def close(self) -> None:
         """Stop the watcher and remove the heartbeat table."""
         self.watcher.stop()
+        if self.template is not None:
+            self.template.close()
         self.table.close()
         for name in (HB_TABLE_ENV, FT_CONFIG_ENV):
             os.environ.pop(name, None)
@@ -79,7 +85,21 @@ class FTAgent(LocalElasticAgent):
                 ft.rank_heartbeat_timeout,
                 ft.rank_out_of_section_timeout,
             )
-        ids = super()._start_workers(worker_group)
+        if self.template is not None:
+            from torch.distributed.elastic.agent.server import local_elastic_agent as lea
+
+            from .template import template_start_processes
+
+            # torch's agent calls the start_processes of its own module; for this call it
+            # is one that forks script workers from the template
+            original = getattr(lea, "start_processes")  # noqa: B009
+            setattr(lea, "start_processes", template_start_processes(self.template, original))  # noqa: B010
+            try:
+                ids = super()._start_workers(worker_group)
+            finally:
+                setattr(lea, "start_processes", original)  # noqa: B010
+        else:
+            ids = super()._start_workers(worker_group)
         pcontext = self._pcontext
         if pcontext is not None:
             self.watcher.watch(pcontext.pids())

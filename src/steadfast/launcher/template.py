@@ -1,0 +1,410 @@
+"""Worker template: start (and restart) workers by forking a process that has already
+imported torch, instead of starting a new interpreter that imports it again.
+
+A new worker pays ~1.2 s for ``import torch`` on every start and every in-job restart.
+The launcher starts one *template* process per node that imports torch (without running
+any torch operation, so no thread pool or CUDA context exists yet) and then waits for
+requests. For each worker it forks a child that becomes a session leader, takes the
+worker's environment, argv, and working directory, and runs the training script with
+``runpy`` as ``__main__``. The template reaps its children and reports each exit status
+to the launcher, which sees the workers through a ``Popen``-like object (pid, poll,
+wait) so torch's elastic agent manages them as usual.
+
+Used for ``python [-u] script.py ...`` and ``python [-u] -m module ...`` workers whose
+output is not redirected by the launcher (torchrun's ``--redirects`` / ``--tee`` /
+``--log-dir``); everything else is started as a new process, as by torchrun.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+__all__ = ["Template", "TemplateProc", "parse_python_argv"]
+
+logger = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("!I")
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    data = json.dumps(message).encode()
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv(sock: socket.socket) -> dict[str, Any] | None:
+    header = _recv_exact(sock, _HEADER.size)
+    if header is None:
+        return None
+    body = _recv_exact(sock, _HEADER.unpack(header)[0])
+    return None if body is None else dict(json.loads(body))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    chunks = bytearray()
+    while len(chunks) < n:
+        chunk = sock.recv(n - len(chunks))
+        if not chunk:
+            return None
+        chunks += chunk
+    return bytes(chunks)
+
+
+def parse_python_argv(argv: list[str]) -> tuple[str, str, list[str]] | None:
+    """``(kind, target, args)`` for ``python [-u] script.py args`` (kind ``path``) or
+    ``python [-u] -m module args`` (kind ``module``); None for anything else."""
+    rest = list(argv)
+    while rest and rest[0] == "-u":
+        rest.pop(0)
+    if len(rest) >= 2 and rest[0] == "-m":
+        return "module", rest[1], rest[2:]
+    if rest and not rest[0].startswith("-"):
+        return "path", rest[0], rest[1:]
+    return None
+
+
+# ---------------------------------------------------------------------- template side
+def _run_child(request: dict[str, Any]) -> int:
+    """In the forked child: become the worker and run its script; the exit code."""
+    import runpy
+    import traceback
+
+    with contextlib.suppress(OSError):  # its own process group (the template set it too)
+        os.setpgid(0, 0)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    opened: dict[str, int] = {}
+    for fd, path in ((1, request.get("stdout")), (2, request.get("stderr"))):
+        if path:  # torchrun's --redirects / --log-dir: the worker writes to its file
+            if path not in opened:  # one open file (one offset) when both go to one path
+                opened[path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(opened[path], fd)
+    for target_fd in opened.values():
+        os.close(target_fd)
+    kind, target, args = request["kind"], request["target"], request["args"]
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # like -u
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    try:
+        if kind == "module":
+            sys.argv = [target, *args]
+            sys.path.insert(0, request["cwd"])
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None:
+            code = 0
+        elif isinstance(exc.code, int):
+            code = exc.code
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
+
+
+def serve(fd: int) -> None:
+    """The template's main loop (``python -m steadfast.launcher.template FD``)."""
+    import torch
+    import torch.distributed
+    import torch.nn.parallel  # noqa: F401
+
+    sock = socket.socket(fileno=fd)
+    children: set[int] = set()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher decides when we go
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    _send(sock, {"ready": os.getpid()})
+    try:
+        while True:
+            for key, _ in sel.select():
+                if key.fileobj == wake_r:
+                    os.read(wake_r, 512)
+                    _reap(sock, children)
+                    continue
+                request = _recv(sock)
+                if request is None:  # the launcher is gone
+                    return
+                pid = os.fork()
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    sel.close()
+                    sock.close()
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    os._exit(_run_child(request))
+                # its own process group before anyone learns its pid, so that a killpg
+                # right after the spawn cannot miss it (the child sets it too: no race)
+                with contextlib.suppress(OSError):
+                    os.setpgid(pid, pid)
+                children.add(pid)
+                _send(sock, {"spawned": pid, "id": request["id"]})
+            _reap(sock, children)
+    finally:
+        for pid in children:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        while children:
+            with contextlib.suppress(ChildProcessError):
+                pid, _ = os.wait()
+                children.discard(pid)
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        with contextlib.suppress(OSError):
+            _send(sock, {"exited": pid, "code": code})
+
+
+# ---------------------------------------------------------------------- launcher side
+class TemplateProc:
+    """The ``Popen`` subset torch's agent uses (pid, poll, wait, returncode) for a worker
+    forked by the template; the exit status comes from the template."""
+
+    def __init__(self, template: Template, pid: int) -> None:
+        self._template = template
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit code once the worker ended (negative: killed by that signal)."""
+        if self.returncode is None:
+            self.returncode = self._template.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the worker to end, like ``Popen.wait``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("template worker", timeout or 0.0)
+            self._template.wait_for_exit(0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class Template:
+    """The launcher's handle on the template process."""
+
+    def __init__(self) -> None:
+        parent, child = socket.socketpair()
+        self._sock = parent
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "steadfast.launcher.template", str(child.fileno())],
+            pass_fds=(child.fileno(),),
+            start_new_session=True,
+        )
+        child.close()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._exits: dict[int, int] = {}
+        self._spawned: dict[int, int] = {}
+        self._next_id = 0
+        self._ready = threading.Event()
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, name="steadfast-template", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = _recv(self._sock)
+            except OSError:
+                message = None
+            with self._cond:
+                if message is None:
+                    self._closed = True
+                    self._cond.notify_all()
+                    self._ready.set()
+                    return
+                if "ready" in message:
+                    self._ready.set()
+                elif "spawned" in message:
+                    self._spawned[int(message["id"])] = int(message["spawned"])
+                elif "exited" in message:
+                    self._exits[int(message["exited"])] = int(message["code"])
+                self._cond.notify_all()
+
+    def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str | None = None,
+        stdout: str | None = None,
+        stderr: str | None = None,
+    ) -> TemplateProc:
+        """Fork a worker running ``python argv...`` with ``env`` (output to the given
+        files, else inherited)."""
+        parsed = parse_python_argv(argv)
+        if parsed is None:
+            raise ValueError(f"not a python script or module command line: {argv}")
+        kind, target, args = parsed
+        if not self._ready.wait(120) or self._closed:
+            raise RuntimeError("the worker template process did not start")
+        with self._lock:
+            self._next_id += 1
+            request_id = self._next_id
+            _send(
+                self._sock,
+                {
+                    "id": request_id,
+                    "kind": kind,
+                    "target": target,
+                    "args": args,
+                    "env": env,
+                    "cwd": cwd or os.getcwd(),
+                    "stdout": stdout,
+                    "stderr": stderr,
+                },
+            )
+        with self._cond:
+            while request_id not in self._spawned:
+                if self._closed:
+                    raise RuntimeError("the worker template process exited")
+                self._cond.wait(1.0)
+            pid = self._spawned.pop(request_id)
+        return TemplateProc(self, pid)
+
+    def exit_code(self, pid: int) -> int | None:
+        """The worker's exit code, or None while it runs."""
+        with self._cond:
+            code = self._exits.get(pid)
+            if code is None and self._closed:
+                return -signal.SIGKILL  # the template is gone, and its workers with it
+            return code
+
+    def wait_for_exit(self, timeout: float) -> None:
+        """Block until some worker exits or ``timeout`` passes."""
+        with self._cond:
+            self._cond.wait(timeout)
+
+    def close(self) -> None:
+        """Stop the template (it kills any worker still running) and wait for it."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join(5)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
+
+
+# ---------------------------------------------------------------------- torch's agent glue
+def template_start_processes(template: Template, original: Any) -> Any:
+    """A stand-in for torch's ``start_processes`` that forks script workers from
+    ``template`` and falls back to ``original`` for anything else."""
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    class _Handler:
+        def __init__(self, proc: TemplateProc, stdout: str | None, stderr: str | None) -> None:
+            self.proc = proc
+            self.local_rank_id = 0
+
+        def close(self, death_sig: signal.Signals | None = None) -> None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
+
+    class _TemplateContext(SubprocessContext):
+        def _start(self) -> None:
+            handlers = {}
+            for local_rank in range(self.nprocs):
+                env = os.environ.copy()
+                env.update(self.envs[local_rank])
+                argv = [str(a) for a in self.args[local_rank]]
+                out = self.stdouts[local_rank] or None
+                err = self.stderrs[local_rank] or None
+                proc = template.spawn(argv, env, stdout=out, stderr=err)
+                handlers[local_rank] = _Handler(proc, out, err)
+            self.subprocess_handlers = handlers  # type: ignore[assignment]
+
+    def start_processes(
+        name: str,
+        entrypoint: Any,
+        args: dict[int, tuple[Any, ...]],
+        envs: dict[int, dict[str, str]],
+        logs_specs: Any,
+        log_line_prefixes: Any = None,
+        start_method: str = "spawn",
+        numa_options: Any = None,
+        duplicate_stdout_filters: Any = None,
+        duplicate_stderr_filters: Any = None,
+    ) -> Any:
+        usable = (
+            entrypoint == sys.executable
+            and numa_options is None
+            and all(parse_python_argv([str(a) for a in argv]) for argv in args.values())
+        )
+        if not usable:
+            return original(
+                name=name,
+                entrypoint=entrypoint,
+                args=args,
+                envs=envs,
+                logs_specs=logs_specs,
+                log_line_prefixes=log_line_prefixes,
+                start_method=start_method,
+                numa_options=numa_options,
+                duplicate_stdout_filters=duplicate_stdout_filters,
+                duplicate_stderr_filters=duplicate_stderr_filters,
+            )
+        context = _TemplateContext(
+            name=name,
+            entrypoint=entrypoint,
+            args=args,
+            envs=envs,
+            logs_specs=logs_specs,
+            log_line_prefixes=log_line_prefixes,
+            duplicate_stdout_filters=duplicate_stdout_filters,
+            duplicate_stderr_filters=duplicate_stderr_filters,
+        )
+        context.start()
+        return context
+
+    return start_processes

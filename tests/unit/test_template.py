@@ -1,0 +1,101 @@
+"""The worker template: workers forked from a process that imported torch already."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from steadfast.launcher.template import Template, parse_python_argv
+
+SCRIPT = """
+import os, signal, sys, time
+import torch
+mode = sys.argv[1]
+session = os.getpgid(0) == os.getpid()
+print("argv", sys.argv[1:], "env", os.environ.get("SF_TEST"), "session", session, flush=True)
+if mode == "exit3":
+    sys.exit(3)
+if mode == "raise":
+    raise RuntimeError("boom")
+if mode == "sleep":
+    time.sleep(60)
+print("torch", torch.ones(2).sum().item())
+"""
+
+
+@pytest.fixture
+def template():
+    t = Template()
+    yield t
+    t.close()
+
+
+def test_parse_python_argv():
+    assert parse_python_argv(["-u", "train.py", "--x"]) == ("path", "train.py", ["--x"])
+    assert parse_python_argv(["-u", "-m", "pkg.mod", "a"]) == ("module", "pkg.mod", ["a"])
+    assert parse_python_argv(["-c", "print(1)"]) is None
+
+
+@pytest.mark.parametrize(("mode", "code"), [("ok", 0), ("exit3", 3), ("raise", 1)])
+def test_workers_run_scripts_and_report_exit_codes(template: Template, tmp_path: Path, mode, code):
+    script = tmp_path / "w.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.txt"
+    env = dict(os.environ, SF_TEST="yes")
+    proc = template.spawn(
+        ["-u", str(script), mode], env, cwd=str(tmp_path), stdout=str(out), stderr=str(out)
+    )
+    assert proc.wait(60) == code
+    text = out.read_text()
+    assert f"argv ['{mode}'] env yes session True" in text
+    if mode == "ok":
+        assert "torch 2.0" in text
+    if mode == "raise":
+        assert "RuntimeError: boom" in text
+
+
+def test_a_killed_worker_reports_the_signal(template: Template, tmp_path: Path):
+    script = tmp_path / "w.py"
+    script.write_text(SCRIPT)
+    proc = template.spawn(
+        ["-u", str(script), "sleep"],
+        dict(os.environ),
+        cwd=str(tmp_path),
+        stdout=str(tmp_path / "o"),
+        stderr=str(tmp_path / "o"),
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.3)
+    os.killpg(proc.pid, signal.SIGKILL)  # its own session, as torch's agent expects
+    assert proc.wait(30) == -signal.SIGKILL
+
+
+def test_closing_the_template_ends_its_workers(tmp_path: Path):
+    script = tmp_path / "w.py"
+    script.write_text(SCRIPT)
+    t = Template()
+    proc = t.spawn(
+        ["-u", str(script), "sleep"],
+        dict(os.environ),
+        cwd=str(tmp_path),
+        stdout=str(tmp_path / "o"),
+        stderr=str(tmp_path / "o"),
+    )
+    t.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(proc.pid, 0)
+    assert proc.poll() == -signal.SIGKILL
+
+
+def test_module_mode(template: Template, tmp_path: Path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "job.py").write_text("import sys\nsys.exit(int(sys.argv[1]))\n")
+    proc = template.spawn(["-u", "-m", "pkg.job", "7"], dict(os.environ), cwd=str(tmp_path))
+    assert proc.wait(60) == 7
+    assert sys.executable  # the template runs the same interpreter as the launcher
