@@ -3,7 +3,9 @@
     .venv/bin/python bench/bench_launcher.py [--repeats 3]
 
 - start-up: launcher start -> the first step of 2 ranks (median);
-- restart: a rank SIGKILLed at step 20 -> the first step after the in-job restart.
+- restart: a rank SIGKILLed at step 20 -> the first step after the in-job restart;
+- step time: a 3 ms step (all-reduce + sleep) with a section per step under steadfast,
+  without under torchrun.
 torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it, its gloo restarts
 fail on torch 2.13 (stale keys in the shared store). Targets (issue 4): start-up <= 0.1 s
 slower than torchrun; killed rank -> first step after restart <= 1.3 s.
@@ -23,7 +25,7 @@ from pathlib import Path
 WORKER = str(Path(__file__).with_name("_restart_worker.py"))
 
 
-def run(launcher: list[str], kill: bool) -> tuple[float, float | None]:
+def run(launcher: list[str], kill: bool) -> tuple[float, float | None, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "steps")
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", STEADFAST_EVENTS="off")
@@ -49,11 +51,13 @@ def run(launcher: list[str], kill: bool) -> tuple[float, float | None]:
         ]
         first = min(float(t) for g, s, t in lines if g == "0" and s == "0")
         startup = first - start
+        ticks = sorted(float(t) for g, s, t in lines[:40] if g == "0")  # rank 0's steps
+        step = (ticks[-1] - ticks[1]) / (len(ticks) - 2)  # after the first step
         if not kill:
-            return startup, None
+            return startup, None, step
         killed = min(float(t) for g, s, t in lines if g == "kill")
         back = min(float(t) for g, s, t in lines if g == "1")
-        return startup, back - killed
+        return startup, back - killed, step
 
 
 def main() -> None:
@@ -69,14 +73,15 @@ def main() -> None:
         "--ft-param-rank_section_timeouts=step:5",
     ]
     results: dict[str, dict[str, list[float]]] = {
-        "torchrun": {"startup": [], "restart": []},
-        "steadfast": {"startup": [], "restart": []},
+        "torchrun": {"startup": [], "restart": [], "step": []},
+        "steadfast": {"startup": [], "restart": [], "step": []},
     }
     for _ in range(args.repeats):  # interleaved
         for name, cmd in (("torchrun", torchrun), ("steadfast", steadfast)):
-            startup, _ = run(cmd, kill=False)
+            startup, _, step = run(cmd, kill=False)
             results[name]["startup"].append(startup)
-            _, restart = run(cmd, kill=True)
+            results[name]["step"].append(step)
+            _, restart, _ = run(cmd, kill=True)
             assert restart is not None
             results[name]["restart"].append(restart)
     med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in results.items()}
@@ -85,6 +90,12 @@ def main() -> None:
         f"{med['steadfast']['startup']:.2f} s -> "
         f"{med['steadfast']['startup'] - med['torchrun']['startup']:+.2f} s "
         f"(target <= +0.1 s)"
+    )
+    t_step, s_step = med["torchrun"]["step"], med["steadfast"]["step"]
+    print(
+        f"3 ms step (all-reduce + sleep), a section per step: torchrun {1000 * t_step:.3f} ms, "
+        f"steadfast {1000 * s_step:.3f} ms -> {100 * (s_step / t_step - 1):+.2f}% "
+        f"(target < 0.5%)"
     )
     print(
         f"killed rank -> stepping: torchrun {med['torchrun']['restart']:.2f} s, steadfast "
