@@ -36,6 +36,11 @@ def test_ft_flags_are_taken_and_torchrun_flags_pass_through():
     assert ft.safety_factor == 5.0  # the script's own flag was not taken
 
 
+def test_abbreviated_torchrun_flags_keep_their_values():
+    split = _split(["--nnode", "2", "--ft-safety_factor=3", "train.py"])
+    assert split.torchrun_argv == ["--nnode", "2", "train.py"] and split.ft.safety_factor == 3
+
+
 def test_module_and_yaml(tmp_path: Path):
     cfg = tmp_path / "ft.yaml"
     cfg.write_text("fault_tolerance:\n  rank_section_timeouts: {step: 10}\n  safety_factor: 3\n")

@@ -341,3 +341,33 @@ def test_a_table_left_by_a_killed_launcher_is_removed(tmp_path: Path):
         assert not orphan.exists() and mine.path.exists()
     finally:
         mine.close()
+
+
+def test_a_writer_that_died_mid_update_does_not_block_readers():
+    tab = HeartbeatTable.create(rows=1)
+    try:
+        tab.reset(0, {"step": 1.0}, None, None, None)
+        s = tab.slots(0)
+        s[0] += 1  # a rank killed between the two halves of its seqlock update
+        assert tab.snapshot(0).section_timeouts == {"step": 1.0}  # read as it is, no hang
+        tab.reset(0, {"step": 2.0}, None, None, None)  # the next generation's row
+        assert int(s[0]) % 2 == 0 and tab.snapshot(0).section_timeouts == {"step": 2.0}
+    finally:
+        tab.close()
+
+
+def test_watcher_does_not_act_on_a_worker_that_already_exited(event_log: Path):
+    cfg = FaultToleranceConfig(initial_rank_heartbeat_timeout=0.2, workload_check_interval=0.1)
+    tab = HeartbeatTable.create(rows=1)
+    tab.reset(0, {}, cfg.initial_rank_heartbeat_timeout, None, None)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # gone (and reaped) before its first heartbeat was due
+    watcher = Watcher(tab, cfg)
+    try:
+        watcher.start()
+        watcher.watch({0: proc.pid})
+        time.sleep(0.6)
+    finally:
+        watcher.stop()
+        tab.close()
+    assert watcher.hangs == [] and not event_log.exists()

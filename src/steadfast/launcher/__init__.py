@@ -55,6 +55,7 @@ def _launch(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     from .agent import FTAgent, NoProgressError
@@ -104,7 +105,13 @@ def _launch(argv: list[str]) -> int:
         master_addr=master_addr,
         master_port=master_port,
         local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
     )
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     agent = FTAgent(
         spec=spec,
         logs_specs=config.logs_specs,
@@ -118,6 +125,11 @@ def _launch(argv: list[str]) -> int:
     except NoProgressError as exc:
         logger.error("steadfast launch: %s; stopping (exit %d)", exc, EXIT_NO_PROGRESS)
         return EXIT_NO_PROGRESS
+    except RendezvousClosedError:
+        # another node ended the job (its restarts spent, or its progress guard): this
+        # node's job failed too, and the launcher of SLURM_PROCID 0 may requeue it
+        logger.error("steadfast launch: the job was closed by another node")
+        return _job_retry(split.ft.num_job_retries_on_failure)
     except SignalException as exc:
         shutdown_rdzv = False  # other nodes may still re-rendezvous under this id
         return 128 + int(exc.sigval)

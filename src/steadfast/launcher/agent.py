@@ -35,6 +35,13 @@ __all__ = ["FTAgent", "NoProgressError"]
 logger = logging.getLogger(__name__)
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return f"SIG{number}"
+
+
 class NoProgressError(RuntimeError):
     """Consecutive restarts made no step progress: restarting again would loop."""
 
@@ -55,6 +62,7 @@ class FTAgent(LocalElasticAgent):
         self.watcher.start()
         self.no_progress_restarts = 0
         self.restarts = 0
+        self._client_seen = False
         self.template: Template | None = None
         if ft.worker_template:
             self.template = Template()  # imports torch now, in parallel with the rendezvous
@@ -111,22 +119,40 @@ class FTAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result: RunResult = super()._monitor_workers(worker_group)
+        if result.state != WorkerState.HEALTHY:  # the group ended: no more hangs to watch
+            self.watcher.unwatch()
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             for rank, failure in result.failures.items():
                 code = int(failure.exitcode)
+                name = _signal_name(-code) if code < 0 else None
                 events.emit(
                     "rank_failed",
-                    cause=f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}",
+                    cause=f"signal {name}" if name else f"exit {code}",
                     rank=int(rank),
                     exit_code=code,
-                    signal=signal.Signals(-code).name if code < 0 else None,
+                    signal=name,
                     local_rank=int(failure.local_rank),
                     worker_pid=int(failure.pid),
                 )
         return result
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        if self.watcher.attached() and self.watcher.progress() == 0:
+        failed = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+        if not failed:  # a membership change (a node joined): not a fault
+            self.restarts += 1
+            events.emit(
+                "restart",
+                cause="membership_change",
+                restart_count=self.restarts,
+                reason="nodes waiting to join",
+                remaining_restarts=self._remaining_restarts,
+            )
+            super()._restart_workers(worker_group)
+            return
+        # the guard needs ranks that report (RankMonitorClient): once any generation did,
+        # a generation with no step (or second heartbeat), attached or not, counts
+        self._client_seen = self._client_seen or self.watcher.attached()
+        if self._client_seen and self.watcher.progress() == 0:
             self.no_progress_restarts += 1
         else:
             self.no_progress_restarts = 0

@@ -28,7 +28,11 @@ class LaunchArgs:
 
 
 def _takes_value(parser: argparse.ArgumentParser, option: str) -> bool:
-    action = parser._option_string_actions.get(option)  # torchrun's own option table
+    actions = parser._option_string_actions  # torchrun's own option table
+    action = actions.get(option)
+    if action is None and option.startswith("--"):  # argparse accepts unique prefixes
+        matches = {id(a): a for name, a in actions.items() if name.startswith(option)}
+        action = next(iter(matches.values())) if len(matches) == 1 else None
     return action is not None and action.nargs != 0
 
 

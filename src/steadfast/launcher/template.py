@@ -82,9 +82,11 @@ def _run_child(request: dict[str, Any]) -> int:
 
     with contextlib.suppress(OSError):  # its own process group (the template set it too)
         os.setpgid(0, 0)
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
+    _die_with_parent()
+    for sig in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as in any Python process
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -122,10 +124,30 @@ def _run_child(request: dict[str, Any]) -> int:
     except BaseException:
         traceback.print_exc()
         code = 1
+    # what the interpreter does at exit: join non-daemon threads (a background
+    # checkpoint writer), then atexit handlers, then flush
+    with contextlib.suppress(Exception):
+        threading._shutdown()  # type: ignore[attr-defined]
+    with contextlib.suppress(Exception):
+        import atexit
+
+        atexit._run_exitfuncs()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
     return code
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this worker if the template dies (Linux ``PR_SET_PDEATHSIG``), so that no
+    worker outlives it, and then the launcher."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux: the template's EOF handling remains
+        pass
 
 
 def serve(fd: int) -> None:
@@ -135,6 +157,9 @@ def serve(fd: int) -> None:
     import torch.nn.parallel  # noqa: F401
 
     sock = socket.socket(fileno=fd)
+    _die_with_parent()  # the launcher gone -> the template, and then its workers, gone
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path.pop(0)  # `python -m` put the launcher's cwd first; a script does not have it
     children: set[int] = set()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -261,7 +286,9 @@ class Template:
                 if "ready" in message:
                     self._ready.set()
                 elif "spawned" in message:
-                    self._spawned[int(message["id"])] = int(message["spawned"])
+                    pid = int(message["spawned"])
+                    self._exits.pop(pid, None)  # a recycled pid: the old exit is not this one
+                    self._spawned[int(message["id"])] = pid
                 elif "exited" in message:
                     self._exits[int(message["exited"])] = int(message["code"])
                 self._cond.notify_all()
@@ -280,8 +307,8 @@ class Template:
         if parsed is None:
             raise ValueError(f"not a python script or module command line: {argv}")
         kind, target, args = parsed
-        if not self._ready.wait(120) or self._closed:
-            raise RuntimeError("the worker template process did not start")
+        if not self.ready(600):
+            raise RuntimeError("the worker template process is not running")
         with self._lock:
             self._next_id += 1
             request_id = self._next_id
@@ -305,6 +332,11 @@ class Template:
                 self._cond.wait(1.0)
             pid = self._spawned.pop(request_id)
         return TemplateProc(self, pid)
+
+    def ready(self, timeout: float) -> bool:
+        """Whether the template has imported torch and serves requests (waits up to
+        ``timeout`` seconds)."""
+        return self._ready.wait(timeout) and not self._closed
 
     def exit_code(self, pid: int) -> int | None:
         """The worker's exit code, or None while it runs."""
@@ -377,7 +409,8 @@ def template_start_processes(template: Template, original: Any) -> Any:
         duplicate_stderr_filters: Any = None,
     ) -> Any:
         usable = (
-            entrypoint == sys.executable
+            template.ready(600)  # else (a very slow import, a dead template): plain start
+            and entrypoint == sys.executable
             and numa_options is None
             and all(parse_python_argv([str(a) for a in argv]) for argv in args.values())
         )

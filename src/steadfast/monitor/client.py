@@ -136,7 +136,9 @@ class RankMonitorClient:
         elif now - self._attached > self._max_first_hb:
             self._max_first_hb = now - self._attached
         self._last_hb = now
-        self._slots[t.LAST_HB] = now
+        s = self._slots
+        s[t.LAST_HB] = now
+        s[t.HEARTBEATS] += 1
 
     def start_section(self, name: str) -> None:
         """Enter section ``name``; its timeout runs until :meth:`end_section`."""
@@ -150,7 +152,7 @@ class RankMonitorClient:
             self._max_oos = now - self._oos_start
         self._open, self._open_start = name, now
         s = self._slots
-        s[t.SEQ] += 1
+        s[t.SEQ] += 1  # this rank is its row's only writer: even on entry
         s[t.SECTION] = index
         s[t.SECTION_START] = now
         s[t.SEQ] += 1
@@ -165,7 +167,7 @@ class RankMonitorClient:
             self._max_section[name] = took
         self._open = None
         s = self._slots
-        s[t.SEQ] += 1
+        s[t.SEQ] += 1  # this rank is its row's only writer: even on entry
         s[t.SECTION] = -1.0
         if name == "step":
             self._first_step_seen = True

@@ -16,6 +16,7 @@ timestamps the ranks wrote.
 
 from __future__ import annotations
 
+import fcntl
 import math
 import mmap
 import os
@@ -47,6 +48,7 @@ HB_TIMEOUT = 9
 OOS_TIMEOUT = 10
 NAMES = 11  # number of section names in the row
 CLOSED = 12  # 1 once shutdown_workload_monitoring ran
+HEARTBEATS = 13  # heartbeats sent
 TIMEOUTS = 16  # TIMEOUTS + i: the timeout of section i (inf = none)
 MAX_SECTIONS = 32
 SLOTS = TIMEOUTS + MAX_SECTIONS
@@ -58,19 +60,25 @@ assert _NAMES_OFFSET + MAX_SECTIONS * NAME_BYTES <= ROW_BYTES
 
 
 def _remove_orphans(base: Path) -> None:
-    """Remove tables left by launchers that died without cleaning up (SIGKILL, OOM):
-    the creator's pid is in the name, and a table whose creator is gone is garbage."""
-    for entry in base.glob("steadfast-hb-*-*"):
+    """Remove tables left by launchers that died without cleaning up (SIGKILL, OOM).
+    A live launcher holds an exclusive ``flock`` on its table for its whole life, so a
+    table that can be locked has no owner; this holds across pid namespaces that share
+    ``/dev/shm``, where a pid check would not."""
+    for entry in base.glob("steadfast-hb-*"):
         try:
-            pid = int(entry.name.split("-")[2])
-        except (IndexError, ValueError):
+            fd = os.open(entry, os.O_RDONLY)
+        except OSError:
             continue
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            entry.unlink(missing_ok=True)
-        except PermissionError:  # alive, another user's
-            pass
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its launcher is alive
+        finally:
+            os.close(fd)
+        entry.unlink(missing_ok=True)
+
+
+_MAX_SPINS = 10_000  # a live writer finishes in well under a microsecond
 
 
 def _inf(value: float | None) -> float:
@@ -88,6 +96,7 @@ class RowSnapshot:
     section_start: float
     out_of_section_start: float
     steps: int
+    heartbeats: int
     initial_heartbeat_timeout: float
     heartbeat_timeout: float
     out_of_section_timeout: float
@@ -111,8 +120,15 @@ class HeartbeatTable:
                     f"{rows * ROW_BYTES}"
                 )
             self._map = mmap.mmap(fd, rows * ROW_BYTES)
-        finally:
-            os.close(fd)  # the mapping keeps the memory; no descriptor stays open
+            if owner:  # held until close(): the table is alive (see _remove_orphans)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        # the mapping keeps the memory; a rank keeps no descriptor, the owner its lock
+        self._lock_fd: int | None = fd if owner else None
+        if not owner:
+            os.close(fd)
         self._view = memoryview(self._map)
         self._slots: list[Any] = [
             self._view[r * ROW_BYTES : r * ROW_BYTES + _NAMES_OFFSET].cast("d") for r in range(rows)
@@ -155,6 +171,9 @@ class HeartbeatTable:
         self._map.close()
         if self.owner:
             self.path.unlink(missing_ok=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     # ------------------------------------------------------------------ writers
     def slots(self, row: int) -> Any:
@@ -163,9 +182,10 @@ class HeartbeatTable:
 
     @contextmanager
     def writing(self, row: int) -> Iterator[Any]:
-        """Bracket a multi-slot update of ``row`` with the seqlock."""
+        """Bracket a multi-slot update of ``row`` with the seqlock (odd while writing;
+        a count left odd by a writer that died mid-update is made odd, not even)."""
         s = self._slots[row]
-        s[SEQ] += 1
+        s[SEQ] = float(int(s[SEQ]) | 1)
         try:
             yield s
         finally:
@@ -225,15 +245,19 @@ class HeartbeatTable:
     def snapshot(self, row: int) -> RowSnapshot:
         """A consistent copy of ``row`` (retries while a writer is mid-update)."""
         s = self._slots[row]
+        spins = 0
         while True:
             before = s[SEQ]
-            if int(before) % 2:
+            if int(before) % 2 and spins < _MAX_SPINS:
+                spins += 1
                 os.sched_yield()
-                continue
+                continue  # a writer is mid-update; one that died mid-update is waited
+                # for only _MAX_SPINS times, then its row is read as it is
             values = s.tolist()
             names = self.names(row)
-            if s[SEQ] == before:
+            if s[SEQ] == before or spins >= _MAX_SPINS:
                 break
+            spins += 1
         section = int(values[SECTION])
         return RowSnapshot(
             pid=int(values[PID]),
@@ -243,6 +267,7 @@ class HeartbeatTable:
             section_start=values[SECTION_START],
             out_of_section_start=values[OOS_START],
             steps=int(values[STEPS]),
+            heartbeats=int(values[HEARTBEATS]),
             initial_heartbeat_timeout=values[HB_INITIAL_TIMEOUT],
             heartbeat_timeout=values[HB_TIMEOUT],
             out_of_section_timeout=values[OOS_TIMEOUT],

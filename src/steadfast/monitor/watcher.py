@@ -75,6 +75,25 @@ def next_deadline(
     return best
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (exists and is not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    """``sig`` to the worker's process group (its own: grandchildren too), else to it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            os.kill(pid, sig)
+
+
 class Watcher:
     """Watches the rows of ``table`` for the workers the agent started.
 
@@ -135,8 +154,13 @@ class Watcher:
             self._wake.notify_all()
 
     def progress(self) -> int:
-        """Steps completed by the current generation (max over local ranks)."""
-        return max((self.table.snapshot(r).steps for r in range(self.table.rows)), default=0)
+        """Progress of the current generation: ``step`` sections completed, or for a
+        rank that only sends heartbeats, heartbeats after its first (max over ranks)."""
+        best = 0
+        for r in range(self.table.rows):
+            snap = self.table.snapshot(r)
+            best = max(best, snap.steps, snap.heartbeats - 1)
+        return best
 
     def attached(self) -> bool:
         """Whether any rank of the current generation uses the client."""
@@ -175,6 +199,8 @@ class Watcher:
             if self._pids.get(hang.local_rank) != pid:
                 return  # that generation is gone already
             self._handled.add(hang.local_rank)
+        if not _running(pid):  # it exited (the agent will see it): not a hang to act on
+            return
         rank = self.global_rank(hang.local_rank)
         logger.error(
             "rank %d (local %d, pid %d) hung: %s for %.2fs (timeout %.2fs); terminating it",
@@ -201,11 +227,17 @@ class Watcher:
                 os.kill(pid, signal.SIGCONT)  # a stopped rank (SIGSTOP) must run to dump
                 time.sleep(STACK_DUMP_GRACE)
         sig = self.cfg.rank_termination_signal
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            try:
-                os.killpg(pid, sig)  # the worker leads its own session: grandchildren too
-            except ProcessLookupError:
-                os.kill(pid, sig)
+        _signal_group(pid, sig)
+        if sig != signal.SIGKILL:  # a rank stuck in C may never run its handler
+            deadline = time.monotonic() + self.cfg.workers_stop_timeout
+            while _running(pid) and time.monotonic() < deadline:
+                with self._wake:
+                    if self._stop or self._pids.get(hang.local_rank) != pid:
+                        break
+                    self._wake.wait(0.05)
+            if _running(pid):
+                logger.error("rank %d ignored %s; sending SIGKILL", rank, sig.name)
+                _signal_group(pid, signal.SIGKILL)
         self.hangs.append(hang)
         if self.on_hang is not None:
             self.on_hang(hang)
