@@ -91,7 +91,7 @@ def main() -> None:
 
     step = 0.003
     plain, monitored = [], []
-    for _ in range(5):  # interleaved
+    for _ in range(9):  # interleaved
         t0 = time.perf_counter()
         for _ in range(300):
             busy(step)
@@ -103,8 +103,9 @@ def main() -> None:
             busy(step)
             client.end_section("step")
         monitored.append(time.perf_counter() - t0)
-    # the loop's own cost is fixed by the busy-wait; the overhead is the added calls
-    overhead = (statistics.median(monitored) - statistics.median(plain)) / statistics.median(plain)
+    # the loop's own cost is fixed by the busy-wait; the overhead is the added calls. The
+    # fastest of 9 interleaved rounds is the one least disturbed by other processes
+    overhead = (min(monitored) - min(plain)) / min(plain)
     client.shutdown_workload_monitoring()
     table.close()
 
