@@ -19,7 +19,7 @@ from .checkpoint import (
 )
 from .config import ConfigError, FaultToleranceConfig
 from .dist import agree_any, backend_device, world_info
-from .faults import setup_simulated_fault
+from .faults import SlowFault, setup_simulated_fault
 from .health import NaNDetector, NaNState, check_gpu_health, check_nccl_health
 from .signals import DistributedSignalHandler, ShutdownHandler
 from .slurm import SLURMInfo, get_slurm_info, is_slurm_job, is_slurm_requeue, log_job_info
@@ -34,6 +34,7 @@ __all__ = [
     "FaultToleranceConfig",
     "RNGState",
     "ResumableSampler",
+    "SlowFault",
     "Stateful",
     "DistributedSignalHandler",
     "NaNDetector",

@@ -104,6 +104,11 @@ EVENT_KINDS: dict[str, str] = {
     "job_start": "a training process (re)started; fields: world_size, resumed_from",
     "job_end": "a training process ended; fields: exit_code, reason",
     "fault_injected": "a simulated fault fired; fields: fault",
+    # straggler detection
+    "straggler_report": "a periodic straggler report; fields: relative, individual "
+    "({rank: score}), seconds",
+    "straggler_detected": "scores below the thresholds; fields: ranks, relative, individual, "
+    "scores",
 }
 
 _MAX_LINE = 64 * 1024  # one write stays well under any pipe/file atomicity concern

@@ -17,12 +17,15 @@ import os
 import random
 import signal
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from . import events
 from .config import ConfigError, require_choice, require_number
 
-__all__ = ["FAULT_TYPES", "SimulatedFault", "setup_simulated_fault"]
+__all__ = ["FAULT_TYPES", "SimulatedFault", "SlowFault", "setup_simulated_fault"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,3 +110,33 @@ def setup_simulated_fault(
         timer.start()
     logger.info("simulated fault armed: %s on rank %d after %.2fs", kind, rank, delay)
     return SimulatedFault(rank=rank, fault_type=kind, delay=delay, timer=timer)
+
+
+class SlowFault:
+    """A simulated straggler: from ``start_step`` on, ``rank``'s steps take ``factor``
+    times as long (the step runs, then the rank sleeps for the difference).
+
+    ``with slow.step(step): train_step()`` on every rank; only ``rank`` is slowed.
+    """
+
+    def __init__(self, factor: float = 1.5, rank: int = 0, start_step: int = 0) -> None:
+        self.factor = float(require_number("SlowFault.factor", factor, minimum=1))
+        self.rank = require_number("SlowFault.rank", rank, minimum=0, integer=True)
+        self.start_step = require_number(
+            "SlowFault.start_step", start_step, minimum=0, integer=True
+        )
+        self._announced = False
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Run one step, slowed on the faulty rank once ``start_step`` is reached."""
+        active = step >= self.start_step and int(os.environ.get("RANK", "0")) == self.rank
+        start = time.perf_counter()
+        yield
+        if active:
+            if not self._announced:
+                self._announced = True
+                events.emit(
+                    "fault_injected", step=step, cause="slow", fault="slow", factor=self.factor
+                )
+            time.sleep((self.factor - 1) * (time.perf_counter() - start))

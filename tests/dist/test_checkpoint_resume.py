@@ -79,12 +79,14 @@ def test_killed_run_resumes_bit_exact(tmp_path: Path, async_save: bool, event_lo
         _train, tmp_path / "ref", args=(str(tmp_path / "a"), async_save, False, True)
     )[0]
     (params0, start0), (params1, start1) = _crash_and_resume(tmp_path, async_save, True)
-    assert start0 == start1 == 12  # the last checkpoint before the kill at step 14
+    # the last checkpoint before the kill at step 14; an async save of step 12 still in
+    # flight when rank 1 dies (it writes rank 1's RNG too) is lost, and 9 is used
+    assert start0 == start1 and start0 in ((9, 12) if async_save else (12,))
     for a, b, ref in zip(params0, params1, reference, strict=True):
         assert torch.equal(a, ref) and torch.equal(b, ref)
     loaded = [e for e in map(json.loads, event_log.read_text().splitlines())
               if e["kind"] == "checkpoint_loaded"]
-    assert sorted(e["rank"] for e in loaded) == [0, 1] and {e["step"] for e in loaded} == {12}
+    assert sorted(e["rank"] for e in loaded) == [0, 1] and {e["step"] for e in loaded} == {start0}
 
 
 def test_resume_without_rng_state_is_not_bit_exact(tmp_path: Path):
