@@ -78,3 +78,31 @@ def test_config_defaults_and_validation():
         NVRxStragglerDetectionConfig(gpu_relative_perf_threshold=1.5)
     with pytest.raises(ConfigError, match="profiling_interval"):
         NVRxStragglerDetectionConfig(profiling_interval=0)
+
+
+def test_manager_prints_the_seeds_report_and_warnings(caplog: pytest.LogCaptureFixture):
+    from steadfast.straggler import StragglerDetectionManager
+
+    manager = StragglerDetectionManager(
+        NVRxStragglerDetectionConfig(enabled=True, stop_if_detected=True)
+    )
+    report = Report(
+        gpu_relative_perf_scores={0: 1.0, 1: 0.6},
+        gpu_individual_perf_scores={0: 1.0, 1: 0.65},
+        rank_to_node={0: "n0", 1: "n1"},
+        generate_time=0.042,
+    )
+    with caplog.at_level("INFO", logger="megatron.bridge.NVRxStragglerDetection"):
+        assert manager._act(report, step=7) is True  # stop_if_detected
+    text = caplog.text
+    assert (
+        "GPU relative performance:\n Worst performing 2/2 ranks:\n  Rank=1 Node=n1 Score=0.60"
+        in text
+    )
+    assert "GPU individual performance:" in text
+    assert "Straggler report processing time: 0.042 sec." in text
+    assert (
+        "STRAGGLER DETECTION WARNING: Some GPUs have worse relative performance. "
+        "Affected ranks: [1]"
+    ) in text
+    assert "STRAGGLER DETECTION WARNING: Some GPUs performance dropped. Affected ranks: [1]" in text

@@ -16,12 +16,11 @@ verdict needs no further broadcast.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import socket
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -104,6 +103,37 @@ class _Section:
         self.cuda_events: list[tuple[Any, Any]] = []
 
 
+class _Timing:
+    """One timed call of a section (a plain class: cheaper than a generator)."""
+
+    __slots__ = ("_cuda", "_events", "_every", "_section", "_start")
+
+    def __init__(self, section: _Section, cuda: bool, every: int) -> None:
+        self._section, self._cuda, self._every = section, cuda, every
+        self._events: tuple[Any, Any] | None = None
+        self._start = 0
+
+    def __enter__(self) -> None:
+        section = self._section
+        section.calls += 1
+        if section.calls % self._every:
+            self._start = -1  # not profiled this time
+            return
+        if self._cuda:
+            self._events = _cuda_events()
+            if self._events is not None:
+                self._events[0].record()
+        self._start = time.perf_counter_ns()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._start < 0:
+            return
+        self._section.cpu_ns.append(time.perf_counter_ns() - self._start)
+        if self._events is not None:
+            self._events[1].record()
+            self._section.cuda_events.append(self._events)
+
+
 class Detector:
     """Times detection sections on this rank and builds straggler reports.
 
@@ -137,6 +167,7 @@ class Detector:
         self.group = group
         self.node_name = node_name or socket.gethostname()
         self._sections: dict[str, _Section] = {}
+        self._cuda_possible = _cuda_available()
         self._best: dict[str, dict[int, float]] = {}  # section -> rank -> best median
         self._calls = 0  # calls of generate_report_if_interval_elapsed
         self._next_report = FIRST_REPORT_CALLS
@@ -144,28 +175,14 @@ class Detector:
         self._last_report_calls = 0
 
     # ------------------------------------------------------------------ timing
-    @contextlib.contextmanager
-    def detection_section(self, name: str, profile_cuda: bool = True) -> Iterator[None]:
-        """Time the enclosed code as section ``name`` (every ``profiling_interval``-th
-        call); with ``profile_cuda`` on a GPU, its device time is recorded too."""
+    def detection_section(self, name: str, profile_cuda: bool = True) -> _Timing:
+        """Time the enclosed code (``with detector.detection_section(name): ...``) as
+        section ``name``, every ``profiling_interval``-th call; with ``profile_cuda`` on a
+        GPU, its device time is recorded too (CUDA events, read at the next report)."""
         section = self._sections.get(name)
         if section is None:
             section = self._sections[name] = _Section()
-        section.calls += 1
-        if section.calls % self.profiling_interval:
-            yield
-            return
-        events = _cuda_events() if profile_cuda else None
-        if events is not None:
-            events[0].record()
-        start = time.perf_counter_ns()
-        try:
-            yield
-        finally:
-            section.cpu_ns.append(time.perf_counter_ns() - start)
-            if events is not None:
-                events[1].record()
-                section.cuda_events.append(events)
+        return _Timing(section, profile_cuda and self._cuda_possible, self.profiling_interval)
 
     def wrap_callable(self, fn: F, name: str | None = None, profile_cuda: bool = True) -> F:
         """``fn`` timed as a section (named after it unless ``name`` is given)."""
@@ -183,6 +200,9 @@ class Detector:
         """Call once per step on every rank: a report when one is due, else None.
         Which call is due is agreed at the previous report (see the module docstring)."""
         self._calls += 1
+        if self._calls == 1:  # the call rate is measured from the loop's first call
+            self._last_report_time = time.monotonic()
+            self._last_report_calls = 1
         if self._calls < self._next_report:
             return None
         return self.generate_report()
@@ -245,12 +265,18 @@ class Detector:
         return report
 
 
-def _cuda_events() -> tuple[Any, Any] | None:
+def _cuda_available() -> bool:
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a dependency
-        return None
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _cuda_events() -> tuple[Any, Any] | None:
+    import torch
+
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return None
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
