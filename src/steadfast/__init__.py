@@ -21,7 +21,12 @@ from .config import ConfigError, FaultToleranceConfig
 from .dist import agree_any, backend_device, world_info
 from .faults import SlowFault, setup_simulated_fault
 from .health import NaNDetector, NaNState, check_gpu_health, check_nccl_health
-from .signals import DistributedSignalHandler, ShutdownHandler
+from .signals import (
+    DistributedSignalHandler,
+    PreemptionConfig,
+    PreemptionHandler,
+    ShutdownHandler,
+)
 from .slurm import SLURMInfo, get_slurm_info, is_slurm_job, is_slurm_requeue, log_job_info
 
 __version__ = "0.1.0"
@@ -40,6 +45,8 @@ __all__ = [
     "NaNDetector",
     "NaNState",
     "SLURMInfo",
+    "PreemptionConfig",
+    "PreemptionHandler",
     "ShutdownHandler",
     "__version__",
     "agree_any",

@@ -91,6 +91,8 @@ EVENT_KINDS: dict[str, str] = {
     "shutdown_forced": "graceful shutdown exceeded its timeout, process force-exited; "
     "fields: timeout_sec, exit_code",
     "shutdown_complete": "graceful shutdown finished (handler.finish())",
+    "preemption_signal": "this rank received the preemption signal; fields: signal",
+    "preemption_exit": "all ranks stop for preemption after this step; fields: ranks_signalled",
     # checkpoints
     "checkpoint_saved": "fields: path, bytes, seconds, blocking_seconds",
     "checkpoint_loaded": "fields: path, seconds",

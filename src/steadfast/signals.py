@@ -29,14 +29,23 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
 from . import events
-from .config import require_number
+from .config import ConfigError, require_number
 from .dist import count_true, gather_flags, group_rank
 
-__all__ = ["DistributedSignalHandler", "ShutdownHandler", "FORCED_EXIT_CODE"]
+__all__ = [
+    "FORCED_EXIT_CODE",
+    "PREEMPTION_EXIT_CODE",
+    "DistributedSignalHandler",
+    "PreemptionConfig",
+    "PreemptionHandler",
+    "ShutdownHandler",
+    "sbatch_signal_option",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -364,3 +373,112 @@ class DistributedSignalHandler:
         if not self._signal_received:
             events.emit("shutdown_requested", cause=self.sig.name, signal=int(self.sig))
         self._signal_received = True
+
+
+# ---------------------------------------------------------------------------------------
+# Preemption (Megatron Bridge, seed 003)
+# ---------------------------------------------------------------------------------------
+#: Exit code after a preemption stop: the checkpoint is saved and the stop was asked
+#: for, so it is a success to the launcher, which must not restart the workers in place.
+PREEMPTION_EXIT_CODE = 0
+
+
+@dataclass
+class PreemptionConfig:
+    """Megatron Bridge's preemption settings (same names and defaults)."""
+
+    exit_signal_handler: bool = False
+    exit_signal: signal.Signals = signal.SIGTERM
+    exit_signal_handler_for_dataloader: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            self.exit_signal = signal.Signals(self.exit_signal)
+        except ValueError as exc:
+            raise ConfigError(f"exit_signal: {self.exit_signal!r} is not a signal") from exc
+
+
+def sbatch_signal_option(preempt_time: int = 60, sig: signal.Signals = signal.SIGTERM) -> str:
+    """The sbatch option that makes Slurm send ``sig`` to the batch script
+    ``preempt_time`` seconds before the time limit (``--signal=B:TERM@60``)."""
+    require_number("preempt_time", preempt_time, minimum=1, integer=True)
+    return f"--signal=B:{signal.Signals(sig).name.removeprefix('SIG')}@{preempt_time}"
+
+
+class PreemptionHandler:
+    """Graceful stop on a preemption signal, agreed by every rank at the end of a step.
+
+    ``with PreemptionHandler(cfg) as pre:`` installs a :class:`DistributedSignalHandler`
+    for ``exit_signal`` (when ``exit_signal_handler``); ``pre.should_exit(step)`` at the
+    end of each step is one small all-gather that tells every rank whether any rank got
+    the signal, so all save a checkpoint and call :meth:`exit` after the same step.
+    """
+
+    def __init__(self, config: PreemptionConfig, group: Any = None) -> None:
+        self.config = config
+        self._group = group
+        self._handler: DistributedSignalHandler | None = None
+
+    def __enter__(self) -> PreemptionHandler:
+        if self.config.exit_signal_handler:
+            self._handler = DistributedSignalHandler(self.config.exit_signal, self._group)
+            self._handler.__enter__()
+            original = self._handler._handle
+
+            def handle(signum: int, frame: FrameType | None) -> None:
+                logger.warning("Received signal %d, initiating graceful stop", signum)
+                if not self._handler or not self._handler.signal_received:
+                    events.emit(
+                        "preemption_signal", cause=signal.Signals(signum).name, signal=signum
+                    )
+                original(signum, frame)
+
+            if self._handler.installed:
+                signal.signal(self.config.exit_signal, handle)
+                logger.info("Signal handler installed for %d", int(self.config.exit_signal))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handler is not None:
+            self._handler.release()
+            self._handler = None
+
+    def should_exit(self, step: int | None = None) -> bool:
+        """End of step, every rank: whether any rank received the signal (collective)."""
+        if self._handler is None:
+            return False
+        ranks = self._handler.signals_received()
+        if not any(ranks):
+            return False
+        if group_rank(self._group) == 0:
+            events.emit(
+                "preemption_exit",
+                step=step,
+                cause=self.config.exit_signal.name,
+                ranks_signalled=[r for r, got in enumerate(ranks) if got],
+            )
+        return True
+
+    def exit(self, code: int = PREEMPTION_EXIT_CODE) -> None:
+        """Log the reason, restore the signal handler and exit (after the save)."""
+        logger.warning("exiting program after receiving %s.", self.config.exit_signal.name)
+        self.__exit__()
+        sys.exit(code)
+
+    def dataloader_worker_init(self, worker_id: int) -> None:
+        """``worker_init_fn`` for DataLoader workers: they must not die of the signal
+        mid-batch (the main process would hang or fail on a dead worker). With
+        ``exit_signal_handler_for_dataloader`` they handle it (note it and go on; the
+        main process leads the stop), otherwise they ignore it."""
+        sig = self.config.exit_signal
+        if self.config.exit_signal_handler_for_dataloader:
+            signal.signal(
+                sig,
+                lambda signum, frame: logger.info(
+                    "dataloader worker %d: signal %d noted; the trainer leads the stop",
+                    worker_id,
+                    signum,
+                ),
+            )
+        else:
+            signal.signal(sig, signal.SIG_IGN)
