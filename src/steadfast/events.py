@@ -106,6 +106,11 @@ EVENT_KINDS: dict[str, str] = {
     "job_start": "a training process (re)started; fields: world_size, resumed_from",
     "job_end": "a training process ended; fields: exit_code, reason",
     "fault_injected": "a simulated fault fired; fields: fault",
+    # re-run state machine
+    "rerun_result_rejected": "a validated result was rejected on this rank; fields: result, "
+    "invocation",
+    "rerun_verdict": "attribution of a rejected result: transient, persistent or correct; "
+    "fields: verdict",
     # straggler detection
     "straggler_report": "a periodic straggler report; fields: relative, individual "
     "({rank: score}), seconds",

@@ -1,0 +1,458 @@
+"""The re-run state machine (Megatron-LM / Megatron Bridge, seed 003) for attributing
+unexpected results (a NaN loss, a spiky loss) to transient faults, persistent faults of
+one GPU, or correct-but-surprising results.
+
+Training-loop contract (the seed's)::
+
+    while machine.should_run_forward_backward(data_iterator):
+        loss = forward_backward(next(data_iterator))
+        machine.validate_result(loss, torch.isnan, "loss is NaN")
+    should_checkpoint, should_exit, exit_code = machine.should_checkpoint_and_exit()
+
+Attribution, ``validate_results`` mode:
+
+1. the initial run of a step validates its results; if any rank rejects one, every rank
+   (one small all-reduce) re-runs the step *in place*: RNG states restored, the same
+   micro-batches replayed by :class:`RerunDataIterator`;
+2. not reproduced in place: a transient error (exit 17 if the check was ``fatal``, else
+   training goes on);
+3. reproduced in place: checkpoint and exit 16 (``EXIT_CODE_RESUME_TO_DISAMBIGUATE``) so
+   the job restarts on other hardware, with the machine's state in the checkpoint;
+4. after the restart on different hardware (node name + device, or
+   ``$STEADFAST_RERUN_HARDWARE_ID``, which tests use to fake a move), the step is re-run
+   once more: not reproduced there, the first GPU has a persistent error (training goes
+   on, on the new hardware); reproduced, the result was correct (exit 17 if ``fatal``:
+   the application produced it).
+
+``report_stats`` re-runs every step once and reports non-determinism statistics.
+Results compare as ``|(a - b) / (a + b) * 2|`` (0 when equal or both NaN, inf when only
+one is finite).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from .. import events
+from ..checkpoint.state import RNGState
+from ..config import ConfigError, require_choice, require_number
+from ..dist import agree_any, world_info
+
+__all__ = [
+    "EXIT_CODE_FAILED_ON_RESULT_VALIDATION",
+    "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
+    "HARDWARE_ID_ENV",
+    "RerunDataIterator",
+    "RerunState",
+    "RerunStateMachine",
+    "RerunStateMachineConfig",
+    "relative_difference",
+]
+
+logger = logging.getLogger(__name__)
+
+EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
+EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
+#: Overrides this process's hardware identity (node name + device) for attribution;
+#: tests set it to fake a restart "on other hardware".
+HARDWARE_ID_ENV = "STEADFAST_RERUN_HARDWARE_ID"
+
+MODES = ("disabled", "validate_results", "report_stats")
+INJECTION_TYPES = ("transient_error", "persistent_error", "correct_result")
+
+
+class RerunState(Enum):
+    """Where the machine is in the attribution of a step."""
+
+    NOT_RUNNING_YET = 0
+    INITIAL_RUN = 1
+    RERUNNING_IN_PLACE = 2
+    WILL_RERUN_FROM_CHECKPOINT = 3
+    RERUNNING_FROM_CHECKPOINT = 4
+
+
+@dataclass
+class RerunStateMachineConfig:
+    """Megatron Bridge's ``RerunStateMachineConfig`` (same names and defaults), plus the
+    spiky-loss factor and the tracker file."""
+
+    rerun_mode: str = "disabled"
+    check_for_nan_in_loss: bool = True
+    check_for_spiky_loss: bool = False
+    spiky_loss_factor: float = 10.0
+    error_injection_rate: int = 0
+    error_injection_type: str = "transient_error"
+    result_rejected_tracker_filename: str | None = None
+
+    def __post_init__(self) -> None:
+        require_choice("rerun_mode", self.rerun_mode, MODES)
+        require_choice("error_injection_type", self.error_injection_type, INJECTION_TYPES)
+        require_number("error_injection_rate", self.error_injection_rate, minimum=0, integer=True)
+        require_number("spiky_loss_factor", self.spiky_loss_factor, exclusive_minimum=1)
+
+
+def relative_difference(a: float, b: float) -> float:
+    """``|(a - b) / (a + b) * 2|``; 0 when equal or both NaN; inf when one is not finite."""
+    a, b = float(a), float(b)
+    if a == b or (math.isnan(a) and math.isnan(b)):
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    if a + b == 0:
+        return math.inf
+    return abs((a - b) / (a + b) * 2)
+
+
+def _hardware_id() -> str:
+    override = os.environ.get(HARDWARE_ID_ENV)
+    if override:
+        return override
+    device = "cpu"
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            index = torch.cuda.current_device()
+            device = f"cuda:{index}:{torch.cuda.get_device_properties(index).uuid}"
+    except Exception:
+        pass
+    return f"{socket.gethostname()}/{device}"
+
+
+class RerunDataIterator:
+    """Wraps a data iterator so a step's micro-batches can be replayed.
+
+    Batches fetched since the last :meth:`advance` are kept; :meth:`rewind` replays them
+    in order. :meth:`state_dict` holds the kept batches, so a re-run after a restart
+    (exit 16) replays the very same data.
+    """
+
+    def __init__(self, iterable: Iterable[Any]) -> None:
+        self.iterable: Iterator[Any] = iter(iterable)
+        self.saved: list[Any] = []
+        self.replay_pos: int | None = None
+
+    def __iter__(self) -> RerunDataIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self.replay_pos is not None and self.replay_pos < len(self.saved):
+            batch = self.saved[self.replay_pos]
+            self.replay_pos += 1
+            return batch
+        self.replay_pos = None
+        batch = next(self.iterable)
+        self.saved.append(batch)
+        return batch
+
+    def rewind(self) -> None:
+        """Replay the batches fetched since the last advance."""
+        self.replay_pos = 0
+
+    def advance(self) -> None:
+        """The step is done: forget its batches."""
+        self.saved = []
+        self.replay_pos = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The kept batches (needed when the step is re-run after a restart)."""
+        return {"saved": list(self.saved)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore kept batches; they are replayed first."""
+        self.saved = list(state.get("saved", []))
+        self.replay_pos = 0 if self.saved else None
+
+
+class RerunStateMachine:
+    """See the module docstring. ``fatal`` results, exit codes and events follow the
+    seed; every decision is agreed by all ranks with one small all-reduce."""
+
+    def __init__(
+        self,
+        config: RerunStateMachineConfig | None = None,
+        group: Any = None,
+        seed: int | None = None,
+    ) -> None:
+        self.config = config or RerunStateMachineConfig()
+        self.group = group
+        self.state = RerunState.NOT_RUNNING_YET
+        self.iteration = 0
+        self._rng_saved: dict[str, Any] | None = None
+        self._iterators: list[RerunDataIterator] = []
+        self._invocation = 0
+        self._initial: list[tuple[float, bool, str, bool]] = []  # result, rejected, msg, fatal
+        self._rejected_here = False
+        self._reproduced = True
+        self._fatal = False
+        self._failed_on: str | None = None
+        self._pending_exit: tuple[bool, bool, int] = (False, False, 0)
+        self._inject = random.Random(seed)
+        self._injecting = False
+        self._diffs: list[float] = []
+        self._large: dict[str, list[float]] = {}
+        self.verdicts: list[str] = []
+
+    # ------------------------------------------------------------------ loop contract
+    def should_run_forward_backward(self, data_iterator: Any) -> bool:
+        """Whether to run (or re-run) the step's forward-backward; call in a while loop."""
+        mode = self.config.rerun_mode
+        iterators = _as_list(data_iterator)
+        if self.state == RerunState.NOT_RUNNING_YET:
+            self._iterators = iterators
+            self._rng_saved = RNGState().state_dict()
+            self._invocation, self._initial, self._rejected_here = 0, [], False
+            self._injecting = bool(
+                mode == "validate_results"
+                and self.config.error_injection_rate
+                and self._inject.randrange(self.config.error_injection_rate) == 0
+            )
+            self.state = RerunState.INITIAL_RUN
+            return True
+        if self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT:  # after a restart
+            if _hardware_id() == self._failed_on:
+                logger.warning("restarted on the same hardware: need a different GPU")
+                self._pending_exit = (False, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
+                return False
+            self._iterators = iterators
+            self._rng_saved = RNGState().state_dict()
+            self._begin_rerun(RerunState.RERUNNING_FROM_CHECKPOINT)
+            return True
+        if self.state == RerunState.INITIAL_RUN:
+            if mode == "report_stats":
+                self._begin_rerun(RerunState.RERUNNING_IN_PLACE)
+                return True
+            if agree_any(self._rejected_here, self.group):
+                self._begin_rerun(RerunState.RERUNNING_IN_PLACE)
+                return True
+            return self._finish_step()
+        if self.state == RerunState.RERUNNING_IN_PLACE:
+            if mode == "report_stats":
+                return self._finish_step()
+            reproduced = not agree_any(not self._reproduced, self.group)
+            if not reproduced:
+                self._verdict(
+                    "transient",
+                    "First rerun: unexpected result is not reproducible "
+                    "within the tolerance\nPossible transient error!",
+                )
+                if agree_any(self._fatal, self.group):
+                    self._pending_exit = (False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
+                return self._finish_step()
+            logger.warning("First rerun: unexpected result is reproducible within the tolerance")
+            logger.warning("Need to rerun on a different GPU to verify correctness")
+            self._failed_on = _hardware_id()
+            self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
+            self._pending_exit = (True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
+            return False
+        if self.state == RerunState.RERUNNING_FROM_CHECKPOINT:
+            reproduced = not agree_any(not self._reproduced, self.group)
+            if reproduced:
+                self._verdict(
+                    "correct",
+                    "Second rerun: unexpected result is reproducible on a "
+                    "different GPU, therefore it was likely correct\n"
+                    "Correct result (but possible Application error)",
+                )
+                if agree_any(self._fatal, self.group):
+                    self._pending_exit = (False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
+            else:
+                self._verdict(
+                    "persistent",
+                    "Second rerun: unexpected result is not reproducible "
+                    "on a different GPU, therefore was likely incorrect\n"
+                    "Possible persistent error!",
+                )
+            return self._finish_step()
+        raise AssertionError(self.state)
+
+    def should_checkpoint_and_exit(self) -> tuple[bool, bool, int]:
+        """``(should_checkpoint, should_exit, exit_code)`` after the step's loop."""
+        pending, self._pending_exit = self._pending_exit, (False, False, 0)
+        return pending
+
+    # ------------------------------------------------------------------ validation
+    def validate_result(
+        self,
+        result: Any,
+        rejection_func: Callable[[Any], Any],
+        message: str = "unexpected result",
+        comparison_func: Callable[[float, float], float] | None = None,
+        tolerance: float = 0.0,
+        fatal: bool = True,
+    ) -> None:
+        """Check ``result`` (a number or 1-element tensor): on the initial run, reject it
+        if ``rejection_func(result)``; on a re-run, compare it with the initial one."""
+        mode = self.config.rerun_mode
+        if mode == "disabled":
+            return
+        value = float(result)
+        index = self._invocation
+        self._invocation += 1
+        compare = comparison_func or relative_difference
+        if self.state == RerunState.INITIAL_RUN:
+            rejected = bool(rejection_func(result)) or (self._injecting and index == 0)
+            self._initial.append((value, rejected, message, fatal))
+            if rejected and mode == "validate_results":
+                self._rejected_here = True
+                self._fatal = self._fatal or fatal
+                rank = world_info().rank
+                logger.warning(
+                    "Unexpected result %s on rank %d at iteration #%d invocation #%d "
+                    "(message='%s')",
+                    value,
+                    rank,
+                    self.iteration,
+                    index + 1,
+                    message,
+                )
+                events.emit(
+                    "rerun_result_rejected",
+                    step=self.iteration,
+                    cause=message,
+                    result=value,
+                    invocation=index + 1,
+                )
+                self._track(value, message, "rejected")
+            return
+        if index >= len(self._initial):
+            return
+        initial = self._initial[index][0]
+        diff = compare(value, initial)
+        if mode == "report_stats":
+            self._diffs.append(diff)
+            return
+        injected = self._injection_outcome()
+        if injected is not None:
+            self._reproduced = self._reproduced and injected
+        else:
+            self._reproduced = self._reproduced and diff <= tolerance
+
+    def is_unexpectedly_large(
+        self, result: Any, threshold: float, context: str, num_samples: int = 100
+    ) -> bool:
+        """For spiky loss: True when ``|result| >= threshold x`` the max ``|value|`` of the
+        first ``num_samples`` samples seen in ``context`` (False until then)."""
+        value = abs(float(result))
+        samples = self._large.setdefault(context, [])
+        if len(samples) < num_samples:
+            samples.append(value)
+            return False
+        return value >= threshold * max(samples)
+
+    def get_stats(self) -> dict[str, float]:
+        """``report_stats``: mean, p50, p90, p99 and max of the re-runs' relative
+        differences so far."""
+        if not self._diffs:
+            return {"count": 0}
+        data = sorted(self._diffs)
+
+        def pct(p: float) -> float:
+            return data[min(len(data) - 1, int(p * (len(data) - 1) + 0.5))]
+
+        return {
+            "count": len(data),
+            "mean": sum(data) / len(data),
+            "p50": pct(0.5),
+            "p90": pct(0.9),
+            "p99": pct(0.99),
+            "max": data[-1],
+        }
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The machine's state for the checkpoint (continues an attribution after exit
+        16), including the data iterators' kept batches."""
+        return {
+            "state": self.state.value,
+            "iteration": self.iteration,
+            "failed_on": self._failed_on,
+            "initial": [list(x) for x in self._initial],
+            "fatal": self._fatal,
+            "injected": self._injecting,
+            "iterators": [it.state_dict() for it in self._iterators],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], data_iterator: Any = None) -> None:
+        """Restore :meth:`state_dict` (and the kept batches into ``data_iterator``)."""
+        try:
+            self.state = RerunState(int(state["state"]))
+            self.iteration = int(state["iteration"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ConfigError(f"rerun state: {exc}") from exc
+        self._failed_on = state.get("failed_on")
+        self._initial = [(float(v), bool(r), str(m), bool(f)) for v, r, m, f in state["initial"]]
+        self._fatal = bool(state.get("fatal", False))
+        self._injecting = bool(state.get("injected", False))
+        for it, saved in zip(_as_list(data_iterator), state.get("iterators", []), strict=False):
+            it.load_state_dict(saved)
+
+    # ------------------------------------------------------------------ internals
+    def _begin_rerun(self, state: RerunState) -> None:
+        if self._rng_saved is not None:
+            RNGState().load_state_dict(self._rng_saved)
+        for it in self._iterators:
+            it.rewind()
+        self._invocation = 0
+        self._reproduced = True
+        self.state = state
+
+    def _finish_step(self) -> bool:
+        for it in self._iterators:
+            it.advance()
+        self.state = RerunState.NOT_RUNNING_YET
+        self._initial, self._fatal, self._injecting = [], False, False
+        self.iteration += 1
+        return False
+
+    def _injection_outcome(self) -> bool | None:
+        """Whether an injected error reproduces in the current re-run (None: not one)."""
+        if not self._injecting:
+            return None
+        kind = self.config.error_injection_type
+        if self.state == RerunState.RERUNNING_IN_PLACE:
+            return kind != "transient_error"
+        return kind == "correct_result"
+
+    def _verdict(self, kind: str, text: str) -> None:
+        for line in text.splitlines():
+            logger.warning("%s", line)
+        self.verdicts.append(kind)
+        events.emit("rerun_verdict", step=self.iteration, cause=kind, verdict=kind)
+        self._track(None, text.splitlines()[-1], kind)
+
+    def _track(self, result: float | None, message: str, status: str) -> None:
+        path = self.config.result_rejected_tracker_filename
+        if not path:
+            return
+        record = {
+            "time": time.time(),
+            "node": socket.gethostname(),
+            "device": _hardware_id(),
+            "job_id": os.environ.get("SLURM_JOB_ID"),
+            "rank": world_info().rank,
+            "iteration": self.iteration,
+            "status": status,
+            "result": result,
+            "message": message,
+        }
+        with open(Path(path), "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+def _as_list(data_iterator: Any) -> list[RerunDataIterator]:
+    if data_iterator is None:
+        return []
+    items = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
+    return [it for it in items if isinstance(it, RerunDataIterator)]
