@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -248,14 +248,19 @@ def _is_dtensor(value: Any) -> bool:
     return module is not None and isinstance(value, module.DTensor)
 
 
-def _has_dtensor(value: Any) -> bool:
+def _any_tensor(value: Any, pred: Callable[[torch.Tensor], bool]) -> bool:
+    """Whether any tensor in the nested state ``value`` satisfies ``pred``."""
     if isinstance(value, torch.Tensor):
-        return _is_dtensor(value)
+        return pred(value)
     if isinstance(value, Mapping):
-        return any(_has_dtensor(v) for v in value.values())
+        return any(_any_tensor(v, pred) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_has_dtensor(v) for v in value)
+        return any(_any_tensor(v, pred) for v in value)
     return False
+
+
+def _has_dtensor(value: Any) -> bool:
+    return _any_tensor(value, _is_dtensor)
 
 
 class _Stager:
@@ -351,13 +356,7 @@ def _dcp_plain_values(metadata: Any) -> set[str]:
 
 
 def _dtensor_off_cpu(value: Any) -> bool:
-    if _is_dtensor(value):
-        return bool(value.device.type != "cpu")
-    if isinstance(value, Mapping):
-        return any(_dtensor_off_cpu(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_dtensor_off_cpu(v) for v in value)
-    return False
+    return _any_tensor(value, lambda t: _is_dtensor(t) and t.device.type != "cpu")
 
 
 def _to_cpu(value: Any) -> Any:

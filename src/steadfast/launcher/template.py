@@ -364,10 +364,6 @@ class Template:
         self._reader.join(5)
 
 
-if __name__ == "__main__":
-    serve(int(sys.argv[1]))
-
-
 # ---------------------------------------------------------------------- torch's agent glue
 def template_start_processes(template: Template, original: Any) -> Any:
     """A stand-in for torch's ``start_processes`` that forks script workers from
@@ -375,9 +371,8 @@ def template_start_processes(template: Template, original: Any) -> Any:
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
     class _Handler:
-        def __init__(self, proc: TemplateProc, stdout: str | None, stderr: str | None) -> None:
+        def __init__(self, proc: TemplateProc) -> None:
             self.proc = proc
-            self.local_rank_id = 0
 
         def close(self, death_sig: signal.Signals | None = None) -> None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -393,51 +388,29 @@ def template_start_processes(template: Template, original: Any) -> Any:
                 out = self.stdouts[local_rank] or None
                 err = self.stderrs[local_rank] or None
                 proc = template.spawn(argv, env, stdout=out, stderr=err)
-                handlers[local_rank] = _Handler(proc, out, err)
+                handlers[local_rank] = _Handler(proc)
             self.subprocess_handlers = handlers  # type: ignore[assignment]
 
-    def start_processes(
-        name: str,
-        entrypoint: Any,
-        args: dict[int, tuple[Any, ...]],
-        envs: dict[int, dict[str, str]],
-        logs_specs: Any,
-        log_line_prefixes: Any = None,
-        start_method: str = "spawn",
-        numa_options: Any = None,
-        duplicate_stdout_filters: Any = None,
-        duplicate_stderr_filters: Any = None,
-    ) -> Any:
+    def start_processes(**kwargs: Any) -> Any:
+        # torch's agent passes every argument by keyword
         usable = (
             template.ready(600)  # else (a very slow import, a dead template): plain start
-            and entrypoint == sys.executable
-            and numa_options is None
-            and all(parse_python_argv([str(a) for a in argv]) for argv in args.values())
+            and kwargs["entrypoint"] == sys.executable
+            and kwargs.get("numa_options") is None
+            and all(parse_python_argv([str(a) for a in argv]) for argv in kwargs["args"].values())
         )
         if not usable:
-            return original(
-                name=name,
-                entrypoint=entrypoint,
-                args=args,
-                envs=envs,
-                logs_specs=logs_specs,
-                log_line_prefixes=log_line_prefixes,
-                start_method=start_method,
-                numa_options=numa_options,
-                duplicate_stdout_filters=duplicate_stdout_filters,
-                duplicate_stderr_filters=duplicate_stderr_filters,
-            )
-        context = _TemplateContext(
-            name=name,
-            entrypoint=entrypoint,
-            args=args,
-            envs=envs,
-            logs_specs=logs_specs,
-            log_line_prefixes=log_line_prefixes,
-            duplicate_stdout_filters=duplicate_stdout_filters,
-            duplicate_stderr_filters=duplicate_stderr_filters,
-        )
+            return original(**kwargs)
+        # the start method and (absent) NUMA binding do not apply to forked workers
+        context_args = {
+            k: v for k, v in kwargs.items() if k not in ("start_method", "numa_options")
+        }
+        context = _TemplateContext(**context_args)
         context.start()
         return context
 
     return start_processes
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))

@@ -48,17 +48,14 @@ _STATE_KEYS = (
 
 def _max_over_ranks(values: list[float]) -> list[float]:
     """Element-wise max over all ranks (one all-reduce), when torch.distributed runs."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch is a dependency
+    import torch
+    import torch.distributed as dist
+
+    from ..dist import backend_device, is_distributed
+
+    if not is_distributed() or not values:
         return values
-    if not (dist.is_available() and dist.is_initialized()) or not values:
-        return values
-    device = "cpu"
-    if "nccl" in str(dist.get_backend()).lower() and torch.cuda.is_available():
-        device = f"cuda:{torch.cuda.current_device()}"
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    tensor = torch.tensor(values, dtype=torch.float64, device=backend_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return [float(v) for v in tensor.tolist()]
 

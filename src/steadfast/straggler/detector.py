@@ -231,11 +231,12 @@ class Detector:
 
     def _medians(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for name, section in self._sections.items():
-            if section.cuda_events:  # device time: one synchronisation per report
-                import torch
+        if any(section.cuda_events for section in self._sections.values()):
+            import torch
 
-                torch.cuda.synchronize()
+            torch.cuda.synchronize()  # device time: one synchronisation per report
+        for name, section in self._sections.items():
+            if section.cuda_events:
                 times = [s.elapsed_time(e) / 1e3 for s, e in section.cuda_events]
             else:
                 times = [ns / 1e9 for ns in section.cpu_ns]

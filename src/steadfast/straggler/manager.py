@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .. import events
-from ..config import require_number
+from ..config import ConfigError, require_number
 from ..dist import group_rank
 from .detector import Detector, Report
 
@@ -52,8 +52,6 @@ class NVRxStragglerDetectionConfig:
         for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
             value = require_number(name, getattr(self, name), minimum=0)
             if value > 1:
-                from ..config import ConfigError
-
                 raise ConfigError(f"{name}: must be within [0, 1], got {value!r}")
         require_number("profiling_interval", self.profiling_interval, minimum=1, integer=True)
 
