@@ -231,6 +231,31 @@ time.sleep(60)
 """
 
 
+def _table_for(cfg: FaultToleranceConfig) -> HeartbeatTable:
+    """A one-row table reset to ``cfg``'s timeouts, as the launcher does per generation."""
+    tab = HeartbeatTable.create(rows=1)
+    tab.reset(
+        0,
+        cfg.rank_section_timeouts,
+        cfg.initial_rank_heartbeat_timeout,
+        cfg.rank_heartbeat_timeout,
+        cfg.rank_out_of_section_timeout,
+    )
+    return tab
+
+
+def _worker_env(tab: HeartbeatTable, cfg: FaultToleranceConfig) -> dict[str, str]:
+    """The environment the launcher gives local rank 0."""
+    return dict(
+        os.environ,
+        **{
+            HB_TABLE_ENV: str(tab.path),
+            "LOCAL_RANK": "0",
+            FT_CONFIG_ENV: json.dumps(cfg.to_dict()),
+        },
+    )
+
+
 @pytest.mark.parametrize(
     ("mode", "what"),
     [
@@ -248,25 +273,10 @@ def test_watcher_terminates_a_hung_rank(event_log: Path, mode: str, what: str):
         rank_out_of_section_timeout=0.5,
         workload_check_interval=0.2,
     )
-    tab = HeartbeatTable.create(rows=1)
-    tab.reset(
-        0,
-        cfg.rank_section_timeouts,
-        cfg.initial_rank_heartbeat_timeout,
-        cfg.rank_heartbeat_timeout,
-        cfg.rank_out_of_section_timeout,
-    )
-    env = dict(
-        os.environ,
-        **{
-            HB_TABLE_ENV: str(tab.path),
-            "LOCAL_RANK": "0",
-            FT_CONFIG_ENV: json.dumps(cfg.to_dict()),
-        },
-    )
+    tab = _table_for(cfg)
     proc = subprocess.Popen(
         [sys.executable, "-c", _WORKER, mode],
-        env=env,
+        env=_worker_env(tab, cfg),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -301,18 +311,12 @@ def test_watcher_leaves_a_rank_that_shut_down_alone():
         rank_out_of_section_timeout=0.3,
         workload_check_interval=0.1,
     )
-    tab = HeartbeatTable.create(rows=1)
-    tab.reset(0, cfg.rank_section_timeouts, None, None, cfg.rank_out_of_section_timeout)
-    env = dict(
-        os.environ,
-        **{
-            HB_TABLE_ENV: str(tab.path),
-            "LOCAL_RANK": "0",
-            FT_CONFIG_ENV: json.dumps(cfg.to_dict()),
-        },
-    )
+    tab = _table_for(cfg)
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WORKER, "clean"], env=env, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _WORKER, "clean"],
+        env=_worker_env(tab, cfg),
+        stdout=subprocess.PIPE,
+        text=True,
     )
     watcher = Watcher(tab, cfg)
     try:
@@ -358,8 +362,7 @@ def test_a_writer_that_died_mid_update_does_not_block_readers():
 
 def test_watcher_does_not_act_on_a_worker_that_already_exited(event_log: Path):
     cfg = FaultToleranceConfig(initial_rank_heartbeat_timeout=0.2, workload_check_interval=0.1)
-    tab = HeartbeatTable.create(rows=1)
-    tab.reset(0, {}, cfg.initial_rank_heartbeat_timeout, None, None)
+    tab = _table_for(cfg)
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()  # gone (and reaped) before its first heartbeat was due
     watcher = Watcher(tab, cfg)

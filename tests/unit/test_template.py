@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -59,16 +58,18 @@ def test_workers_run_scripts_and_report_exit_codes(template: Template, tmp_path:
         assert "RuntimeError: boom" in text
 
 
-def test_a_killed_worker_reports_the_signal(template: Template, tmp_path: Path):
+def _spawn_sleeper(template: Template, tmp_path: Path):
+    """A worker that runs SCRIPT in ``sleep`` mode (it stays until it is ended)."""
     script = tmp_path / "w.py"
     script.write_text(SCRIPT)
-    proc = template.spawn(
-        ["-u", str(script), "sleep"],
-        dict(os.environ),
-        cwd=str(tmp_path),
-        stdout=str(tmp_path / "o"),
-        stderr=str(tmp_path / "o"),
+    out = str(tmp_path / "o")
+    return template.spawn(
+        ["-u", str(script), "sleep"], dict(os.environ), cwd=str(tmp_path), stdout=out, stderr=out
     )
+
+
+def test_a_killed_worker_reports_the_signal(template: Template, tmp_path: Path):
+    proc = _spawn_sleeper(template, tmp_path)
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(0.3)
     os.killpg(proc.pid, signal.SIGKILL)  # its own session, as torch's agent expects
@@ -76,16 +77,8 @@ def test_a_killed_worker_reports_the_signal(template: Template, tmp_path: Path):
 
 
 def test_closing_the_template_ends_its_workers(tmp_path: Path):
-    script = tmp_path / "w.py"
-    script.write_text(SCRIPT)
     t = Template()
-    proc = t.spawn(
-        ["-u", str(script), "sleep"],
-        dict(os.environ),
-        cwd=str(tmp_path),
-        stdout=str(tmp_path / "o"),
-        stderr=str(tmp_path / "o"),
-    )
+    proc = _spawn_sleeper(t, tmp_path)
     t.close()
     with pytest.raises(ProcessLookupError):
         os.kill(proc.pid, 0)
@@ -98,4 +91,3 @@ def test_module_mode(template: Template, tmp_path: Path):
     (tmp_path / "pkg" / "job.py").write_text("import sys\nsys.exit(int(sys.argv[1]))\n")
     proc = template.spawn(["-u", "-m", "pkg.job", "7"], dict(os.environ), cwd=str(tmp_path))
     assert proc.wait(60) == 7
-    assert sys.executable  # the template runs the same interpreter as the launcher
