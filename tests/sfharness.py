@@ -23,13 +23,21 @@ from typing import Any
 _HERE = str(Path(__file__).resolve().parent)
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` so that a reader polling ``path`` never sees it empty or partial
+    (``write_text`` truncates first): a temporary file renamed over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _rank_main(workdir: str, rank: int, world_size: int) -> None:
     """Entry point of one rank process (``python sfharness.py WORKDIR RANK WORLD``)."""
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     import torch.distributed as dist
 
     out = Path(workdir) / f"result_{rank}.pkl"
-    (Path(workdir) / f"pid_{rank}").write_text(str(os.getpid()))
+    write_atomic(Path(workdir) / f"pid_{rank}", str(os.getpid()))
     code = 0
     try:
         module, name, args = pickle.loads((Path(workdir) / "call.pkl").read_bytes())

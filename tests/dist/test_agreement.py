@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfharness import Ranks, read_events, run_ranks, wait_for
+from sfharness import Ranks, read_events, run_ranks, wait_for, write_atomic
 
 
 # ----------------------------------------------------------------- NaN agreement
@@ -80,7 +80,7 @@ def _train_until_shutdown(rank: int, world: int, workdir: Path, agree: bool) -> 
     stopped_at = None
     for step in range(10_000):
         time.sleep(0.01)
-        (workdir / f"step_{rank}").write_text(str(step))
+        write_atomic(workdir / f"step_{rank}", str(step))  # polled by the test
         if h.should_shutdown(step):
             stopped_at = step
             break
@@ -97,7 +97,7 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path: Path):
 
         def progressed() -> bool:
             files = [tmp_path / f"step_{r}" for r in (0, 1)]
-            return all(f.exists() and f.read_text() and int(f.read_text()) >= 5 for f in files)
+            return all(f.exists() and int(f.read_text()) >= 5 for f in files)
 
         wait_for(progressed, 60, "both ranks at step 5")
         os.kill(pid1, signal.SIGTERM)
