@@ -108,6 +108,17 @@ def agree_any(flag: bool | torch.Tensor, group: ProcessGroup | None = None) -> b
     return count_true(flag, group) > 0
 
 
+def agree_flags(flags: list[bool], group: ProcessGroup | None = None) -> list[bool]:
+    """For each position, True on every rank when that flag is true on any rank: several
+    decisions agreed by one small all-reduce (MAX)."""
+    t = torch.tensor(
+        [1 if f else 0 for f in flags], dtype=torch.int32, device=backend_device(group)
+    )
+    if is_distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in t.tolist()]
+
+
 def gather_flags(flag: bool, group: ProcessGroup | None = None) -> list[bool]:
     """One flag per rank of ``group``, in rank order, on every rank (one all-gather)."""
     if not is_distributed():

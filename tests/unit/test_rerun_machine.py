@@ -82,10 +82,9 @@ def test_reproduced_in_place_exits_16_then_the_second_rerun_decides(
     seen: list = []
     runs, decision = _step(machine, data, seen)
     assert runs == 2 and decision == (True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
-    state = json.loads(json.dumps(machine.state_dict(), default=lambda t: t.tolist()))
-    state["iterators"] = [
-        {"saved": [torch.tensor(b) for b in it["saved"]]} for it in state["iterators"]
-    ]
+    # through a file, as the checkpoint manager stores it (weights_only on load)
+    torch.save(machine.state_dict(), tmp_path / "rerun.pt")
+    state = torch.load(tmp_path / "rerun.pt", weights_only=True)
     # the job restarts on other hardware from the checkpoint saved with exit 16
     monkeypatch.setenv(HARDWARE_ID_ENV, "node-b/gpu3")
     restarted = _machine(kind, tmp_path)
@@ -126,6 +125,40 @@ def test_nan_loss_goes_through_the_machine_and_normal_steps_run_once(tmp_path: P
     assert machine.should_checkpoint_and_exit() == (True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
 
 
+def test_validate_loss_checks_what_the_config_asks(tmp_path: Path):
+    cfg = RerunStateMachineConfig(rerun_mode="validate_results", check_for_spiky_loss=True)
+    machine = RerunStateMachine(cfg)
+    data = RerunDataIterator(range(1000))
+
+    def step(loss: float) -> tuple[int, tuple[bool, bool, int]]:
+        runs = 0
+        while machine.should_run_forward_backward(data):
+            next(data)
+            machine.validate_loss(torch.tensor(loss))
+            runs += 1
+        return runs, machine.should_checkpoint_and_exit()
+
+    for i in range(100):  # the first 100 losses set the scale; none is rejected
+        assert step(2.0 - 0.01 * i) == (1, (False, False, 0))
+    assert step(5 * 2.0) == (1, (False, False, 0))  # 5x the largest: not a spike
+    assert step(20 * 2.0) == (2, (True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE))  # reproduced
+    for bad in (float("nan"), float("inf")):
+        again = RerunStateMachine(RerunStateMachineConfig(rerun_mode="validate_results"))
+        runs = 0
+        while again.should_run_forward_backward(data):
+            next(data)
+            again.validate_loss(torch.tensor(bad))
+            runs += 1
+        assert runs == 2 and again.should_checkpoint_and_exit()[2] == 16
+    quiet = RerunStateMachine(
+        RerunStateMachineConfig(rerun_mode="validate_results", check_for_nan_in_loss=False)
+    )
+    while quiet.should_run_forward_backward(data):
+        next(data)
+        quiet.validate_loss(torch.tensor(float("nan")))
+    assert quiet.should_checkpoint_and_exit() == (False, False, 0)
+
+
 def test_spiky_loss():
     machine = RerunStateMachine()
     for i in range(100):
@@ -153,3 +186,7 @@ def test_bad_config():
         RerunStateMachineConfig(rerun_mode="sometimes")
     with pytest.raises(ConfigError, match="error_injection_type"):
         RerunStateMachineConfig(error_injection_type="cosmic_ray")
+    with pytest.raises(ConfigError, match="rerun state"):
+        RerunStateMachine().load_state_dict({"state": 9, "iteration": 0, "initial": []})
+    with pytest.raises(ConfigError, match="rerun state"):
+        RerunStateMachine().load_state_dict({"iteration": 0})

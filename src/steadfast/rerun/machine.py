@@ -41,13 +41,14 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from .. import events
 from ..checkpoint.state import RNGState
 from ..config import ConfigError, require_choice, require_number
-from ..dist import agree_any, world_info
+from ..dist import agree_any, agree_flags, world_info
 
 __all__ = [
     "EXIT_CODE_FAILED_ON_RESULT_VALIDATION",
@@ -191,6 +192,7 @@ class RerunStateMachine:
         self.iteration = 0
         self._rng_saved: dict[str, Any] | None = None
         self._iterators: list[RerunDataIterator] = []
+        self._pending_batches: list[dict[str, Any]] = []  # kept batches from a checkpoint
         self._invocation = 0
         self._initial: list[tuple[float, bool, str, bool]] = []  # result, rejected, msg, fatal
         self._rejected_here = False
@@ -211,7 +213,8 @@ class RerunStateMachine:
         iterators = _as_list(data_iterator)
         if self.state == RerunState.NOT_RUNNING_YET:
             self._iterators = iterators
-            self._rng_saved = RNGState().state_dict()
+            # the RNG state at the start of the step, for the re-runs (not needed when off)
+            self._rng_saved = RNGState().state_dict() if mode != "disabled" else None
             self._invocation, self._initial, self._rejected_here = 0, [], False
             self._injecting = bool(
                 mode == "validate_results"
@@ -226,10 +229,14 @@ class RerunStateMachine:
                 self._pending_exit = (False, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
                 return False
             self._iterators = iterators
-            self._rng_saved = RNGState().state_dict()
+            for it, kept in zip(iterators, self._pending_batches, strict=False):
+                it.load_state_dict(kept)
+            self._pending_batches = []
             self._begin_rerun(RerunState.RERUNNING_FROM_CHECKPOINT)
             return True
         if self.state == RerunState.INITIAL_RUN:
+            if mode == "disabled":  # no collective at all: the loop body ran once
+                return self._finish_step()
             if mode == "report_stats":
                 self._begin_rerun(RerunState.RERUNNING_IN_PLACE)
                 return True
@@ -240,14 +247,14 @@ class RerunStateMachine:
         if self.state == RerunState.RERUNNING_IN_PLACE:
             if mode == "report_stats":
                 return self._finish_step()
-            reproduced = not agree_any(not self._reproduced, self.group)
-            if not reproduced:
+            not_reproduced, fatal = agree_flags([not self._reproduced, self._fatal], self.group)
+            if not_reproduced:
                 self._verdict(
                     "transient",
                     "First rerun: unexpected result is not reproducible "
                     "within the tolerance\nPossible transient error!",
                 )
-                if agree_any(self._fatal, self.group):
+                if fatal:
                     self._pending_exit = (False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
                 return self._finish_step()
             logger.warning("First rerun: unexpected result is reproducible within the tolerance")
@@ -257,15 +264,15 @@ class RerunStateMachine:
             self._pending_exit = (True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
             return False
         if self.state == RerunState.RERUNNING_FROM_CHECKPOINT:
-            reproduced = not agree_any(not self._reproduced, self.group)
-            if reproduced:
+            not_reproduced, fatal = agree_flags([not self._reproduced, self._fatal], self.group)
+            if not not_reproduced:
                 self._verdict(
                     "correct",
                     "Second rerun: unexpected result is reproducible on a "
                     "different GPU, therefore it was likely correct\n"
                     "Correct result (but possible Application error)",
                 )
-                if agree_any(self._fatal, self.group):
+                if fatal:
                     self._pending_exit = (False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
             else:
                 self._verdict(
@@ -297,7 +304,7 @@ class RerunStateMachine:
         mode = self.config.rerun_mode
         if mode == "disabled":
             return
-        value = float(result)
+        value = _scalar(result)
         index = self._invocation
         self._invocation += 1
         compare = comparison_func or relative_difference
@@ -339,12 +346,30 @@ class RerunStateMachine:
         else:
             self._reproduced = self._reproduced and diff <= tolerance
 
+    def validate_loss(self, loss: Any) -> None:
+        """The seed's checks of a micro-batch's loss, as configured: NaN and Inf with
+        ``check_for_nan_in_loss`` (fatal), a spike of ``spiky_loss_factor`` x the largest
+        loss of the first 100 with ``check_for_spiky_loss`` (not fatal: a spike is often
+        the data's)."""
+        if self.config.check_for_nan_in_loss:
+            self.validate_result(
+                loss, _isnan, "found NaN in local forward loss calculation", fatal=True
+            )
+            self.validate_result(
+                loss, _isinf, "found Inf in local forward loss calculation", fatal=True
+            )
+        if self.config.check_for_spiky_loss:
+            spiky = partial(
+                self.is_unexpectedly_large, threshold=self.config.spiky_loss_factor, context="loss"
+            )
+            self.validate_result(loss, spiky, "Spiky loss", fatal=False)
+
     def is_unexpectedly_large(
         self, result: Any, threshold: float, context: str, num_samples: int = 100
     ) -> bool:
         """For spiky loss: True when ``|result| >= threshold x`` the max ``|value|`` of the
         first ``num_samples`` samples seen in ``context`` (False until then)."""
-        value = abs(float(result))
+        value = abs(_scalar(result))
         samples = self._large.setdefault(context, [])
         if len(samples) < num_samples:
             samples.append(value)
@@ -381,22 +406,38 @@ class RerunStateMachine:
             "initial": [list(x) for x in self._initial],
             "fatal": self._fatal,
             "injected": self._injecting,
+            "rng": self._rng_saved if self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT else None,
             "iterators": [it.state_dict() for it in self._iterators],
+            "large": {k: list(v) for k, v in self._large.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any], data_iterator: Any = None) -> None:
-        """Restore :meth:`state_dict` (and the kept batches into ``data_iterator``)."""
+        """Restore :meth:`state_dict`. The kept batches go into ``data_iterator`` when
+        given, else into the iterators passed to the next :meth:`should_run_forward_backward`
+        (so the machine can be restored as a plain ``Stateful`` by the checkpoint manager)."""
         try:
             self.state = RerunState(int(state["state"]))
             self.iteration = int(state["iteration"])
-        except (KeyError, ValueError, TypeError) as exc:
-            raise ConfigError(f"rerun state: {exc}") from exc
+            self._initial = [
+                (float(v), bool(r), str(m), bool(f)) for v, r, m, f in state["initial"]
+            ]
+            self._large = {str(k): [float(x) for x in v] for k, v in state.get("large", {}).items()}
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"rerun state: bad or missing field ({exc!r})") from exc
+        if self.state not in (RerunState.NOT_RUNNING_YET, RerunState.WILL_RERUN_FROM_CHECKPOINT):
+            raise ConfigError(
+                f"rerun state: a checkpoint cannot be taken in state {self.state.name}"
+            )
         self._failed_on = state.get("failed_on")
-        self._initial = [(float(v), bool(r), str(m), bool(f)) for v, r, m, f in state["initial"]]
         self._fatal = bool(state.get("fatal", False))
         self._injecting = bool(state.get("injected", False))
-        for it, saved in zip(_as_list(data_iterator), state.get("iterators", []), strict=False):
-            it.load_state_dict(saved)
+        self._rng_saved = state.get("rng")
+        self._pending_batches = list(state.get("iterators", []))
+        iterators = _as_list(data_iterator)
+        if iterators:
+            for it, kept in zip(iterators, self._pending_batches, strict=False):
+                it.load_state_dict(kept)
+            self._pending_batches = []
 
     # ------------------------------------------------------------------ internals
     def _begin_rerun(self, state: RerunState) -> None:
@@ -449,6 +490,19 @@ class RerunStateMachine:
         }
         with open(Path(path), "a") as fh:
             fh.write(json.dumps(record) + "\n")
+
+
+def _scalar(result: Any) -> float:
+    """A loss (a number or a 1-element tensor, maybe with a graph) as a float."""
+    return float(result.detach() if hasattr(result, "detach") else result)
+
+
+def _isnan(value: Any) -> bool:
+    return math.isnan(_scalar(value))
+
+
+def _isinf(value: Any) -> bool:
+    return math.isinf(_scalar(value))
 
 
 def _as_list(data_iterator: Any) -> list[RerunDataIterator]:
