@@ -102,7 +102,8 @@ EVENT_KINDS: dict[str, str] = {
     "rank_hung": "fields: section, elapsed, timeout",
     "rank_failed": "fields: exit_code, signal",
     "restart": "fields: restart_count, reason",
-    "job_requeued": "in-job restarts spent, the Slurm job was requeued; fields: slurm_job",
+    "job_requeued": "the Slurm job was requeued (cause: restarts_exhausted, or "
+    "restart_elsewhere after a worker's exit 16); fields: slurm_job",
     "job_start": "a training process (re)started; fields: world_size, resumed_from",
     "job_end": "a training process ended; fields: exit_code, reason",
     "fault_injected": "a simulated fault fired; fields: fault",

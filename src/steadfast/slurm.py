@@ -127,10 +127,13 @@ def log_job_info() -> None:
         logger.info("Job was requeued (restart #%d) - will auto-resume", info.restart_count)
 
 
-def requeue_job(job_id: str | None = None, timeout: float = 60.0) -> bool:
+def requeue_job(
+    job_id: str | None = None, timeout: float = 60.0, cause: str = "restarts_exhausted"
+) -> bool:
     """Ask Slurm to requeue the job (``scontrol requeue <job_id>``, default this job):
-    the job retry after in-job restarts are spent. True if scontrol accepted it; the
-    reason is logged when it did not (no scontrol, a job that is not requeueable...)."""
+    the job retry after in-job restarts are spent (``cause`` says why, for the
+    ``job_requeued`` event). True if scontrol accepted it; the reason is logged when it
+    did not (no scontrol, a job that is not requeueable...)."""
     import subprocess
 
     from . import events
@@ -151,6 +154,6 @@ def requeue_job(job_id: str | None = None, timeout: float = 60.0) -> bool:
             "scontrol requeue %s failed (exit %d): %s", job, proc.returncode, proc.stderr.strip()
         )
         return False
-    events.emit("job_requeued", cause="restarts_exhausted", slurm_job=job)
+    events.emit("job_requeued", cause=cause, slurm_job=job)
     logger.warning("requeued Slurm job %s", job)
     return True

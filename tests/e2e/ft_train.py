@@ -22,6 +22,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from steadfast import CheckpointManager, ShutdownHandler, setup_simulated_fault
 from steadfast.monitor import RankMonitorClient, load_ft_state, save_ft_state
+from steadfast.rerun import (
+    HARDWARE_ID_ENV,
+    RerunDataIterator,
+    RerunStateMachine,
+    RerunStateMachineConfig,
+)
 
 FAULTS = (
     "none",
@@ -33,6 +39,8 @@ FAULTS = (
     "raise",
     "exit3",
     "always_fail",
+    "nan_transient",  # a NaN loss on the first attempt only (with --rerun)
+    "nan_persistent",  # a NaN loss whenever the hardware id is "node-a" (with --rerun)
 )
 
 
@@ -54,6 +62,7 @@ def main() -> int:
     ap.add_argument("--no-ft", action="store_true", help="run without the rank monitor")
     ap.add_argument("--simulate", default=None, help="a Megatron Bridge simulated_fault_type")
     ap.add_argument("--graceful", action="store_true", help="save and stop on SIGTERM")
+    ap.add_argument("--rerun", action="store_true", help="steps under the re-run state machine")
     args = ap.parse_args()
     generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ["RANK"])
@@ -76,7 +85,17 @@ def main() -> int:
     model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ckpt = CheckpointManager(args.ckpt, keep_last_n=2)
-    restored = ckpt.restore({"model": model.module, "optim": opt})
+    machine = None
+    if args.rerun:
+        machine = RerunStateMachine(
+            RerunStateMachineConfig(
+                rerun_mode="validate_results",
+                result_rejected_tracker_filename=str(args.ckpt / "rerun_tracker.jsonl"),
+            )
+        )
+    objects = {"model": model.module, "optim": opt}
+    rank_state = {"rerun": machine} if machine is not None else None
+    restored = ckpt.restore({**objects, **(rank_state or {})})
     start = restored[0] if restored else 0
     if fault == "always_fail":
         raise RuntimeError("injected: fails before any step, every generation")
@@ -105,8 +124,40 @@ def main() -> int:
             os._exit(3)
         g = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        if machine is None:
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        else:  # the seed's loop: the step may run again with the same batch
+            data = RerunDataIterator([(x, y)])
+            attempt = 0
+            while machine.should_run_forward_backward(data):
+                bx, by = next(data)
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.mse_loss(model(bx), by)
+                bad = rank == args.fault_rank and step == args.fault_step
+                if bad and (
+                    (fault == "nan_transient" and attempt == 0)
+                    or (
+                        args.fault == "nan_persistent"
+                        and os.environ.get(HARDWARE_ID_ENV) == "node-a"
+                    )
+                ):
+                    loss = loss * float("nan")
+                loss.backward()
+                machine.validate_loss(loss)
+                attempt += 1
+            save_now, exit_now, code = machine.should_checkpoint_and_exit()
+            if save_now or exit_now:  # the step's update is not applied
+                ft.end_section("step")
+            if save_now:  # resume at this step
+                ft.start_section("checkpointing")
+                ckpt.save(step, objects, rank_state=rank_state)
+                ft.end_section("checkpointing")
+            if exit_now:
+                ckpt.close()
+                ft.shutdown_workload_monitoring()
+                dist.destroy_process_group()
+                return code
         opt.step()
         time.sleep(args.step_sleep)
         ft.end_section("step")
@@ -114,7 +165,7 @@ def main() -> int:
             time.sleep(3600)
         if stop is not None and stop.should_shutdown(step):  # every rank, the same step
             ft.start_section("checkpointing")
-            ckpt.save_emergency(step + 1, {"model": model.module, "optim": opt})
+            ckpt.save_emergency(step + 1, objects, rank_state=rank_state)
             ft.end_section("checkpointing")
             stop.finish()
             break
@@ -122,7 +173,7 @@ def main() -> int:
             ft.start_section("checkpointing")
             if fault == "hang_checkpointing" and step + 1 == args.fault_step:
                 time.sleep(3600)
-            ckpt.save(step + 1, {"model": model.module, "optim": opt})
+            ckpt.save(step + 1, objects, rank_state=rank_state)
             ft.end_section("checkpointing")
     if args.calc_timeouts:
         ft.calculate_and_set_section_timeouts()

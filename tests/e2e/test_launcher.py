@@ -353,3 +353,51 @@ def test_two_launchers_form_a_two_node_job_and_restart_together(
     assert len(_events(event_log, "restart")) >= 2  # every node restarted its workers
     out = torch.load(workdir / "node0" / "out.pt", weights_only=True)
     assert all(torch.equal(out[k], reference[k]) for k in reference)
+
+
+def test_rerun_exit_16_restarts_elsewhere_and_the_run_ends_bit_exact(
+    tmp_path: Path, event_log: Path, monkeypatch: pytest.MonkeyPatch, reference
+):
+    """The re-run state machine reproduces rank 1's NaN in place on "node-a": every
+    worker saves and exits 16, which the launcher does not restart on the same hardware
+    (it exits 16, with restarts to spare). Resubmitted on "node-b" (faked through the
+    documented environment variable), the step is re-run from that checkpoint, the NaN
+    is not reproduced (a persistent fault of the first GPU) and the run ends bit-exact."""
+    from steadfast.launcher import EXIT_RESTART_ELSEWHERE
+    from steadfast.rerun import HARDWARE_ID_ENV
+
+    monkeypatch.setenv(HARDWARE_ID_ENV, "node-a")
+    flags = (*TIMEOUTS, "--max-restarts=3")
+    proc = _launch(tmp_path, "--rerun", "--fault", "nan_persistent", flags=flags)
+    assert proc.returncode == EXIT_RESTART_ELSEWHERE, (tmp_path / "launcher.log").read_text()[
+        -4000:
+    ]
+    assert not _events(event_log, "restart")  # no in-job restart on the same hardware
+    assert {e["exit_code"] for e in _events(event_log, "rank_failed")} == {16}
+    assert [(e["rank"], e["step"]) for e in _events(event_log, "rerun_result_rejected")] == [(1, 5)]
+    assert os.path.basename(os.readlink(tmp_path / "ckpt" / "latest")) == "step_5"
+    monkeypatch.setenv(HARDWARE_ID_ENV, "node-b")
+    proc = _launch(tmp_path, "--rerun", "--fault", "nan_persistent", flags=flags)
+    _assert_recovered(tmp_path, proc, reference)
+    assert [e["cause"] for e in _events(event_log, "rerun_verdict")] == ["persistent"] * 2
+    tracker = [json.loads(r) for r in (tmp_path / "ckpt" / "rerun_tracker.jsonl").open()]
+    assert (tracker[0]["status"], tracker[0]["rank"], tracker[0]["device"]) == (
+        "rejected",
+        1,
+        "node-a",
+    )  # fmt: skip - who to blame
+
+
+def test_rerun_exit_17_is_not_restarted(tmp_path: Path, event_log: Path):
+    """A transient NaN with the fatal loss check: every worker exits 17 and the
+    launcher neither restarts nor requeues the job."""
+    from steadfast.launcher import EXIT_RESULT_VALIDATION_FAILED
+
+    proc = _launch(
+        tmp_path, "--rerun", "--fault", "nan_transient", flags=(*TIMEOUTS, "--max-restarts=3")
+    )
+    log = (tmp_path / "launcher.log").read_text()
+    assert proc.returncode == EXIT_RESULT_VALIDATION_FAILED, log[-4000:]
+    assert "failed result validation (exit 17); not restarting" in log
+    assert not _events(event_log, "restart") and not (tmp_path / "out.pt").exists()
+    assert [e["cause"] for e in _events(event_log, "rerun_verdict")] == ["transient"] * 2

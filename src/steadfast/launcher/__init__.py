@@ -14,8 +14,16 @@ Exit codes (for job scripts that decide whether to requeue):
 2    bad flags or FT config (one message names the flag, field or file)
 76   no progress: ``max_no_progress_restarts`` consecutive restarts completed no step
 77   the workers failed and the in-job restarts (``--max-restarts``) are spent
-78   as 77, and the Slurm job was requeued (``num_job_retries_on_failure`` >
+78   as 77 or 16, and the Slurm job was requeued (``num_job_retries_on_failure`` >
      ``SLURM_RESTART_COUNT``; only the launcher with ``SLURM_PROCID`` 0 requeues)
+16   restart elsewhere: a worker exited 16 (``EXIT_CODE_RESUME_TO_DISAMBIGUATE``: the
+     re-run state machine reproduced an unexpected result in place, saved a checkpoint
+     and must re-run the step on other hardware). Not restarted in-job, because the
+     same GPUs would answer the same; the job should be resubmitted or requeued on other
+     nodes (the launcher requeues it itself when job retries remain, exit 78). The
+     rejected results' node and device are in the machine's tracker file.
+17   do not restart: a worker exited 17 (``EXIT_CODE_FAILED_ON_RESULT_VALIDATION``: a
+     ``fatal`` result failed validation). Neither restarted in-job nor requeued.
 128+N the launcher was stopped by signal N (SIGTERM: 143, SIGINT: 130); the workers got
      the signal and ``workers_stop_timeout`` seconds to save before SIGKILL
 ==== ===================================================================================
@@ -37,6 +45,8 @@ __all__ = [
     "EXIT_OK",
     "EXIT_REQUEUED",
     "EXIT_RESTARTS_EXHAUSTED",
+    "EXIT_RESTART_ELSEWHERE",
+    "EXIT_RESULT_VALIDATION_FAILED",
     "main",
 ]
 
@@ -47,6 +57,8 @@ EXIT_BAD_CONFIG = 2
 EXIT_NO_PROGRESS = 76
 EXIT_RESTARTS_EXHAUSTED = 77
 EXIT_REQUEUED = 78
+EXIT_RESTART_ELSEWHERE = 16  # = rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE
+EXIT_RESULT_VALIDATION_FAILED = 17  # = rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDATION
 
 
 def _launch(argv: list[str]) -> int:
@@ -58,7 +70,7 @@ def _launch(argv: list[str]) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    from .agent import FTAgent, NoProgressError
+    from .agent import FTAgent, NoProgressError, RerunExit, rerun_exit_code
     from .args import split_argv
 
     parser = torchrun.get_args_parser()
@@ -122,6 +134,8 @@ def _launch(argv: list[str]) -> int:
     shutdown_rdzv = True
     try:
         result: Any = agent.run()
+    except RerunExit as exc:
+        return _rerun_exit(exc.code, split.ft.num_job_retries_on_failure)
     except NoProgressError as exc:
         logger.error("steadfast launch: %s; stopping (exit %d)", exc, EXIT_NO_PROGRESS)
         return EXIT_NO_PROGRESS
@@ -138,28 +152,48 @@ def _launch(argv: list[str]) -> int:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
     if result is not None and result.is_failed():
+        code = rerun_exit_code({int(f.exitcode) for f in result.failures.values()})
+        if code is not None:
+            return _rerun_exit(code, split.ft.num_job_retries_on_failure)
         logger.error("steadfast launch: workers failed and in-job restarts are spent")
         return _job_retry(split.ft.num_job_retries_on_failure)
     return EXIT_OK
 
 
-def _job_retry(retries: int) -> int:
-    """Requeue the Slurm job when job retries remain (the launcher of SLURM_PROCID 0)."""
+def _rerun_exit(code: int, retries: int) -> int:
+    """The launcher's answer to the re-run state machine's exit codes (see above)."""
+    if code == EXIT_RESULT_VALIDATION_FAILED:
+        logger.error(
+            "steadfast launch: a worker failed result validation (exit 17); not restarting"
+        )
+        return EXIT_RESULT_VALIDATION_FAILED
+    logger.error(
+        "steadfast launch: a worker asked to resume on other hardware (exit 16); not "
+        "restarting on this hardware"
+    )
+    return _job_retry(retries, cause="restart_elsewhere", otherwise=EXIT_RESTART_ELSEWHERE)
+
+
+def _job_retry(
+    retries: int, cause: str = "restarts_exhausted", otherwise: int = EXIT_RESTARTS_EXHAUSTED
+) -> int:
+    """Requeue the Slurm job when job retries remain (the launcher of SLURM_PROCID 0);
+    ``otherwise`` is the exit code when it is not requeued."""
     from ..slurm import get_slurm_info, requeue_job
 
     info = get_slurm_info()
     if info is None or retries <= 0:
-        return EXIT_RESTARTS_EXHAUSTED
+        return otherwise
     if info.restart_count >= retries:
         logger.error(
             "job retries spent (SLURM_RESTART_COUNT=%d, num_job_retries_on_failure=%d)",
             info.restart_count,
             retries,
         )
-        return EXIT_RESTARTS_EXHAUSTED
+        return otherwise
     if os.environ.get("SLURM_PROCID", "0") != "0":
         return EXIT_REQUEUED  # the launcher of SLURM_PROCID 0 asks Slurm
-    return EXIT_REQUEUED if requeue_job(info.job_id) else EXIT_RESTARTS_EXHAUSTED
+    return EXIT_REQUEUED if requeue_job(info.job_id, cause=cause) else otherwise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,10 @@ On top of torch's behaviour:
 - every failure and restart is an event (``rank_failed``, ``restart``);
 - the progress guard: when ``max_no_progress_restarts`` consecutive generations ended
   without any rank completing a ``step`` section, the agent stops with
-  :class:`NoProgressError` instead of restarting again.
+  :class:`NoProgressError` instead of restarting again;
+- the re-run state machine's exit codes are not restarted on this hardware: a worker that
+  exits 16 (resume on other hardware) or 17 (failed on result validation) stops the agent
+  with :class:`RerunExit`.
 """
 
 from __future__ import annotations
@@ -28,9 +31,13 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from .. import events
 from ..config import FaultToleranceConfig
 from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
+from ..rerun.machine import (
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+    EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+)
 from .template import Template
 
-__all__ = ["FTAgent", "NoProgressError"]
+__all__ = ["FTAgent", "NoProgressError", "RerunExit", "rerun_exit_code"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +51,25 @@ def _signal_name(number: int) -> str:
 
 class NoProgressError(RuntimeError):
     """Consecutive restarts made no step progress: restarting again would loop."""
+
+
+class RerunExit(RuntimeError):
+    """A worker exited with a re-run state machine code: restarting it here is useless
+    (16: the result must be re-checked on other hardware) or wrong (17: the result
+    failed validation). ``code`` is that exit code."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"a worker exited {code}")
+        self.code = code
+
+
+def rerun_exit_code(exit_codes: set[int]) -> int | None:
+    """17 if any worker failed result validation, else 16 if any asked to resume on
+    other hardware, else None (an ordinary failure)."""
+    for code in (EXIT_CODE_FAILED_ON_RESULT_VALIDATION, EXIT_CODE_RESUME_TO_DISAMBIGUATE):
+        if code in exit_codes:
+            return code
+    return None
 
 
 class FTAgent(LocalElasticAgent):
@@ -63,6 +89,7 @@ class FTAgent(LocalElasticAgent):
         self.no_progress_restarts = 0
         self.restarts = 0
         self._client_seen = False
+        self._failure_codes: set[int] = set()
         self.template: Template | None = None
         if ft.worker_template:
             self.template = Template()  # imports torch now, in parallel with the rendezvous
@@ -122,6 +149,7 @@ class FTAgent(LocalElasticAgent):
         if result.state != WorkerState.HEALTHY:  # the group ended: no more hangs to watch
             self.watcher.unwatch()
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._failure_codes = {int(f.exitcode) for f in result.failures.values()}
             for rank, failure in result.failures.items():
                 code = int(failure.exitcode)
                 name = _signal_name(-code) if code < 0 else None
@@ -149,6 +177,10 @@ class FTAgent(LocalElasticAgent):
             )
             super()._restart_workers(worker_group)
             return
+        rerun_code = rerun_exit_code(self._failure_codes)
+        if rerun_code is not None:  # the same hardware would give the same answer
+            self._stop_workers(worker_group)
+            raise RerunExit(rerun_code)
         # the guard needs ranks that report (RankMonitorClient): once any generation did,
         # a generation with no step (or second heartbeat), attached or not, counts
         self._client_seen = self._client_seen or self.watcher.attached()
