@@ -22,10 +22,12 @@ from .dist import agree_any, backend_device, world_info
 from .faults import SlowFault, setup_simulated_fault
 from .health import NaNDetector, NaNState, check_gpu_health, check_nccl_health
 from .signals import (
+    PREEMPTION_EXIT_CODE,
     DistributedSignalHandler,
     PreemptionConfig,
     PreemptionHandler,
     ShutdownHandler,
+    sbatch_signal_option,
 )
 from .slurm import SLURMInfo, get_slurm_info, is_slurm_job, is_slurm_requeue, log_job_info
 
@@ -44,6 +46,7 @@ __all__ = [
     "DistributedSignalHandler",
     "NaNDetector",
     "NaNState",
+    "PREEMPTION_EXIT_CODE",
     "SLURMInfo",
     "PreemptionConfig",
     "PreemptionHandler",
@@ -59,6 +62,7 @@ __all__ = [
     "is_slurm_requeue",
     "log_job_info",
     "resolve_resume_path",
+    "sbatch_signal_option",
     "setup_simulated_fault",
     "world_info",
 ]
