@@ -234,6 +234,35 @@ def _demo(ns: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _report(ns: argparse.Namespace) -> int:
+    from .report import compute_report, format_report, load_events, plot_timeline
+
+    source = Path(ns.path)
+    try:
+        evs, problems = load_events(source)
+    except events.EventLogError as exc:
+        print(f"steadfast report: {exc}", file=sys.stderr)
+        return 2
+    report = compute_report(evs, problems)
+    picture: Path | None = None
+    if not ns.no_timeline:
+        target = Path(ns.timeline) if ns.timeline else (
+            source if source.is_dir() else source.parent) / "timeline.png"  # fmt: skip
+        try:
+            picture = plot_timeline(evs, target, title=str(source))
+        except ImportError as exc:
+            report.problems.append(f"no timeline picture: {exc}")
+    if ns.json:
+        out = report.to_dict()
+        out["timeline"] = str(picture) if picture else None
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_report(report, title=str(source)))
+        if picture is not None:
+            print(f"  timeline: {picture}")
+    return 0
+
+
 def _health(ns: argparse.Namespace) -> int:
     from .health import check_gpu_health
 
@@ -263,6 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="torchrun with hang detection and in-job restarts (torchrun flags + --ft-*)",
         add_help=False,
     )
+    report = sub.add_parser(
+        "report", help="goodput, time lost by cause and each fault, from a run's event log"
+    )
+    report.add_argument("path", help="a run directory (its events*.jsonl) or an events file")
+    report.add_argument("--json", action="store_true", help="print the report as JSON")
+    report.add_argument("--timeline", default=None, help="where to write timeline.png")
+    report.add_argument("--no-timeline", action="store_true", help="do not draw the picture")
+    report.set_defaults(func=_report)
     health = sub.add_parser("health", help="check this node's GPU")
     health.add_argument("--device", type=int, default=0)
     health.add_argument("--allow-no-cuda", action="store_true", help="exit 0 on CPU-only nodes")

@@ -60,6 +60,8 @@ __all__ = [
     "EventLogError",
     "current_path",
     "emit",
+    "job_start",
+    "process_start_time",
     "read_events",
     "register_kind",
     "set_default_path",
@@ -104,7 +106,11 @@ EVENT_KINDS: dict[str, str] = {
     "restart": "fields: restart_count, reason",
     "job_requeued": "the Slurm job was requeued (cause: restarts_exhausted, or "
     "restart_elsewhere after a worker's exit 16); fields: slurm_job",
-    "job_start": "a training process (re)started; fields: world_size, resumed_from",
+    "job_start": "a training process (re)started (after its restore); fields: world_size, "
+    "resumed_from, process_start (epoch seconds the process began: see job_start())",
+    "step_done": "a training step completed on this rank; fields: seconds (its duration), "
+    "loss (optional). What the goodput report counts as productive",
+    "rollback": "training state rolled back to a checkpoint (NaN burst); fields: to_step",
     "job_end": "a training process ended; fields: exit_code, reason",
     "fault_injected": "a simulated fault fired; fields: fault",
     # re-run state machine
@@ -304,6 +310,33 @@ def emit(
         except OSError as exc:
             logger.error("cannot write event %s to %s: %s", kind, path, exc)
     return record
+
+
+def process_start_time(pid: int | None = None) -> float | None:
+    """When this process (or ``pid``) started, in epoch seconds (Linux ``/proc``); None
+    where it cannot be read. The goodput report counts process start to ``job_start``
+    as start-up time (imports, process group, model build)."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat", "rb") as fh:
+            stat = fh.read().decode()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/stat") as fh:
+            boot = next(int(line.split()[1]) for line in fh if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def job_start(step: int, world_size: int, resumed_from: str | None = None) -> None:
+    """Emit ``job_start`` for this training process, once its state is restored, with the
+    process's start time (for the report's start-up time)."""
+    emit(
+        "job_start",
+        step=step,
+        world_size=world_size,
+        resumed_from=resumed_from,
+        process_start=process_start_time(),
+    )
 
 
 def _parse_line(raw: str, where: str) -> Event:

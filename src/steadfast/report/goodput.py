@@ -1,0 +1,292 @@
+"""Goodput accounting from a run's event log, across in-job restarts and requeues.
+
+Goodput is the share of the wall time spent on training steps whose result the final
+model keeps. The rest is badput, split by cause after the categories of Google's
+ml-goodput-measurement:
+
+===================== ====================================================================
+``startup``           process start to the first step of a generation (imports, process
+                      group, model build), less the checkpoint load
+``checkpoint_load``   ``checkpoint_loaded`` seconds (training preparation after a restart)
+``checkpoint_save``   ``checkpoint_saved`` blocking seconds (an async save blocks briefly)
+``wasted_progress``   steps that were run and then run again: the work lost to a restart
+                      or a rollback past the last checkpoint ("lost work re-done")
+``detection``         from an injected fault (or, without one, the last completed step)
+                      until the fault was detected
+``restart``           from the detection until the new processes started (stopping the old
+                      ones, the rendezvous; for a requeue: the queue)
+``straggling``        the excess over the median step time of steps that took more than
+                      ``slow_factor`` x the median
+``other``             the remainder: time between steps, logging, anything not above
+===================== ====================================================================
+
+Events read (the training loop writes the first two, the library the others):
+``job_start`` (with ``process_start``), ``step_done`` (``seconds``), ``checkpoint_saved``,
+``checkpoint_loaded``, ``fault_injected``, ``rank_hung``, ``rank_failed``,
+``nan_detected``, ``rollback``, ``straggler_detected``, ``shutdown_requested``,
+``preemption_signal``, ``restart``. Step time is taken from the lowest rank that reports
+steps (rank 0), which waits for the others in its collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import events as ev
+
+__all__ = [
+    "BADPUT_CAUSES",
+    "DETECTION_KINDS",
+    "FaultRecord",
+    "GoodputReport",
+    "compute_report",
+    "load_events",
+]
+
+BADPUT_CAUSES = (
+    "startup",
+    "checkpoint_load",
+    "checkpoint_save",
+    "wasted_progress",
+    "detection",
+    "restart",
+    "straggling",
+    "other",
+)
+
+#: Which events detect which injected fault (``fault_injected``'s ``fault`` field).
+DETECTION_KINDS: dict[str, tuple[str, ...]] = {
+    "rank_hung": ("rank_hung",),
+    "rank_killed": ("rank_failed",),
+    "nan_loss": ("nan_detected",),
+    "nan_burst": ("nan_detected",),
+    "slow_rank": ("straggler_detected",),
+    "sigterm": ("shutdown_requested", "preemption_signal"),
+}
+_ANY_DETECTION = tuple(sorted({k for kinds in DETECTION_KINDS.values() for k in kinds}))
+#: Faults whose recovery is a new process generation (restart or resume).
+_RECOVER_BY_NEW_PROCESS = {"rank_hung", "rank_killed", "sigterm"}
+
+
+@dataclass
+class FaultRecord:
+    """One injected fault: when it happened, when it was detected, when training was
+    back (the first step completed after the recovery)."""
+
+    fault: str
+    rank: int | None
+    step: int | None
+    time: float
+    detected_by: str | None = None
+    detection_latency: float | None = None
+    recovery_time: float | None = None  # detection -> first step done after recovery
+    recovered: bool = False
+
+
+@dataclass
+class GoodputReport:
+    """The accounting of one run (see the module docstring)."""
+
+    wall_time: float
+    productive_time: float
+    badput: dict[str, float]
+    faults: list[FaultRecord]
+    steps_done: int
+    steps_redone: int
+    generations: int
+    restarts: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def goodput(self) -> float:
+        """Productive time / wall time (0 for an empty run)."""
+        return self.productive_time / self.wall_time if self.wall_time > 0 else 0.0
+
+    @property
+    def all_recovered(self) -> bool:
+        """Every injected fault was detected and recovered from."""
+        return all(f.detected_by is not None and f.recovered for f in self.faults)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form (``steadfast report --json``)."""
+        out = asdict(self)
+        out["goodput"] = self.goodput
+        out["all_recovered"] = self.all_recovered
+        return out
+
+
+def load_events(source: str | os.PathLike[str]) -> tuple[list[ev.Event], list[str]]:
+    """The events of a run directory (every ``events*.jsonl`` below it) or of one file,
+    sorted by time, and the problems met reading them (malformed lines, unknown kinds).
+    Raises :class:`~steadfast.events.EventLogError` when there is nothing to read."""
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.jsonl") if p.name.startswith("events"))
+        if not files:
+            raise ev.EventLogError(f"{path}: no events*.jsonl file in this directory")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise ev.EventLogError(f"{path}: no such file or directory")
+    problems: list[str] = []
+    out: list[ev.Event] = []
+    for f in files:
+        out.extend(ev.read_events(f, problems=problems))
+    unknown: dict[str, int] = {}
+    for e in out:
+        if e.kind not in ev.EVENT_KINDS:
+            unknown[e.kind] = unknown.get(e.kind, 0) + 1
+    for kind, n in sorted(unknown.items()):
+        problems.append(f"unknown event kind {kind!r} ({n} events): not used in the report")
+    if not out:
+        raise ev.EventLogError(f"{source}: no events could be read ({'; '.join(problems)})")
+    out.sort(key=lambda e: e.time)
+    return out, problems
+
+
+def _began(job_start: ev.Event) -> float:
+    """When a generation's process started (its job_start's time when not recorded)."""
+    value = job_start.get("process_start")
+    return float(value) if value is not None else job_start.time
+
+
+def _step_rank(events: list[ev.Event]) -> int | None:
+    ranks = [e.rank for e in events if e.kind == "step_done" and e.rank is not None]
+    return min(ranks) if ranks else None
+
+
+def compute_report(
+    events: Iterable[ev.Event], problems: list[str] | None = None, slow_factor: float = 1.5
+) -> GoodputReport:
+    """Account the wall time of a run's events (sorted by time) into productive time and
+    badput by cause, and follow each injected fault to its detection and recovery."""
+    evs = sorted(events, key=lambda e: e.time)
+    if not evs:
+        return GoodputReport(0.0, 0.0, dict.fromkeys(BADPUT_CAUSES, 0.0), [], 0, 0, 0, 0)
+    rank = _step_rank(evs)
+    mine = [e for e in evs if e.rank == rank] if rank is not None else []
+    steps = [e for e in mine if e.kind == "step_done" and e.step is not None]
+    starts = [e for e in mine if e.kind == "job_start"]
+    t0 = min([evs[0].time, *[_began(e) for e in starts]])
+    wall = evs[-1].time - t0
+    badput = dict.fromkeys(BADPUT_CAUSES, 0.0)
+
+    # productive vs re-done: the last run of each step index is the one the model keeps
+    last_run: dict[int, int] = {}
+    for i, e in enumerate(steps):
+        last_run[int(e.step)] = i  # type: ignore[arg-type]
+    kept = set(last_run.values())
+    seconds = [float(e.get("seconds") or 0.0) for e in steps]
+    kept_seconds = [seconds[i] for i in sorted(kept)]
+    median = statistics.median(kept_seconds) if kept_seconds else 0.0
+    productive = 0.0
+    for i, s in enumerate(seconds):
+        if i not in kept:
+            badput["wasted_progress"] += s
+        elif median > 0 and s > slow_factor * median:
+            badput["straggling"] += s - median
+            productive += median
+        else:
+            productive += s
+
+    badput["checkpoint_save"] = sum(
+        float(e.get("blocking_seconds", e.get("seconds")) or 0.0)
+        for e in mine
+        if e.kind == "checkpoint_saved"
+    )
+    badput["checkpoint_load"] = sum(
+        float(e.get("seconds") or 0.0) for e in mine if e.kind == "checkpoint_loaded"
+    )
+    # start-up: process start to job_start, less the load done in between
+    for start in starts:
+        began = _began(start)
+        loads = sum(
+            float(e.get("seconds") or 0.0)
+            for e in mine
+            if e.kind == "checkpoint_loaded" and began <= e.time <= start.time
+        )
+        badput["startup"] += max(0.0, start.time - began - loads)
+
+    faults = _faults(evs, steps)
+    # disruptions: from a generation's last progress (a step or a save) to the next
+    # generation's process start: detection (the fault -> its detection), then restart
+    for prev_end, next_start in _generation_gaps(mine, starts):
+        det = next(
+            (e.time for e in evs if e.kind in _ANY_DETECTION and prev_end <= e.time <= next_start),
+            None,
+        )
+        if det is None:  # a planned stop (preemption), a requeue: all of it is restart
+            badput["restart"] += max(0.0, next_start - prev_end)
+            continue
+        began = max([prev_end, *[f.time for f in faults if prev_end <= f.time <= det]])
+        badput["detection"] += det - began
+        badput["restart"] += max(0.0, next_start - det)
+    accounted = productive + sum(badput.values())
+    badput["other"] = max(0.0, wall - accounted)
+    generations = len({e.get("pid") for e in starts}) if starts else 0
+    restarts = sum(1 for e in evs if e.kind == "restart")
+    return GoodputReport(
+        wall_time=wall,
+        productive_time=productive,
+        badput=badput,
+        faults=faults,
+        steps_done=len(last_run),
+        steps_redone=len(steps) - len(kept),
+        generations=generations,
+        restarts=restarts,
+        problems=list(problems or []),
+    )
+
+
+def _generation_gaps(mine: list[ev.Event], starts: list[ev.Event]) -> list[tuple[float, float]]:
+    """For each job_start after the first: (the previous generation's last progress,
+    a step or a save, and this generation's process start)."""
+    gaps = []
+    progress = [e for e in mine if e.kind in ("step_done", "checkpoint_saved")]
+    for s in starts[1:]:
+        began = _began(s)
+        before = [e.time for e in progress if e.time < began and e.get("pid") != s.get("pid")]
+        if before:
+            gaps.append((max(before), began))
+    return gaps
+
+
+def _faults(evs: list[ev.Event], steps: list[ev.Event]) -> list[FaultRecord]:
+    out = []
+    for inj in (e for e in evs if e.kind == "fault_injected"):
+        kind = str(inj.get("fault") or inj.cause or "unknown")
+        rec = FaultRecord(fault=kind, rank=inj.rank, step=inj.step, time=inj.time)
+        wanted = DETECTION_KINDS.get(kind, _ANY_DETECTION)
+        det = next((e for e in evs if e.kind in wanted and e.time >= inj.time), None)
+        if det is not None:
+            rec.detected_by = det.kind
+            rec.detection_latency = det.time - inj.time
+            if kind == "slow_rank":  # reported; the slowdown itself is the straggler's
+                rec.recovered = True
+            else:
+                rec.recovery_time, rec.recovered = _recovery(kind, inj, det, evs, steps)
+        out.append(rec)
+    return out
+
+
+def _recovery(
+    kind: str, inj: ev.Event, det: ev.Event, evs: list[ev.Event], steps: list[ev.Event]
+) -> tuple[float | None, bool]:
+    """Detection -> the first step completed after the recovery action."""
+    after = det.time
+    if kind in _RECOVER_BY_NEW_PROCESS:
+        old_pids = {e.get("pid") for e in steps if e.time <= det.time}
+        nxt = next((e for e in steps if e.time > after and e.get("pid") not in old_pids), None)
+    else:
+        rollback = next((e for e in evs if e.kind == "rollback" and e.time >= after), None)
+        if rollback is not None:
+            after = rollback.time
+        nxt = next((e for e in steps if e.time > after), None)
+    if nxt is None:
+        return None, False
+    return nxt.time - det.time, True

@@ -1,0 +1,139 @@
+"""Goodput arithmetic on a hand-written event log, the timeline picture, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from steadfast.events import EventLogError
+from steadfast.report import compute_report, format_report, load_events, plot_timeline
+
+A, B = 100, 200  # the pids of two process generations of rank 0
+
+
+def _line(t: float, kind: str, rank: int | None = 0, step: int | None = None, **fields) -> str:
+    return json.dumps({"time": t, "kind": kind, "rank": rank, "step": step, "cause": None,
+                       "host": "h", "restart": 0, **fields})  # fmt: skip
+
+
+LOG = [
+    # generation A: starts at 0, first step done at 3; a checkpoint after step 3
+    _line(2.0, "job_start", pid=A, process_start=0.0, world_size=2),
+    *[_line(3.0 + i, "step_done", step=i, pid=A, seconds=1.0) for i in range(4)],
+    _line(6.5, "checkpoint_saved", step=4, pid=A, seconds=0.5, blocking_seconds=0.5),
+    _line(7.5, "step_done", step=4, pid=A, seconds=1.0),  # lost: re-done after the restart
+    _line(8.5, "step_done", step=5, pid=A, seconds=1.0),
+    _line(9.0, "fault_injected", rank=1, step=6, pid=101, fault="rank_killed"),
+    _line(9.5, "rank_failed", rank=1, pid=50, exit_code=-9),  # the launcher saw it
+    _line(9.6, "restart", rank=None, pid=50, restart_count=1),
+    # generation B: process starts at 10, loads step_4, runs 4..7 (7 is slow)
+    _line(11.0, "checkpoint_loaded", pid=B, seconds=0.5),
+    _line(11.5, "job_start", step=4, pid=B, process_start=10.0, world_size=2),
+    _line(12.5, "step_done", step=4, pid=B, seconds=1.0),
+    _line(13.5, "step_done", step=5, pid=B, seconds=1.0),
+    _line(14.5, "step_done", step=6, pid=B, seconds=1.0),
+    _line(17.5, "step_done", step=7, pid=B, seconds=3.0),
+]
+
+
+def _write(tmp_path: Path, lines: list[str], name: str = "events.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_goodput_arithmetic(tmp_path: Path):
+    evs, problems = load_events(_write(tmp_path, LOG))
+    report = compute_report(evs, problems)
+    assert report.wall_time == pytest.approx(17.5)  # process start of A to the last event
+    # kept: steps 0-3 of A, 4-6 of B (1 s each) and step 7 at the median (1 s)
+    assert report.productive_time == pytest.approx(8.0)
+    assert report.goodput == pytest.approx(8.0 / 17.5)
+    assert report.badput == pytest.approx({
+        "startup": 2.0 + 1.0,  # A: 0 -> 2; B: 10 -> 11.5 less the 0.5 s load
+        "checkpoint_load": 0.5,
+        "checkpoint_save": 0.5,
+        "wasted_progress": 2.0,  # A's steps 4 and 5, run again by B
+        "detection": 0.5,  # the kill at 9.0, seen at 9.5
+        "restart": 0.5,  # seen at 9.5, B's process started at 10
+        "straggling": 2.0,  # step 7: 3 s against a 1 s median
+        "other": 0.5,  # A's partial step 8.5 -> 9.0
+    })  # fmt: skip
+    assert (report.steps_done, report.steps_redone) == (8, 2)
+    assert (report.generations, report.restarts) == (2, 1)
+    (fault,) = report.faults
+    assert (fault.fault, fault.rank, fault.step, fault.detected_by) == (
+        "rank_killed", 1, 6, "rank_failed")  # fmt: skip
+    assert fault.detection_latency == pytest.approx(0.5)
+    assert fault.recovery_time == pytest.approx(3.0)  # 9.5 -> B's first step at 12.5
+    assert report.all_recovered
+    text = format_report(report)
+    assert "goodput  45.7 %" in text
+    assert "every injected fault (1) was detected and recovered" in text
+
+
+def test_nan_burst_rollback_and_undetected_fault(tmp_path: Path):
+    lines = [
+        _line(1.0, "job_start", pid=A, process_start=0.0),
+        *[_line(2.0 + i, "step_done", step=i, pid=A, seconds=1.0) for i in range(3)],
+        _line(4.2, "fault_injected", rank=1, step=3, pid=101, fault="nan_burst"),
+        _line(4.5, "nan_detected", rank=0, step=3, pid=A),
+        _line(5.0, "step_done", step=3, pid=A, seconds=1.0),  # skipped, then rolled back
+        _line(5.5, "rollback", step=2, pid=A, to_step=2),
+        _line(6.5, "step_done", step=2, pid=A, seconds=1.0),
+        _line(7.5, "step_done", step=3, pid=A, seconds=1.0),
+        _line(8.0, "fault_injected", rank=1, step=4, pid=101, fault="rank_hung"),
+    ]
+    report = compute_report(load_events(_write(tmp_path, lines))[0])
+    nan, hang = report.faults
+    assert (nan.detected_by, nan.detection_latency) == ("nan_detected", pytest.approx(0.3))
+    assert nan.recovery_time == pytest.approx(2.0)  # detected 4.5, first step after rollback
+    assert report.badput["wasted_progress"] == pytest.approx(2.0)  # steps 2 and 3, run twice
+    assert hang.detected_by is None and not report.all_recovered
+    assert "NOT every fault was detected and recovered: rank_hung" in format_report(report)
+
+
+def test_bad_input_is_named_and_the_rest_is_used(tmp_path: Path):
+    path = _write(tmp_path, [*LOG, _line(18.0, "mystery_kind", pid=A)])
+    with path.open("a") as fh:
+        fh.write('{"time": 19.0, "kind": "step_do')  # a truncated last line
+    evs, problems = load_events(path)
+    assert len(evs) == len(LOG) + 1
+    assert any("not valid JSON" in p and "events.jsonl:" in p for p in problems)
+    assert any("unknown event kind 'mystery_kind'" in p for p in problems)
+    report = compute_report(evs, problems)
+    assert report.productive_time == pytest.approx(8.0)
+    assert "note: unknown event kind" in format_report(report)
+    empty = _write(tmp_path, [], "events-empty.jsonl")
+    with pytest.raises(EventLogError, match="no events could be read"):
+        load_events(empty)
+    with pytest.raises(EventLogError, match="nowhere: no such file or directory"):
+        load_events(tmp_path / "nowhere")
+
+
+def test_timeline_png_is_written(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    evs, _ = load_events(_write(tmp_path, LOG))
+    out = plot_timeline(evs, tmp_path / "pic" / "timeline.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_report_command(tmp_path: Path):
+    run = tmp_path / "run"
+    run.mkdir()
+    _write(run, LOG)
+    proc = subprocess.run([sys.executable, "-m", "steadfast.cli", "report", str(run), "--json"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["goodput"] == pytest.approx(8.0 / 17.5) and out["all_recovered"]
+    assert Path(out["timeline"]).is_file()
+    proc = subprocess.run([sys.executable, "-m", "steadfast.cli", "report", str(tmp_path / "x")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "steadfast report:" in proc.stderr
+    assert "no such file or directory" in proc.stderr
