@@ -1,21 +1,28 @@
-"""Reference training script: a plain DDP loop using steadfast's rank-local toolkit.
+"""The demo's training script, and a reference for a DDP loop that uses every rank-local
+feature of steadfast at once. Run it under ``steadfast launch`` (``steadfast demo``
+does, with faults):
 
-Run it under torchrun (or `steadfast demo`, which does):
+    steadfast launch --standalone --nproc-per-node 2 examples/train.py --ckpt-dir runs/x/ckpt
 
-    torchrun --standalone --nproc-per-node 2 examples/train.py --ckpt-dir runs/x/ckpt
+What it uses:
+- ``RankMonitorClient``: heartbeats and ``setup`` / ``step`` / ``checkpointing``
+  sections; the ``step`` timeout is calculated from the steps seen (``--calc-timeouts-at``)
+  and kept across restarts in ``ft_state.json``, so a hung rank is caught in seconds.
+- ``CheckpointManager``: atomic, verified checkpoints with the RNG streams; a restarted
+  or resumed run continues bit-exact (the data of a step depends only on seed, step, rank).
+- ``NaNDetector(action="skip")``: every rank skips a step whose loss is NaN on any rank;
+  after ``max_consecutive`` such steps every rank rolls back to the latest checkpoint.
+- ``StragglerDetectionManager``: the forward pass is timed; a slowed rank is reported.
+- ``ShutdownHandler(agree=True)``: a SIGTERM to one rank (a preemption) makes every rank
+  save and exit 0 after the same step.
+- events: ``job_start`` (with the process start time) and ``step_done`` for the goodput
+  report (``steadfast report``); ``fault_injected`` for each injected fault.
 
-What it shows:
-- NaNDetector: a NaN injected into one rank's loss is seen by every rank at the same step
-  (one all-reduce), and every rank skips that optimizer step, so replicas stay identical.
-- ShutdownHandler(agree=True): a SIGTERM delivered to any one rank makes every rank save
-  a checkpoint and exit after the same step.
-- CheckpointManager.restore: a rerun resumes from the latest checkpoint; because the data of a
-  step depends only on (seed, step, rank), the resumed run ends bit-identical to a run
-  that was never interrupted.
-
-CheckpointManager writes each checkpoint atomically with a verified manifest (the
-replicated state once, by rank 0; each rank's RNG streams to its own file), and every
-rank waits until it is durable.
+Faults (``--fault-rank``, default the last rank; each fires once per run, remembered in
+``--fault-dir``, so the re-run of a step after a restart or rollback is clean):
+``--nan-burst STEP`` (``--nan-len`` NaN losses in a row), ``--kill-at STEP``
+(SIGKILL), ``--hang-at STEP`` (stuck in the step), ``--slow-at STEP`` (``--slow-steps``
+steps ``--slow-seconds`` slower).
 """
 
 from __future__ import annotations
@@ -31,36 +38,31 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from steadfast import (
-    CheckpointManager,
-    NaNDetector,
-    ShutdownHandler,
-    events,
-    log_job_info,
-    world_info,
-)
-from steadfast.monitor import HB_TABLE_ENV, RankMonitorClient
+from steadfast import CheckpointManager, NaNDetector, ShutdownHandler, events, world_info
+from steadfast.monitor import HB_TABLE_ENV, RankMonitorClient, load_ft_state, save_ft_state
+from steadfast.straggler import NVRxStragglerDetectionConfig, StragglerDetectionManager
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt-dir", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=120)
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--nan-rank", type=int, default=1, help="rank whose loss goes NaN")
-    p.add_argument("--nan-steps", default="", help="comma-separated steps with a NaN loss")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (demo pace)")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (pace)")
     p.add_argument("--out", type=Path, default=None, help="where rank 0 writes final params")
-    p.add_argument(
-        "--backend",
-        choices=("auto", "gloo", "nccl"),
-        default="auto",
-        help="auto: nccl when every local rank has its own GPU, else gloo",
-    )
-    p.add_argument("--progress-dir", type=Path, default=None, help="per-rank 'pid step' files")
-    p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL --kill-rank at this step")
-    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    p.add_argument("--calc-timeouts-at", type=int, default=15, help="-1: keep the configured")
+    p.add_argument("--straggler-interval", type=float, default=2.0, help="seconds per report")
+    p.add_argument("--fault-rank", type=int, default=-1, help="-1: the last rank")
+    p.add_argument("--fault-dir", type=Path, default=None, help="default: beside --ckpt-dir")
+    p.add_argument("--nan-burst", type=int, default=-1)
+    p.add_argument("--nan-len", type=int, default=3)
+    p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--hang-at", type=int, default=-1)
+    p.add_argument("--slow-at", type=int, default=-1)
+    p.add_argument("--slow-steps", type=int, default=20)
+    p.add_argument("--slow-seconds", type=float, default=0.1)
     return p.parse_args()
 
 
@@ -78,13 +80,61 @@ class _Unmonitored:
         return lambda *args, **kwargs: None
 
 
+class Faults:
+    """Injected faults, each firing once per run (a marker file per fault)."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world: int) -> None:
+        self.args, self.rank = args, rank
+        self.target = args.fault_rank if args.fault_rank >= 0 else world - 1
+        self.dir = args.fault_dir or args.ckpt_dir.parent / "faults"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.nan_left = 0
+        self.slow_left = 0
+
+    def fire(self, name: str, at: int, step: int) -> bool:
+        """True once: on the fault rank, at step ``at``, the first time any run gets there."""
+        if at < 0 or step != at or self.rank != self.target:
+            return False
+        try:
+            os.close(os.open(self.dir / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        events.emit("fault_injected", step=step, cause=name, fault=name)
+        print(f"[train] rank {self.rank}: injecting {name} at step {step}", flush=True)
+        return True
+
+    def before_step(self, step: int) -> None:
+        a = self.args
+        if self.fire("rank_killed", a.kill_at, step):
+            os.kill(os.getpid(), signal.SIGKILL)  # a crashed rank: the launcher restarts all
+        if self.fire("rank_hung", a.hang_at, step):
+            while True:  # stuck inside the step: the watcher's step timeout catches it
+                time.sleep(3600)
+        if self.fire("nan_burst", a.nan_burst, step):
+            self.nan_left = a.nan_len
+        if self.fire("slow_rank", a.slow_at, step):
+            self.slow_left = a.slow_steps
+
+    def nan_now(self) -> bool:
+        if self.nan_left > 0:
+            self.nan_left -= 1
+            return True
+        return False
+
+    def slow_now(self) -> float:
+        if self.slow_left > 0:
+            self.slow_left -= 1
+            return float(self.args.slow_seconds)
+        return 0.0
+
+
 def main() -> int:
     args = parse_args()
-    generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     ft: Any = _Unmonitored()
     if os.environ.get(HB_TABLE_ENV):  # under steadfast launch: report sections
         ft = RankMonitorClient()
         ft.init_workload_monitoring()
+        load_ft_state(ft, args.ckpt_dir / "ft_state.json")  # timeouts calculated earlier
     ft.start_section("setup")
     backend = args.backend
     if backend == "auto":
@@ -98,87 +148,89 @@ def main() -> int:
         torch.cuda.set_device(device)
     if not os.environ.get(events.EVENTS_ENV):
         events.set_default_path(args.ckpt_dir / "events.jsonl")
-    log_job_info()
-    nan_steps = {int(s) for s in args.nan_steps.split(",") if s.strip()}
+    faults = Faults(args, info.rank, info.world_size)
 
     torch.manual_seed(args.seed)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     model = DDP(net.to(device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     detector = NaNDetector(action="skip", max_consecutive=3)
-    handler = ShutdownHandler(timeout_sec=60, agree=True)
-    handler.register()
+    stop = ShutdownHandler(timeout_sec=60, agree=True)
+    stop.register()
+    stragglers = StragglerDetectionManager(
+        NVRxStragglerDetectionConfig(
+            enabled=True, report_time_interval=args.straggler_interval, enable_logging=True
+        )
+    )
+
+    def forward(x: torch.Tensor, slow: float) -> torch.Tensor:
+        out: torch.Tensor = model(x)  # no collective in the forward: it times this rank
+        if slow:
+            time.sleep(slow)  # a slowed GPU
+        return out
+
+    timed_forward = stragglers.wrap_train_step(forward)
 
     ckpt = CheckpointManager(args.ckpt_dir, keep_last_n=3)
-    start = 0
-    resume = None
-    # verified: a corrupt checkpoint falls back to an older one; RNG streams are restored too
-    restored = ckpt.restore({"model": model.module, "optim": opt, "nan": detector})
-    if restored is not None:
-        start = restored[0]
-        resume = args.ckpt_dir / f"step_{start}"  # the checkpoint actually loaded
+    state = {"model": model.module, "optim": opt, "nan": detector}
+    restored = ckpt.restore(state)  # verified, RNG streams included
+    start = restored[0] if restored else 0
+    resume = str(args.ckpt_dir / f"step_{start}") if restored else None
+    events.job_start(start, info.world_size, resume)
+    if info.rank == 0:
+        print(f"[train] {'resuming from ' + resume if resume else 'fresh start'}", flush=True)
 
     def save(done: int) -> None:
         ft.start_section("checkpointing")
-        ckpt.save(done, {"model": model.module, "optim": opt, "nan": detector})
+        ckpt.save(done, state)
         ft.end_section("checkpointing")
-
-    events.emit(
-        "job_start",
-        step=start,
-        world_size=info.world_size,
-        resumed_from=str(resume) if resume else None,
-    )
-    if info.rank == 0:
-        print(
-            f"[train] {'resuming from ' + str(resume) if resume else 'fresh start'}"
-            f" at step {start}",
-            flush=True,
-        )
 
     ft.end_section("setup")
     step = start
     reason = "completed"
-    for step in range(start, args.steps):
-        if step == args.kill_at and info.rank == args.kill_rank and generation == 0:
-            events.emit("fault_injected", step=step, cause="rank_killed", fault="rank_killed")
-            print(f"[train] rank {info.rank}: SIGKILL to myself at step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)  # a crashed rank: the launcher restarts all
+    while step < args.steps:
+        began = time.monotonic()
         ft.send_heartbeat()
         ft.start_section("step")
+        faults.before_step(step)
         x, y = (t.to(device) for t in batch(args.seed, step, info.rank))
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        if step in nan_steps and info.rank == args.nan_rank:
+        loss = torch.nn.functional.mse_loss(timed_forward(x, faults.slow_now()), y)
+        if faults.nan_now():
             loss = loss * float("nan")  # a fault on one rank only
-            events.emit("fault_injected", step=step, cause="nan", fault="nan_loss")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if detector.check_loss(loss, step):  # every rank gets the same answer
             opt.step()
-        elif info.rank == 0:
-            print(
-                f"[train] step {step}: NaN seen by all ranks -> optimizer step skipped", flush=True
-            )
+        if args.step_sleep:
+            time.sleep(args.step_sleep)  # the demo's pace: stands for more compute
         ft.end_section("step")
-        if args.progress_dir is not None:
-            args.progress_dir.mkdir(parents=True, exist_ok=True)
-            (args.progress_dir / f"rank{info.rank}").write_text(f"{os.getpid()} {step}")
+        events.emit(
+            "step_done", step=step, seconds=round(time.monotonic() - began, 6), loss=loss.item()
+        )
+        if detector.should_rollback:  # every rank: the NaN checks were agreed
+            back = ckpt.restore(state)
+            to_step = back[0] if back else 0
+            detector.reset()
+            events.emit("rollback", step=step, cause="nan_burst", to_step=to_step)
+            if info.rank == 0:
+                print(f"[train] NaN burst: rolled back from step {step} to {to_step}", flush=True)
+            step = to_step
+            continue
+        stragglers.check(step)  # a report every --straggler-interval s (collective)
+        if step == args.calc_timeouts_at:
+            ft.calculate_and_set_section_timeouts(["step"], calc_out_of_section=False)
+            if info.rank == 0:
+                save_ft_state(ft, args.ckpt_dir / "ft_state.json")
         done = step + 1
-        if handler.should_shutdown(step):  # collective: all ranks stop after this step
+        if stop.should_shutdown(step):  # collective: all ranks stop after this step
             save(done)
             reason = "shutdown"
-            if info.rank == 0:
-                print(
-                    f"[train] shutdown agreed after step {step}; checkpoint step_{done} saved",
-                    flush=True,
-                )
             break
-        if done % args.save_every == 0:
-            save(done)
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
+        if done % args.save_every == 0 and detector.state.consecutive_nans == 0:
+            save(done)  # never inside a NaN burst: a rollback must land before it
+        step = done
 
-    handler.finish()
+    stop.finish()
     ckpt.close()
     ft.shutdown_workload_monitoring()
     if reason == "completed" and args.out is not None and info.rank == 0:

@@ -61,6 +61,7 @@ __all__ = [
     "current_path",
     "emit",
     "job_start",
+    "parse_event",
     "process_start_time",
     "read_events",
     "register_kind",
@@ -337,6 +338,12 @@ def job_start(step: int, world_size: int, resumed_from: str | None = None) -> No
         resumed_from=resumed_from,
         process_start=process_start_time(),
     )
+
+
+def parse_event(line: str, where: str = "<event>") -> Event:
+    """Parse one line of an event log; :class:`EventLogError` (naming ``where``) if it is
+    not a valid event. For readers that follow a growing log."""
+    return _parse_line(line, where)
 
 
 def _parse_line(raw: str, where: str) -> Event:

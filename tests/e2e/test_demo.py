@@ -1,5 +1,7 @@
-"""The demo end to end under steadfast launch: 2 gloo ranks, a NaN, a killed rank and its
-in-job restart, a real SIGTERM, a resume."""
+"""``steadfast demo --quick`` end to end: under steadfast launch, a NaN burst and its
+rollback, a killed rank and a hung rank (in-job restarts), a slowed rank (straggler
+report) and a SIGTERM (stop and resume); the report shows every fault detected and
+recovered, the timeline picture is written, and the final parameters are bit-exact."""
 
 from __future__ import annotations
 
@@ -15,45 +17,59 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_demo_detects_recovers_and_matches_bit_for_bit(tmp_path: Path):
+def test_quick_demo_detects_and_recovers_every_fault_bit_exact(tmp_path: Path):
     work = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "steadfast.cli", "demo", "--workdir", str(work), "--steps", "24",
-         "--save-every", "8", "--nan-steps", "5", "--kill-at", "10", "--sigterm-at", "13",
-         "--step-sleep", "0.05"],
+        [sys.executable, "-m", "steadfast.cli", "demo", "--quick", "--workdir", str(work)],
         cwd=REPO, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
+    assert "every injected fault (5) was detected and recovered" in out
     assert "final parameters equal the fault-free run bit for bit: YES" in out
-    assert "all 2 ranks stopped after the same step: yes" in out
+    assert "demo: PASSED" in out
+    picture = work / "run" / "timeline.png"
+    assert picture.read_bytes()[:4] == b"\x89PNG" and picture.stat().st_size > 10_000
     evs = [json.loads(x) for x in (work / "run" / "events.jsonl").read_text().splitlines()]
-    nan = [e for e in evs if e["kind"] == "nan_detected"]
-    assert [(e["rank"], e["step"]) for e in nan] == [(1, 5)]  # detected where injected
-    killed = [e for e in evs if e["kind"] == "rank_failed" and e["cause"] == "signal SIGKILL"]
-    assert [e["rank"] for e in killed] == [1]
-    assert [e["restart_count"] for e in evs if e["kind"] == "restart"] == [1]
-    # the demo's SIGTERM reached rank 1 after the restart (rank 0's came from the launcher
-    # stopping the survivors of the kill)
-    assert 1 in [e["rank"] for e in evs if e["kind"] == "shutdown_requested"]
-    stops = {
-        e["rank"]: e["step"] for e in evs if e["kind"] == "job_end" and e["cause"] == "shutdown"
-    }
-    assert len(stops) == 2 and len(set(stops.values())) == 1
-    resumed = [e for e in evs if e["kind"] == "job_start" and e["resumed_from"]]
-    assert len(resumed) == 4  # after the in-job restart, and after the stop
-    assert resumed[0]["resumed_from"].endswith("step_8")  # the checkpoint before the kill
-    assert resumed[-1]["resumed_from"].endswith(f"step_{stops[0]}")  # resumed where it stopped
+
+    def kinds(kind: str) -> list[dict]:
+        return [e for e in evs if e["kind"] == kind]
+
+    faults = {e["fault"]: e for e in kinds("fault_injected")}
+    assert set(faults) == {"nan_burst", "rank_killed", "rank_hung", "slow_rank", "sigterm"}
+    assert all(e["rank"] == 1 for e in faults.values())
+    burst = faults["nan_burst"]["step"]
+    nan = [(e["rank"], e["step"]) for e in kinds("nan_detected")]
+    assert nan == [(1, burst), (1, burst + 1), (1, burst + 2)]  # detected where injected
+    (rollback,) = {e["to_step"] for e in kinds("rollback")}
+    assert rollback < burst  # to the checkpoint before the burst
+    killed = [e for e in kinds("rank_failed") if e["cause"] == "signal SIGKILL"]
+    assert killed[0]["rank"] == 1
+    hung = [e for e in kinds("rank_hung") if e["rank"] == 1]
+    assert hung and hung[0]["cause"] == "section:step"  # the calculated step timeout
+    assert [e["restart_count"] for e in kinds("restart")] == [1, 2]
+    assert any(1 in e["ranks"] for e in kinds("straggler_detected"))
+    assert [e["rank"] for e in kinds("shutdown_requested") if e["rank"] == 1]
+    stops = {e["rank"]: e["step"] for e in kinds("job_end") if e["cause"] == "shutdown"}
+    assert len(stops) == 2 and len(set(stops.values())) == 1  # both after the same step
+    report = subprocess.run(
+        [sys.executable, "-m", "steadfast.cli", "report", str(work / "run"), "--json",
+         "--no-timeline"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    summary = json.loads(report.stdout)
+    assert summary["all_recovered"] and 0 < summary["goodput"] < 1
+    assert summary["badput"]["wasted_progress"] > 0 and summary["badput"]["restart"] > 0
 
 
-def test_demo_rejects_bad_sigterm_step(tmp_path: Path):
+def test_demo_rejects_an_unknown_fault(tmp_path: Path):
     proc = subprocess.run(
         [sys.executable, "-m", "steadfast.cli", "demo", "--workdir", str(tmp_path / "d"),
-         "--steps", "10", "--sigterm-at", "50"],
+         "--faults", "nan,meteor"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode != 0
-    assert "--sigterm-at must be between 1 and 8" in proc.stderr
+    assert "--faults: unknown meteor; choose from nan, kill, hang, slow, sigterm" in proc.stderr
 
 
 def test_health_command_on_a_cpu_node():

@@ -1,0 +1,356 @@
+"""``steadfast demo``: a real training run under ``steadfast launch`` with a scripted
+sequence of injected faults, a live progress line, and the goodput report at the end.
+
+The run is ``examples/train.py`` (DDP on N CPU ranks with gloo, or GPUs with NCCL): a
+fault-free reference first (fast, unpaced), then the paced run with the faults, in this
+order across the run: a NaN burst (every rank skips, then rolls back to the latest
+checkpoint), a killed rank (in-job restart), a hung rank (caught by the calculated step
+timeout, in-job restart), a slowed rank (straggler report), and a SIGTERM (every rank saves
+and exits after the same step; the demo resumes the run, as a requeued job would). The
+final parameters are compared with the reference's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import events
+
+__all__ = ["FAULTS", "add_arguments", "run_demo"]
+
+FAULTS = ("nan", "kill", "hang", "slow", "sigterm")
+#: Rough fixed cost of a demo's run outside its paced steps (start-ups, restarts), used to
+#: turn --duration into a pace.
+_OVERHEAD_S = 22.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``steadfast demo`` flags."""
+    p.add_argument("--quick", action="store_true", help="a short run (CI): about 40 s")
+    p.add_argument("--duration", type=float, default=None, help="seconds (default 90)")
+    p.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 200)")
+    p.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help=f"comma-separated subset of {','.join(FAULTS)} (default: all)",
+    )
+    p.add_argument("--workdir", default="runs/demo", help="where runs are written")
+    p.add_argument("--script", default=None, help="training script (default examples/train.py)")
+
+
+def _find_script(explicit: str | None) -> Path:
+    candidates = [Path(explicit)] if explicit else []
+    candidates += [
+        Path.cwd() / "examples" / "train.py",
+        Path(__file__).resolve().parents[2] / "examples" / "train.py",
+    ]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise SystemExit(
+        "steadfast demo: cannot find examples/train.py (looked in: "
+        + ", ".join(str(c) for c in candidates)
+        + "); run it from a steadfast checkout or pass --script"
+    )
+
+
+class _Plan:
+    """Steps, pace and the step of each fault, from the flags."""
+
+    def __init__(self, ns: argparse.Namespace) -> None:
+        chosen = [f.strip() for f in ns.faults.split(",") if f.strip()]
+        unknown = sorted(set(chosen) - set(FAULTS))
+        if unknown:
+            raise SystemExit(
+                f"steadfast demo: --faults: unknown {', '.join(unknown)}; "
+                f"choose from {', '.join(FAULTS)}"
+            )
+        if ns.nproc < 2:
+            raise SystemExit("steadfast demo: --nproc must be at least 2")
+        self.faults = set(chosen)
+        duration = ns.duration if ns.duration is not None else (35.0 if ns.quick else 90.0)
+        if duration <= 0:
+            raise SystemExit("steadfast demo: --duration must be positive")
+        self.steps = ns.steps or (100 if ns.quick else 200)
+        if self.steps < 40:
+            raise SystemExit("steadfast demo: --steps must be at least 40")
+        self.pace = max(0.02, (duration - _OVERHEAD_S) / self.steps)
+        s = self.steps
+        self.save_every = max(5, s // 10)
+        self.calc_at = max(8, s // 12)
+        at = {
+            "nan": self.save_every * 2 + 3,  # 3 steps after a save: that work is re-done
+            "kill": int(0.35 * s),
+            "hang": int(0.5 * s),
+            "slow": int(0.62 * s),
+            "sigterm": int(0.8 * s),
+        }
+        self.at = {k: v for k, v in at.items() if k in self.faults}
+
+    def script_args(self) -> list[str]:
+        flags = {
+            "nan": "--nan-burst",
+            "kill": "--kill-at",
+            "hang": "--hang-at",
+            "slow": "--slow-at",
+        }
+        interval = max(1.0, 8 * self.pace)  # between straggler reports
+        slow_steps = max(5, math.ceil(2.5 * interval / (3 * self.pace)))  # >= 2 reports
+        out = [
+            "--step-sleep", str(self.pace),
+            "--slow-seconds", str(round(2 * self.pace, 4)),
+            "--slow-steps", str(slow_steps),
+            "--straggler-interval", str(interval),
+        ]  # fmt: skip
+        for fault, flag in flags.items():
+            if fault in self.at:
+                out += [flag, str(self.at[fault])]
+        return out
+
+
+def _launch(
+    nproc: int, script: Path, args: list[str], env: dict[str, str]
+) -> subprocess.Popen[str]:
+    cmd = [
+        sys.executable, "-m", "steadfast.cli", "launch", "--standalone",
+        f"--nproc-per-node={nproc}", "--max-restarts=3", "--monitor-interval=0.1",
+        "--ft-param-rank_section_timeouts=setup:120,step:30,checkpointing:60",
+        "--ft-param-rank_out_of_section_timeout=30",
+        "--ft-param-safety_factor=10", "--ft-param-workers_stop_timeout=5",
+        str(script), *args,
+    ]  # fmt: skip
+    log = open(env["STEADFAST_DEMO_LOG"], "a")  # noqa: SIM115 - closed with the process
+    try:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    finally:
+        log.close()
+
+
+class _Progress:
+    """Follows the run's event log: one live line on a terminal, plain lines otherwise."""
+
+    def __init__(self, path: Path, tty: bool) -> None:
+        self.path, self.tty = path, tty
+        self.offset = 0
+        self.events: list[events.Event] = []
+        self.last_note = ""
+        self.printed_note = ""
+        self.last_draw = 0.0
+        self.width = 0
+
+    def poll(self) -> None:
+        """Read the lines appended since the last poll (whole lines only)."""
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        for raw in data[:end].decode(errors="replace").splitlines():
+            if not raw.strip():
+                continue
+            try:
+                e = events.parse_event(raw, str(self.path))
+            except events.EventLogError:
+                continue
+            self.events.append(e)
+            if e.kind not in ("step_done", "checkpoint_saved", "straggler_report", "job_end"):
+                rank = "" if e.rank is None else f" rank {e.rank}"
+                self.last_note = f"{e.kind}{rank}" + (f" ({e.cause})" if e.cause else "")
+
+    def rank0_steps(self) -> list[events.Event]:
+        return [e for e in self.events if e.kind == "step_done" and e.rank == 0]
+
+    def step_of(self, rank: int) -> tuple[int, int] | None:
+        """(step, pid) of ``rank``'s latest completed step."""
+        for e in reversed(self.events):
+            if e.kind == "step_done" and e.rank == rank and e.step is not None:
+                return e.step, int(e.get("pid") or 0)
+        return None
+
+    def draw(self, force: bool = False) -> None:
+        now = time.monotonic()
+        too_soon = now - self.last_draw < (0.25 if self.tty else 5.0)
+        news = not self.tty and self.last_note != self.printed_note  # a line per new event
+        if not force and too_soon and not news:
+            return
+        self.last_draw = now
+        steps = self.rank0_steps()
+        if not steps:
+            line = "[demo] starting ..."
+        else:
+            last = steps[-1]
+            recent = [e for e in steps if e.time >= last.time - 3.0]
+            rate = (
+                (len(recent) - 1) / (recent[-1].time - recent[0].time) if len(recent) > 1 else 0.0
+            )
+            from .report import compute_report
+
+            goodput = compute_report(self.events).goodput
+            loss = last.get("loss")
+            loss_s = f"{loss:.4f}" if isinstance(loss, float) else "-"
+            line = (
+                f"[demo] step {last.step:>4}  loss {loss_s:>8}  {rate:5.1f} steps/s  "
+                f"goodput {100 * goodput:5.1f} %  last event: {self.last_note or '-'}"
+            )
+        if self.tty:
+            pad = max(0, self.width - len(line))
+            sys.stdout.write("\r" + line + " " * pad)
+            sys.stdout.flush()
+            self.width = len(line)
+        else:
+            print(line, flush=True)
+        self.printed_note = self.last_note
+
+    def end_line(self) -> None:
+        if self.tty and self.width:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self.width = 0
+
+
+def _final_params(path: Path) -> dict[str, Any]:
+    import torch
+
+    state: dict[str, Any] = torch.load(path, weights_only=True)
+    return state
+
+
+def run_demo(ns: argparse.Namespace) -> int:
+    """Run the demo; 0 when every injected fault was detected and recovered and the final
+    parameters equal the reference's bit for bit."""
+    import torch
+
+    from .report import compute_report, format_report, load_events, plot_timeline
+
+    plan = _Plan(ns)
+    script = _find_script(ns.script)
+    work = Path(ns.workdir).resolve()
+    if work.exists():
+        shutil.rmtree(work)
+    (work / "reference").mkdir(parents=True)
+    (work / "run").mkdir(parents=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    tty = sys.stdout.isatty()
+
+    def say(msg: str) -> None:
+        print(f"[demo] {msg}", flush=True)
+
+    common = ["--steps", str(plan.steps), "--save-every", str(plan.save_every)]
+    say(
+        f"{ns.nproc} ranks x {plan.steps} steps under steadfast launch; faults: "
+        + (", ".join(f"{k} at step {v}" for k, v in plan.at.items()) or "none")
+    )
+    say("1/3 fault-free reference (unpaced)")
+    ref_env = dict(
+        env,
+        STEADFAST_EVENTS=str(work / "reference" / "events.jsonl"),
+        STEADFAST_DEMO_LOG=str(work / "reference" / "launcher.log"),
+    )
+    ref = _launch(ns.nproc, script, [*common, "--ckpt-dir", str(work / "reference" / "ckpt"),
+                                     "--out", str(work / "reference" / "final.pt"),
+                                     "--calc-timeouts-at", "-1"], ref_env)  # fmt: skip
+    if ref.wait() != 0:
+        say(f"reference run failed (exit {ref.returncode}); see {ref_env['STEADFAST_DEMO_LOG']}")
+        return 1
+
+    run_events = work / "run" / "events.jsonl"
+    run_env = dict(
+        env,
+        STEADFAST_EVENTS=str(run_events),
+        STEADFAST_DEMO_LOG=str(work / "run" / "launcher.log"),
+    )
+    run_args = [
+        *common, "--ckpt-dir", str(work / "run" / "ckpt"), "--out", str(work / "run" / "final.pt"),
+        "--calc-timeouts-at", str(plan.calc_at), *plan.script_args(),
+    ]  # fmt: skip
+    say(f"2/3 the run with faults (log: {run_env['STEADFAST_DEMO_LOG']})")
+    progress = _Progress(run_events, tty)
+    target = ns.nproc - 1
+    sigterm_at = plan.at.get("sigterm")
+    proc = _launch(ns.nproc, script, run_args, run_env)
+    sent = False
+    deadline = time.monotonic() + max(600.0, 10 * plan.steps * plan.pace)
+    while proc.poll() is None and time.monotonic() < deadline:
+        progress.poll()
+        seen = progress.step_of(target)
+        if sigterm_at is not None and not sent and seen is not None and seen[0] >= sigterm_at:
+            os.environ[events.EVENTS_ENV] = str(run_events)
+            events.emit("fault_injected", step=seen[0], rank=target, cause="sigterm",
+                        fault="sigterm")  # fmt: skip
+            os.kill(seen[1], signal.SIGTERM)  # as a scheduler's preemption notice
+            sent = True
+        progress.draw()
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+        progress.end_line()
+        say("the run did not finish in time")
+        return 1
+    progress.poll()
+    progress.draw(force=True)
+    if proc.returncode != 0:
+        progress.end_line()
+        say(f"the run failed (exit {proc.returncode}); see {run_env['STEADFAST_DEMO_LOG']}")
+        return 1
+    if sent:
+        progress.end_line()
+        say("3/3 stopped by the SIGTERM with a checkpoint; resuming, as a requeued job would")
+        proc = _launch(ns.nproc, script, run_args, run_env)
+        while proc.poll() is None:
+            progress.poll()
+            progress.draw()
+            time.sleep(0.05)
+        progress.poll()
+        progress.draw(force=True)
+        if proc.returncode != 0:
+            progress.end_line()
+            say(f"the resumed run failed (exit {proc.returncode})")
+            return 1
+    progress.end_line()
+
+    evs, problems = load_events(run_events)
+    report = compute_report(evs, problems)
+    print()
+    print(format_report(report, title=str(work / "run")))
+    try:
+        picture = plot_timeline(evs, work / "run" / "timeline.png", title="steadfast demo")
+        print(f"  timeline: {picture}")
+    except ImportError as exc:
+        print(f"  timeline: not drawn ({exc})")
+    ref_params = _final_params(work / "reference" / "final.pt")
+    run_params = _final_params(work / "run" / "final.pt")
+    exact = ref_params.keys() == run_params.keys() and all(
+        torch.equal(ref_params[k], run_params[k]) for k in ref_params
+    )
+    print(f"  final parameters equal the fault-free run bit for bit: {'YES' if exact else 'NO'}")
+    injected = {r.fault for r in report.faults}
+    missing = sorted(_NAMES[f] for f in plan.faults if _NAMES[f] not in injected)
+    if missing:
+        print(f"  faults planned but never injected: {', '.join(missing)}")
+    ok = exact and report.all_recovered and not missing
+    print(f"  demo: {'PASSED' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+_NAMES = {
+    "nan": "nan_burst",
+    "kill": "rank_killed",
+    "hang": "rank_hung",
+    "slow": "slow_rank",
+    "sigterm": "sigterm",
+}
