@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +79,10 @@ class _Plan:
         if ns.nproc < 2:
             raise SystemExit("steadfast demo: --nproc must be at least 2")
         self.faults = set(chosen)
-        duration = ns.duration if ns.duration is not None else (35.0 if ns.quick else 90.0)
+        duration = ns.duration if ns.duration is not None else (28.0 if ns.quick else 90.0)
         if duration <= 0:
             raise SystemExit("steadfast demo: --duration must be positive")
-        self.steps = ns.steps or (100 if ns.quick else 200)
+        self.steps = ns.steps or (60 if ns.quick else 200)
         if self.steps < 40:
             raise SystemExit("steadfast demo: --steps must be at least 40")
         self.pace = max(0.02, (duration - _OVERHEAD_S) / self.steps)
@@ -214,11 +215,36 @@ class _Progress:
             print(line, flush=True)
         self.printed_note = self.last_note
 
+    def follow(
+        self, proc: subprocess.Popen[str], limit: float, tick: Callable[[], None] | None = None
+    ) -> int | None:
+        """Show the progress until ``proc`` ends (its exit code) or ``limit`` seconds pass
+        (None: it was killed); ``tick`` runs at each refresh."""
+        deadline = time.monotonic() + limit
+        while proc.poll() is None and time.monotonic() < deadline:
+            self.poll()
+            if tick is not None:
+                tick()
+            self.draw()
+            time.sleep(0.05)
+        timed_out = proc.poll() is None
+        if timed_out:
+            proc.kill()
+            proc.wait()
+        self.poll()
+        self.draw(force=True)
+        self.end_line()
+        return None if timed_out else proc.returncode
+
     def end_line(self) -> None:
         if self.tty and self.width:
             sys.stdout.write("\n")
             sys.stdout.flush()
             self.width = 0
+
+
+def _outcome(code: int | None) -> str:
+    return "did not finish in time" if code is None else f"exit {code}"
 
 
 def _final_params(path: Path) -> dict[str, Any]:
@@ -281,45 +307,29 @@ def run_demo(ns: argparse.Namespace) -> int:
     progress = _Progress(run_events, tty)
     target = ns.nproc - 1
     sigterm_at = plan.at.get("sigterm")
-    proc = _launch(ns.nproc, script, run_args, run_env)
+    limit = max(600.0, 10 * plan.steps * plan.pace)
     sent = False
-    deadline = time.monotonic() + max(600.0, 10 * plan.steps * plan.pace)
-    while proc.poll() is None and time.monotonic() < deadline:
-        progress.poll()
+
+    def preempt() -> None:  # the scheduler's notice, once rank 1 has passed the step
+        nonlocal sent
         seen = progress.step_of(target)
-        if sigterm_at is not None and not sent and seen is not None and seen[0] >= sigterm_at:
-            os.environ[events.EVENTS_ENV] = str(run_events)
-            events.emit("fault_injected", step=seen[0], rank=target, cause="sigterm",
-                        fault="sigterm")  # fmt: skip
-            os.kill(seen[1], signal.SIGTERM)  # as a scheduler's preemption notice
-            sent = True
-        progress.draw()
-        time.sleep(0.05)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-        progress.end_line()
-        say("the run did not finish in time")
-        return 1
-    progress.poll()
-    progress.draw(force=True)
-    if proc.returncode != 0:
-        progress.end_line()
-        say(f"the run failed (exit {proc.returncode}); see {run_env['STEADFAST_DEMO_LOG']}")
+        if sigterm_at is None or sent or seen is None or seen[0] < sigterm_at:
+            return
+        os.environ[events.EVENTS_ENV] = str(run_events)
+        events.emit("fault_injected", step=seen[0], rank=target, cause="sigterm",
+                    fault="sigterm")  # fmt: skip
+        os.kill(seen[1], signal.SIGTERM)
+        sent = True
+
+    code = progress.follow(_launch(ns.nproc, script, run_args, run_env), limit, preempt)
+    if code != 0:
+        say(f"the run failed ({_outcome(code)}); see {run_env['STEADFAST_DEMO_LOG']}")
         return 1
     if sent:
-        progress.end_line()
         say("3/3 stopped by the SIGTERM with a checkpoint; resuming, as a requeued job would")
-        proc = _launch(ns.nproc, script, run_args, run_env)
-        while proc.poll() is None:
-            progress.poll()
-            progress.draw()
-            time.sleep(0.05)
-        progress.poll()
-        progress.draw(force=True)
-        if proc.returncode != 0:
-            progress.end_line()
-            say(f"the resumed run failed (exit {proc.returncode})")
+        code = progress.follow(_launch(ns.nproc, script, run_args, run_env), limit)
+        if code != 0:
+            say(f"the resumed run failed ({_outcome(code)})")
             return 1
     progress.end_line()
 
