@@ -351,6 +351,9 @@ class RerunStateMachine:
         ``check_for_nan_in_loss`` (fatal), a spike of ``spiky_loss_factor`` x the largest
         loss of the first 100 with ``check_for_spiky_loss`` (not fatal: a spike is often
         the data's)."""
+        if self.config.rerun_mode == "disabled":
+            return
+        loss = _scalar(loss)  # one host sync for every check
         if self.config.check_for_nan_in_loss:
             self.validate_result(
                 loss, _isnan, "found NaN in local forward loss calculation", fatal=True
