@@ -137,3 +137,21 @@ def test_report_command(tmp_path: Path):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "steadfast report:" in proc.stderr
     assert "no such file or directory" in proc.stderr
+
+
+def test_process_start_time_is_accurate_to_a_few_ticks():
+    """Start-up time is measured from it, so it must not be off by the whole second that
+    /proc/stat's integer boot time would give."""
+    import time
+
+    from steadfast.events import process_start_time
+
+    before = time.time()
+    child = subprocess.Popen(["sleep", "5"])
+    try:
+        started = process_start_time(child.pid)
+        assert started is not None and abs(started - before) < 0.1
+    finally:
+        child.kill()
+        child.wait()
+    assert process_start_time(2**22 + 1) is None  # no such process

@@ -216,10 +216,11 @@ def compute_report(
     # disruptions: from a generation's last progress (a step or a save) to the next
     # generation's process start: detection (the fault -> its detection), then restart
     for prev_end, next_start in _generation_gaps(mine, starts):
-        det = next(
-            (e.time for e in evs if e.kind in _ANY_DETECTION and prev_end <= e.time <= next_start),
-            None,
-        )
+        window = [e for e in evs if e.kind in _ANY_DETECTION and prev_end <= e.time <= next_start]
+        # the launcher's own verdicts first: a survivor's shutdown_requested can come
+        # a moment earlier, when the agent stops the others
+        primary = [e for e in window if e.kind in ("rank_hung", "rank_failed")]
+        det = (primary or window)[0].time if window else None
         if det is None:  # a planned stop (preemption), a requeue: all of it is restart
             badput["restart"] += max(0.0, next_start - prev_end)
             continue
