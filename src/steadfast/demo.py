@@ -120,8 +120,9 @@ class _Plan:
 
 
 def _launch(
-    nproc: int, script: Path, args: list[str], env: dict[str, str]
+    nproc: int, script: Path, args: list[str], env: dict[str, str], log_path: Path
 ) -> subprocess.Popen[str]:
+    """``steadfast launch`` of ``script``; its output is appended to ``log_path``."""
     cmd = [
         sys.executable, "-m", "steadfast.cli", "launch", "--standalone",
         f"--nproc-per-node={nproc}", "--max-restarts=3", "--monitor-interval=0.1",
@@ -130,7 +131,7 @@ def _launch(
         "--ft-param-safety_factor=10", "--ft-param-workers_stop_timeout=5",
         str(script), *args,
     ]  # fmt: skip
-    log = open(env["STEADFAST_DEMO_LOG"], "a")  # noqa: SIM115 - closed with the process
+    log = open(log_path, "a")  # noqa: SIM115 - closed with the process
     try:
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     finally:
@@ -281,29 +282,23 @@ def run_demo(ns: argparse.Namespace) -> int:
         + (", ".join(f"{k} at step {v}" for k, v in plan.at.items()) or "none")
     )
     say("1/3 fault-free reference (unpaced)")
-    ref_env = dict(
-        env,
-        STEADFAST_EVENTS=str(work / "reference" / "events.jsonl"),
-        STEADFAST_DEMO_LOG=str(work / "reference" / "launcher.log"),
-    )
+    ref_env = dict(env, STEADFAST_EVENTS=str(work / "reference" / "events.jsonl"))
+    ref_log = work / "reference" / "launcher.log"
     ref = _launch(ns.nproc, script, [*common, "--ckpt-dir", str(work / "reference" / "ckpt"),
                                      "--out", str(work / "reference" / "final.pt"),
-                                     "--calc-timeouts-at", "-1"], ref_env)  # fmt: skip
+                                     "--calc-timeouts-at", "-1"], ref_env, ref_log)  # fmt: skip
     if ref.wait() != 0:
-        say(f"reference run failed (exit {ref.returncode}); see {ref_env['STEADFAST_DEMO_LOG']}")
+        say(f"reference run failed (exit {ref.returncode}); see {ref_log}")
         return 1
 
     run_events = work / "run" / "events.jsonl"
-    run_env = dict(
-        env,
-        STEADFAST_EVENTS=str(run_events),
-        STEADFAST_DEMO_LOG=str(work / "run" / "launcher.log"),
-    )
+    run_env = dict(env, STEADFAST_EVENTS=str(run_events))
+    run_log = work / "run" / "launcher.log"
     run_args = [
         *common, "--ckpt-dir", str(work / "run" / "ckpt"), "--out", str(work / "run" / "final.pt"),
         "--calc-timeouts-at", str(plan.calc_at), *plan.script_args(),
     ]  # fmt: skip
-    say(f"2/3 the run with faults (log: {run_env['STEADFAST_DEMO_LOG']})")
+    say(f"2/3 the run with faults (log: {run_log})")
     progress = _Progress(run_events, tty)
     target = ns.nproc - 1
     sigterm_at = plan.at.get("sigterm")
@@ -321,17 +316,16 @@ def run_demo(ns: argparse.Namespace) -> int:
         os.kill(seen[1], signal.SIGTERM)
         sent = True
 
-    code = progress.follow(_launch(ns.nproc, script, run_args, run_env), limit, preempt)
+    code = progress.follow(_launch(ns.nproc, script, run_args, run_env, run_log), limit, preempt)
     if code != 0:
-        say(f"the run failed ({_outcome(code)}); see {run_env['STEADFAST_DEMO_LOG']}")
+        say(f"the run failed ({_outcome(code)}); see {run_log}")
         return 1
     if sent:
         say("3/3 stopped by the SIGTERM with a checkpoint; resuming, as a requeued job would")
-        code = progress.follow(_launch(ns.nproc, script, run_args, run_env), limit)
+        code = progress.follow(_launch(ns.nproc, script, run_args, run_env, run_log), limit)
         if code != 0:
             say(f"the resumed run failed ({_outcome(code)})")
             return 1
-    progress.end_line()
 
     evs, problems = load_events(run_events)
     report = compute_report(evs, problems)

@@ -70,7 +70,7 @@ def _launch(argv: list[str]) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    from .agent import FTAgent, NoProgressError, RerunExit, rerun_exit_code
+    from .agent import FTAgent, NoProgressError, RerunExit
     from .args import split_argv
 
     parser = torchrun.get_args_parser()
@@ -152,9 +152,6 @@ def _launch(argv: list[str]) -> int:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
     if result is not None and result.is_failed():
-        code = rerun_exit_code({int(f.exitcode) for f in result.failures.values()})
-        if code is not None:
-            return _rerun_exit(code, split.ft.num_job_retries_on_failure)
         logger.error("steadfast launch: workers failed and in-job restarts are spent")
         return _job_retry(split.ft.num_job_retries_on_failure)
     return EXIT_OK

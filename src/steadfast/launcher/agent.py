@@ -89,7 +89,6 @@ class FTAgent(LocalElasticAgent):
         self.no_progress_restarts = 0
         self.restarts = 0
         self._client_seen = False
-        self._failure_codes: set[int] = set()
         self.template: Template | None = None
         if ft.worker_template:
             self.template = Template()  # imports torch now, in parallel with the rendezvous
@@ -149,7 +148,6 @@ class FTAgent(LocalElasticAgent):
         if result.state != WorkerState.HEALTHY:  # the group ended: no more hangs to watch
             self.watcher.unwatch()
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            self._failure_codes = {int(f.exitcode) for f in result.failures.values()}
             for rank, failure in result.failures.items():
                 code = int(failure.exitcode)
                 name = _signal_name(-code) if code < 0 else None
@@ -162,6 +160,11 @@ class FTAgent(LocalElasticAgent):
                     local_rank=int(failure.local_rank),
                     worker_pid=int(failure.pid),
                 )
+            # whether or not restarts remain: the same hardware would give the same answer
+            rerun_code = rerun_exit_code({int(f.exitcode) for f in result.failures.values()})
+            if rerun_code is not None:
+                self._stop_workers(worker_group)
+                raise RerunExit(rerun_code)
         return result
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
@@ -177,10 +180,6 @@ class FTAgent(LocalElasticAgent):
             )
             super()._restart_workers(worker_group)
             return
-        rerun_code = rerun_exit_code(self._failure_codes)
-        if rerun_code is not None:  # the same hardware would give the same answer
-            self._stop_workers(worker_group)
-            raise RerunExit(rerun_code)
         # the guard needs ranks that report (RankMonitorClient): once any generation did,
         # a generation with no step (or second heartbeat), attached or not, counts
         self._client_seen = self._client_seen or self.watcher.attached()

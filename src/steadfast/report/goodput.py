@@ -229,7 +229,7 @@ def compute_report(
         badput["restart"] += max(0.0, next_start - det)
     accounted = productive + sum(badput.values())
     badput["other"] = max(0.0, wall - accounted)
-    generations = len({e.get("pid") for e in starts}) if starts else 0
+    generations = len({e.get("pid") for e in starts})
     restarts = sum(1 for e in evs if e.kind == "restart")
     return GoodputReport(
         wall_time=wall,

@@ -229,9 +229,7 @@ class RerunStateMachine:
                 self._pending_exit = (False, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
                 return False
             self._iterators = iterators
-            for it, kept in zip(iterators, self._pending_batches, strict=False):
-                it.load_state_dict(kept)
-            self._pending_batches = []
+            self._load_kept_batches(iterators)
             self._begin_rerun(RerunState.RERUNNING_FROM_CHECKPOINT)
             return True
         if self.state == RerunState.INITIAL_RUN:
@@ -438,11 +436,15 @@ class RerunStateMachine:
         self._pending_batches = list(state.get("iterators", []))
         iterators = _as_list(data_iterator)
         if iterators:
-            for it, kept in zip(iterators, self._pending_batches, strict=False):
-                it.load_state_dict(kept)
-            self._pending_batches = []
+            self._load_kept_batches(iterators)
 
     # ------------------------------------------------------------------ internals
+    def _load_kept_batches(self, iterators: list[RerunDataIterator]) -> None:
+        """Hand the batches kept in a checkpoint to the iterators that replay them."""
+        for it, kept in zip(iterators, self._pending_batches, strict=False):
+            it.load_state_dict(kept)
+        self._pending_batches = []
+
     def _begin_rerun(self, state: RerunState) -> None:
         if self._rng_saved is not None:
             RNGState().load_state_dict(self._rng_saved)
