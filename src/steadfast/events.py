@@ -119,6 +119,18 @@ EVENT_KINDS: dict[str, str] = {
     "invocation",
     "rerun_verdict": "attribution of a rejected result: transient, persistent or correct; "
     "fields: verdict",
+    # in-process restart (rank: the initial rank, this process's identity for the call)
+    "inprocess_interrupted": "an in-process restart iteration was interrupted (cause: "
+    "exception, soft_timeout, hard_timeout, rank_died, heartbeat_lost, left); fields: "
+    "iteration, fault_rank, detail",
+    "inprocess_restart": "this rank restarts the wrapped function in-process; fields: "
+    "iteration (the new one), world_size, active_world_size, terminated, causes, seconds "
+    "(from the first interruption record to the restart)",
+    "inprocess_terminated": "a rank left the job for good: terminated by its monitor "
+    "process on the hard timeout, or found dead; fields: iteration, terminated_rank, "
+    "signal (the last signal sent, null if it was already dead)",
+    "inprocess_rank_reassigned": "rank assignment gave this rank a new rank; fields: "
+    "iteration, from_rank, to_rank, world_size",
     # straggler detection
     "straggler_report": "a periodic straggler report; fields: relative, individual "
     "({rank: score}), seconds",

@@ -1,0 +1,202 @@
+"""The Wrapper's rank-local hooks: abort, initialize, finalize and health checks.
+
+Each hook is a small class with ``__call__(state)``; hooks of one kind compose with ``|``
+(run left to right). Where they run:
+
+- ``initialize(state)``: at the start of every iteration, before the function. Raising
+  :class:`RestartAbort` (e.g. from :class:`RetryController`) ends the run on every rank.
+- ``abort(state)``: as soon as an iteration is interrupted, from the monitor thread while
+  the main thread may still be blocked in a collective, and again from the main thread
+  before the restart. Must be idempotent and thread-safe.
+- ``finalize(state)``: after the abort, before the health check.
+- ``health_check(state)``: last before the restart barrier; raising means "this rank is
+  unhealthy": it leaves the job and the others restart without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+from typing import Any
+
+from .state import HealthCheckError, RestartAbort, State
+
+__all__ = [
+    "Abort",
+    "AbortTorchDistributed",
+    "CudaHealthCheck",
+    "FaultCounter",
+    "Finalize",
+    "HealthCheck",
+    "Initialize",
+    "RetryController",
+]
+
+logger = logging.getLogger("steadfast.inprocess")
+
+
+class _Hook:
+    """``__call__(state)``; ``a | b`` runs ``a`` then ``b``."""
+
+    def __call__(self, state: State) -> None:
+        raise NotImplementedError
+
+    def __or__(self, other: _Hook) -> _Chain:
+        return _Chain(self, other)
+
+
+class _Chain(_Hook):
+    def __init__(self, *hooks: _Hook) -> None:
+        self.hooks = hooks
+
+    def __call__(self, state: State) -> None:
+        for hook in self.hooks:
+            hook(state)
+
+
+class Abort(_Hook):
+    """Asynchronously stops what the main thread is doing (communicators, streams)."""
+
+
+class Initialize(_Hook):
+    """Runs at the start of every restart iteration."""
+
+
+class Finalize(_Hook):
+    """Rank-local clean-up after an interrupted iteration, before the health check."""
+
+
+class HealthCheck(_Hook):
+    """Raises (any exception) when this rank must not take part in the next iteration."""
+
+
+class AbortTorchDistributed(Abort):
+    """Abort every torch.distributed process group of this process, then destroy them.
+
+    Aborting NCCL communicators releases kernels blocked in a collective. A gloo group
+    cannot release its own rank's blocked collective, but aborting it closes this rank's
+    connections, so every *peer* blocked in a collective with this rank fails at once with
+    "connection closed" instead of waiting out the group's timeout. Since every healthy
+    rank aborts on an interruption, every blocked rank is released by its peers. The
+    destroy runs only on the main thread (the monitor thread aborts, the main thread
+    destroys before the restart), so no group is torn down under a running collective.
+    """
+
+    def __call__(self, state: State) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return
+        from torch.distributed import distributed_c10d as c10d
+
+        if threading.current_thread() is threading.main_thread():
+            # Abort every group (NCCL ones inside one group start/end) and clear the
+            # registry, so the next iteration can init_process_group again.
+            try:
+                c10d._abort_process_group()
+            except Exception as exc:
+                logger.debug("abort of the process groups failed: %s", exc)
+            return
+        # Monitor thread: abort only (newest group first); the registry stays for the
+        # main thread, which may still be inside a collective.
+        groups: list[Any] = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g])
+        for group in reversed(groups):
+            try:
+                group.abort()
+            except Exception as exc:
+                logger.debug("abort of %s failed: %s", group, exc)
+
+
+class RetryController(Initialize):
+    """End the run with :class:`RestartAbort` once restarting is no longer worth it.
+
+    ``max_iterations``: the largest iteration allowed to start (``None``: no limit), so
+    ``max_iterations=3`` allows three restarts; ``min_world_size`` /
+    ``min_active_world_size``: the fewest ranks / active ranks to carry on with. Every
+    rank sees the same state, so every rank raises the same error at the same iteration.
+    """
+
+    def __init__(
+        self,
+        max_iterations: int | None = None,
+        min_world_size: int = 1,
+        min_active_world_size: int = 1,
+    ) -> None:
+        if max_iterations is not None and max_iterations < 0:
+            raise ValueError(f"max_iterations must be >= 0, got {max_iterations}")
+        self.max_iterations = max_iterations
+        self.min_world_size = min_world_size
+        self.min_active_world_size = min_active_world_size
+
+    def __call__(self, state: State) -> None:
+        if self.max_iterations is not None and state.iteration > self.max_iterations:
+            raise RestartAbort(
+                f"retry limit reached: iteration {state.iteration} > max_iterations "
+                f"{self.max_iterations}"
+            )
+        if state.world_size < self.min_world_size:
+            raise RestartAbort(
+                f"world size {state.world_size} fell below min_world_size {self.min_world_size}"
+            )
+        if state.active_world_size < self.min_active_world_size:
+            raise RestartAbort(
+                f"active world size {state.active_world_size} fell below "
+                f"min_active_world_size {self.min_active_world_size}"
+            )
+
+
+class FaultCounter(HealthCheck):
+    """Declare this rank unhealthy after more than ``max_rank_faults`` faults of its own.
+
+    A fault counts when this rank's function raised (not when it was merely interrupted
+    by another rank). ``None`` never trips.
+    """
+
+    def __init__(self, max_rank_faults: int | None = None) -> None:
+        self.max_rank_faults = max_rank_faults
+        self.faults = 0
+
+    def __call__(self, state: State) -> None:
+        from .state import InterruptedIteration
+
+        exc = state.fn_exception
+        if exc is not None and not isinstance(exc, InterruptedIteration):
+            self.faults += 1
+        if self.max_rank_faults is not None and self.faults > self.max_rank_faults:
+            raise HealthCheckError(
+                f"rank {state.initial_rank} faulted {self.faults} times "
+                f"(max_rank_faults={self.max_rank_faults})"
+            )
+
+
+class CudaHealthCheck(HealthCheck):
+    """Synchronise this rank's CUDA device within ``timeout``; a device that does not
+    answer (or raises, e.g. after an XID error) makes the rank unhealthy. A no-op where
+    CUDA is not initialised."""
+
+    def __init__(self, timeout: timedelta = timedelta(seconds=30)) -> None:
+        self.timeout = timeout
+
+    def __call__(self, state: State) -> None:
+        import torch
+
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
+            return
+        error: list[BaseException] = []
+
+        def sync() -> None:
+            try:
+                torch.cuda.synchronize()
+            except BaseException as exc:
+                error.append(exc)
+
+        worker = threading.Thread(target=sync, name="steadfast-cuda-health", daemon=True)
+        worker.start()
+        worker.join(self.timeout.total_seconds())
+        if worker.is_alive():
+            raise HealthCheckError(
+                f"CUDA device did not synchronise within {self.timeout.total_seconds():g}s"
+            )
+        if error:
+            raise HealthCheckError(f"CUDA device unhealthy: {error[0]}") from error[0]

@@ -1,0 +1,169 @@
+"""The store the ranks use to coordinate restarts (interruptions, terminations, barriers).
+
+One TCPStore per Wrapper call, served by the monitor process of initial rank 0 (so it
+outlives a crashed rank 0) on ``MASTER_PORT + 1`` unless ``store_kwargs`` say otherwise.
+Every key of an iteration carries the iteration number, so a late write from an old
+iteration can never be mistaken for a new one. Keys:
+
+``hb/{r}``                 heartbeat counter of rank r's monitor process
+``terminated``             "r," appended for every rank that left the job for good
+``left``                   "r," appended by every rank that left the Wrapper cleanly
+``iter/{i}/n``             number of interruption records of iteration i
+``iter/{i}/why``           one JSON line per interruption record (who, cause, when)
+``iter/{i}/state``         b"interrupted" or b"completed": what ended iteration i (the
+                           monitor threads block on this key)
+``iter/{i}/completed``     "r," for every active rank whose function returned
+``iter/{i}/arrived``       "r," for every rank that reached the restart barrier
+``iter/{i}/frozen``        the terminated set the barrier settled on (first writer wins)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["StoreMixin", "TCPStore"]
+
+INTERRUPTED = b"interrupted"
+COMPLETED = b"completed"
+
+
+def _parse_ranks(raw: bytes) -> frozenset[int]:
+    return frozenset(int(x) for x in raw.decode().split(",") if x)
+
+
+class StoreMixin:
+    """The restart protocol over any torch ``Store`` held as ``self.store``."""
+
+    store: Any
+
+    # -- plumbing -------------------------------------------------------------------
+    def _get_opt(self, key: str) -> bytes | None:
+        return self.store.get(key) if self.store.check([key]) else None
+
+    def _ranks(self, key: str) -> frozenset[int]:
+        raw = self._get_opt(key)
+        return _parse_ranks(raw) if raw else frozenset()
+
+    # -- liveness -------------------------------------------------------------------
+    def heartbeat(self, rank: int) -> None:
+        """One heartbeat of rank ``rank``'s monitor process."""
+        self.store.add(f"hb/{rank}", 1)
+
+    def heartbeats(self, ranks: list[int]) -> dict[int, int]:
+        """Heartbeat counters of those of ``ranks`` that have registered one."""
+        keys = [f"hb/{r}" for r in ranks]
+        present = [r for r, k in zip(ranks, keys, strict=True) if self.store.check([k])]
+        if not present:
+            return {}
+        values = self.store.multi_get([f"hb/{r}" for r in present])
+        return {r: int(v) for r, v in zip(present, values, strict=True)}
+
+    def record_terminated(self, rank: int) -> None:
+        """Rank ``rank`` left the job for good (dead, killed, unhealthy or aborted)."""
+        self.store.append("terminated", f"{rank},")
+
+    def terminated(self) -> frozenset[int]:
+        return self._ranks("terminated")
+
+    def record_left(self, rank: int) -> None:
+        """Rank ``rank`` left the Wrapper (success or its final error)."""
+        self.store.append("left", f"{rank},")
+
+    def left(self) -> frozenset[int]:
+        return self._ranks("left")
+
+    # -- interruptions --------------------------------------------------------------
+    def record_interruption(self, iteration: int, rank: int, cause: str, detail: str) -> bool:
+        """Record why ``iteration`` must end; True for the first record of the iteration.
+
+        The record goes in before the state flips, so a rank woken by the flip always
+        finds at least one cause.
+        """
+        record = {"rank": rank, "cause": cause, "detail": detail[:2000], "time": time.time()}
+        self.store.append(f"iter/{iteration}/why", json.dumps(record) + "\n")
+        first = int(self.store.add(f"iter/{iteration}/n", 1)) == 1
+        self.store.compare_set(f"iter/{iteration}/state", "", INTERRUPTED)
+        return first
+
+    def interruptions(self, iteration: int) -> list[dict[str, Any]]:
+        raw = self._get_opt(f"iter/{iteration}/why")
+        if not raw:
+            return []
+        return [json.loads(line) for line in raw.decode().splitlines() if line]
+
+    def iteration_state(self, iteration: int) -> bytes | None:
+        """``INTERRUPTED``, ``COMPLETED`` or None while iteration ``iteration`` runs."""
+        return self._get_opt(f"iter/{iteration}/state")
+
+    def wait_iteration_end(self, iteration: int, timeout: timedelta) -> bytes:
+        """Block until iteration ``iteration`` is interrupted or completed (raises the
+        store's timeout error otherwise)."""
+        key = f"iter/{iteration}/state"
+        self.store.wait([key], timeout)
+        return self.store.get(key)  # type: ignore[no-any-return]
+
+    # -- completion -----------------------------------------------------------------
+    def record_completed(self, iteration: int, rank: int) -> None:
+        self.store.append(f"iter/{iteration}/completed", f"{rank},")
+
+    def completed(self, iteration: int) -> frozenset[int]:
+        return self._ranks(f"iter/{iteration}/completed")
+
+    def mark_completed(self, iteration: int) -> bytes:
+        """Flip iteration ``iteration`` to completed unless it was interrupted first;
+        returns the state that won."""
+        return self.store.compare_set(f"iter/{iteration}/state", "", COMPLETED)  # type: ignore[no-any-return]
+
+    # -- restart barrier ------------------------------------------------------------
+    def arrive(self, iteration: int, rank: int) -> None:
+        self.store.append(f"iter/{iteration}/arrived", f"{rank},")
+
+    def arrived(self, iteration: int) -> frozenset[int]:
+        return self._ranks(f"iter/{iteration}/arrived")
+
+    def freeze(self, iteration: int, terminated: frozenset[int]) -> frozenset[int]:
+        """Settle the terminated set of the barrier after ``iteration``: the first rank to
+        see the barrier complete writes it, every rank reads the same value back."""
+        value = ",".join(str(r) for r in sorted(terminated)) + ","
+        return _parse_ranks(self.store.compare_set(f"iter/{iteration}/frozen", "", value))
+
+
+class TCPStore(StoreMixin):
+    """The default store: a ``torch.distributed.TCPStore`` (libuv) client or server.
+
+    Constructed as ``TCPStore(host_name=..., port=..., is_master=..., timeout=...)``; the
+    Wrapper makes the server in initial rank 0's monitor process and one client per
+    thread that needs one (a TCPStore client serialises its operations).
+    """
+
+    def __init__(
+        self,
+        host_name: str,
+        port: int,
+        is_master: bool = False,
+        timeout: timedelta = timedelta(seconds=120),
+        **kwargs: Any,
+    ) -> None:
+        import torch.distributed as dist
+
+        self.host_name = host_name
+        self.port = port
+        self.store = dist.TCPStore(  # type: ignore[attr-defined]
+            host_name,
+            port,
+            is_master=is_master,
+            wait_for_workers=False,
+            timeout=timeout,
+            use_libuv=True,
+            **kwargs,
+        )
+
+    def clone(self) -> TCPStore:
+        """Another client connection to the same server."""
+        other = object.__new__(TCPStore)
+        other.host_name, other.port = self.host_name, self.port
+        other.store = self.store.clone()
+        return other
