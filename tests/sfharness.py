@@ -42,13 +42,14 @@ def _rank_main(workdir: str, rank: int, world_size: int) -> None:
     try:
         module, name, args = pickle.loads((Path(workdir) / "call.pkl").read_bytes())
         fn = getattr(importlib.import_module(module), name)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{workdir}/store",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=60),
-        )
+        if not os.environ.get("SFHARNESS_NO_INIT"):  # else fn initialises it itself
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{workdir}/store",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=60),
+            )
         result: Any = ("ok", fn(rank, world_size, Path(workdir), *args))
     except BaseException:
         result = ("error", traceback.format_exc())

@@ -53,7 +53,7 @@ __all__ = [
 logger = logging.getLogger("steadfast.inprocess")
 
 IDLE, RUNNING, RESTARTING, SPARE, EXITED = 0, 1, 2, 3, 4
-_LAYOUT = struct.Struct("<ddqq")  # phase_since, manual_ts, phase, iteration
+_LAYOUT = struct.Struct("<ddqqdd")  # since, manual, phase, iteration, aborted, thread_alive
 _SEM_OFFSET = 64  # a process-shared POSIX semaphore: the progress counter
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -77,7 +77,7 @@ class SharedProgress:
 
     def __init__(self) -> None:
         self._mem = mmap.mmap(-1, mmap.PAGESIZE)  # anonymous + MAP_SHARED: no /dev/shm file
-        _LAYOUT.pack_into(self._mem, 0, time.monotonic(), 0.0, IDLE, 0)
+        _LAYOUT.pack_into(self._mem, 0, time.monotonic(), 0.0, IDLE, 0, 0.0, 0.0)
         self._sem = ctypes.c_char.from_buffer(self._mem, _SEM_OFFSET)
         self.sem_address = ctypes.addressof(self._sem)
         if _libc.sem_init(ctypes.c_void_p(self.sem_address), 1, 0) != 0:
@@ -85,8 +85,22 @@ class SharedProgress:
 
     def read(self) -> tuple[float, float, int, int]:
         """``(phase_since, manual_ping, phase, iteration)``."""
-        since, manual, phase, iteration = _LAYOUT.unpack_from(self._mem, 0)
+        since, manual, phase, iteration, _, _ = _LAYOUT.unpack_from(self._mem, 0)
         return since, manual, phase, iteration
+
+    def abort_state(self) -> tuple[float, float]:
+        """``(aborted_at, monitor_thread_alive_at)`` for this phase (0.0: not yet)."""
+        _, _, _, _, aborted, alive = _LAYOUT.unpack_from(self._mem, 0)
+        return aborted, alive
+
+    def mark_aborting(self, first: bool) -> None:
+        """The monitor thread interrupted (``first``: and aborted) the main thread, and is
+        alive: the process is not frozen, its main thread is blocked in a call that the
+        abort should release."""
+        now = time.monotonic()
+        if first:
+            struct.pack_into("<d", self._mem, 32, now)
+        struct.pack_into("<d", self._mem, 40, now)
 
     def ticks(self) -> int:
         """How many times the main thread's interpreter ran the progress pending call."""
@@ -96,7 +110,7 @@ class SharedProgress:
 
     def set_phase(self, phase: int, iteration: int) -> None:
         """Enter ``phase``; progress restarts from now and the manual ping is off."""
-        _LAYOUT.pack_into(self._mem, 0, time.monotonic(), 0.0, phase, iteration)
+        _LAYOUT.pack_into(self._mem, 0, time.monotonic(), 0.0, phase, iteration, 0.0, 0.0)
 
     def ping(self) -> None:
         struct.pack_into("<d", self._mem, 8, time.monotonic())
@@ -144,6 +158,7 @@ class MonitorProcessConfig:
     store_kwargs: dict[str, Any]
     serve_store: bool
     interval: float
+    thread_interval: float
     soft_timeout: float
     hard_timeout: float
     heartbeat_timeout: float
@@ -267,17 +282,32 @@ class _Monitor:
                 age = now - progress
                 if phase == RUNNING and age > cfg.soft_timeout and soft_done != iteration:
                     soft_done = iteration
-                    detail = f"no progress for {age:.2f}s (soft_timeout {cfg.soft_timeout:g}s)"
+                    where = (
+                        "the interpreter runs but ping() stopped"
+                        if now - auto < cfg.soft_timeout
+                        else "the main thread is stuck outside Python"
+                    )
+                    detail = (
+                        f"no progress for {age:.2f}s (soft_timeout {cfg.soft_timeout:g}s): {where}"
+                    )
                     self.log.warning("rank %d: %s", self.rank, detail)
-                    if store.record_interruption(iteration, self.rank, "soft_timeout", detail):
-                        events.emit(
-                            "inprocess_interrupted",
-                            cause="soft_timeout",
-                            rank=self.rank,
-                            iteration=iteration,
-                            fault_rank=self.rank,
-                            detail=detail,
-                        )
+                    first = store.record_interruption(iteration, self.rank, "soft_timeout", detail)
+                    events.emit(
+                        "inprocess_interrupted",
+                        cause="soft_timeout",
+                        rank=self.rank,
+                        iteration=iteration,
+                        fault_rank=self.rank,
+                        detail=detail,
+                        first=first,
+                    )
+                aborted, alive = self.shared.abort_state()
+                if aborted and now - alive < 2 * cfg.interval + cfg.thread_interval:
+                    # Interrupted and aborted by a live monitor thread: the main thread
+                    # waits in a call the abort should release (e.g. a gloo collective
+                    # with a frozen peer, released when that peer is terminated). It gets
+                    # a full hard_timeout from the abort before it is terminated itself.
+                    age = now - max(progress, aborted)
                 if age > cfg.hard_timeout:
                     detail = f"no progress for {age:.2f}s (hard_timeout {cfg.hard_timeout:g}s)"
                     self._rank_gone(iteration, "hard_timeout", detail, pidfd)

@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 import typing
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -319,6 +320,7 @@ class CallWrapper:
             store_kwargs=store_kwargs,
             serve_store="host_name" not in w.store_kwargs and initial_rank == 0,
             interval=w.seconds["monitor_process_interval"],
+            thread_interval=w.seconds["monitor_thread_interval"],
             soft_timeout=w.seconds["soft_timeout"],
             hard_timeout=w.seconds["hard_timeout"],
             heartbeat_timeout=w.seconds["heartbeat_timeout"],
@@ -410,6 +412,7 @@ class CallWrapper:
                 fault = InterruptedIteration() if self._interrupting == it else exc
                 self.state = state = state.replace(fn_exception=fault)
                 self._record_own_fault(it, fault)
+                del fault  # its traceback holds the failed iteration's frames
             state = self._restart(state)
 
     def _begin_iteration(self, state: State) -> None:
@@ -538,6 +541,8 @@ class CallWrapper:
             _set_async_exc(self._main_tid, ctypes.py_object(InterruptedIteration))
             if first:
                 self._run_abort(iteration)
+            if self.shared is not None:
+                self.shared.mark_aborting(first)
             return True
 
     def _run_abort(self, iteration: int) -> None:
@@ -566,6 +571,11 @@ class CallWrapper:
                 w.health_check(state)
             except Exception as exc:
                 raise HealthCheckError(f"rank {state.initial_rank} unhealthy: {exc}") from exc
+        if state.fn_exception is not None and state.fn_exception.__traceback__ is not None:
+            # Logged already; drop the frames' locals (tensors, the aborted group and its
+            # sockets) so that nothing of the failed iteration outlives it.
+            traceback.clear_frames(state.fn_exception.__traceback__)
+        self.state = state = state.replace(fn_exception=None)
         terminated = self._barrier(it)
         causes = self.store_client.interruptions(it)
         if state.initial_rank in terminated:

@@ -1,0 +1,404 @@
+"""In-process restart with real gloo groups, real signals and real hangs (2-3 processes).
+
+Every rank runs a small data-parallel training loop under ``Wrapper``; the training state
+is kept in memory across iterations (a snapshot after every step). Each fault test checks
+the three things: the fault was detected (an event naming its cause and rank), the run
+recovered (every surviving rank finished, in iteration >= 1), and the final parameters
+equal bit for bit those of a fault-free run with the same schedule of world sizes,
+computed first in the same processes with plain gloo groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from sfharness import Ranks, read_events, wait_for
+
+from steadfast.inprocess import (
+    CallWrapper,
+    InterruptedIteration,
+    RestartAbort,
+    RetryController,
+    ShiftRanks,
+    Wrapper,
+)
+
+STEPS = 8
+FAULT_STEP = 3
+PG_TIMEOUT = datetime.timedelta(seconds=120)  # far longer than any restart may take
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+# -- the training loop --------------------------------------------------------------------
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's shard of the global batch of ``step`` (12 samples, split by world)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(12, 6, generator=gen)
+    y = x.sum(dim=1, keepdim=True).sin()
+    shard = torch.arange(12)[rank::world]
+    return x[shard], y[shard]
+
+
+def _step(model: torch.nn.Module, step: int, rank: int, world: int) -> None:
+    x, y = _batch(step, rank, world)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            assert p.grad is not None
+            dist.all_reduce(p.grad)
+            p -= 0.05 * p.grad / world
+
+
+def _params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _reference(rank: int, workdir: Path, schedule: list[tuple[int, int, dict[int, int]]]) -> Any:
+    """Fault-free run: for each ``(world, until_step, {initial rank: rank})`` phase, the
+    ranks in the map train with a plain gloo group of that world size."""
+    model, start = _model(), 0
+    for phase, (world, until, ranks) in enumerate(schedule):
+        if rank in ranks:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{workdir}/ref_store_{phase}",
+                rank=ranks[rank],
+                world_size=world,
+                timeout=PG_TIMEOUT,
+            )
+            for step in range(start, until):
+                _step(model, step, ranks[rank], world)
+            dist.destroy_process_group()
+        start = until
+    return _params(model)
+
+
+def _fault(plan: dict[str, Any], rank: int, step: int, cw: CallWrapper) -> None:
+    if cw.iteration > plan.get("max_fault_iteration", 0) or rank != plan.get("rank"):
+        return
+    if step != plan.get("step", FAULT_STEP):
+        return
+    kind = plan["kind"]
+    if kind == "exception":
+        raise ValueError(f"injected fault on rank {rank}")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang_python":  # alive and in Python, but no ping: only the manual timeout sees it
+        while True:
+            time.sleep(0.01)
+    if kind == "stopped":  # never returns to the interpreter: no thread of it runs,
+        os.kill(os.getpid(), signal.SIGSTOP)  # and a SIGTERM stays pending (NVRx rank_hung)
+
+
+def _sockets() -> int:
+    return sum(
+        1
+        for fd in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{fd}")
+        and os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    )
+
+
+def _children() -> list[int]:
+    me = str(os.getpid())
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me:
+                kids.append(int(entry))
+    return kids
+
+
+def inproc_train(
+    rank: int, world: int, workdir: Path, plan: dict[str, Any], schedule: Any
+) -> dict[str, Any]:
+    """One rank: the fault-free reference, then the run under the Wrapper with ``plan``."""
+    reference = _reference(rank, workdir, schedule) if schedule else None
+    kwargs: dict[str, Any] = dict(
+        soft_timeout=_td(plan.get("soft", 20)),
+        hard_timeout=_td(plan.get("hard", 30)),
+        barrier_timeout=_td(60),
+        heartbeat_timeout=_td(10),
+        monitor_thread_interval=_td(0.1),
+        monitor_process_interval=_td(0.1),
+        progress_watchdog_interval=_td(0.1),
+        termination_grace_time=_td(0.5),
+        last_call_wait=_td(0.5),
+        rank_assignment=ShiftRanks(),
+        monitor_process_logfile=str(workdir / "monitor_{rank}.log"),
+    )
+    if "max_iterations" in plan:
+        kwargs["initialize"] = RetryController(max_iterations=plan["max_iterations"])
+    memory: dict[str, Any] = {"step": 0, "params": _params(_model())}  # survives iterations
+    seen: dict[str, Any] = {"iterations": [], "ranks": []}
+
+    @Wrapper(**kwargs)
+    def train(plan: dict[str, Any], call_wrapper: Optional[CallWrapper] = None) -> Any:
+        assert call_wrapper is not None
+        cw = call_wrapper
+        r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        seen["iterations"].append(cw.iteration)
+        seen["ranks"].append((r, w))
+        dist.init_process_group("gloo", store=cw.store, rank=r, world_size=w, timeout=PG_TIMEOUT)
+        model = _model()
+        with torch.no_grad():
+            for p, saved in zip(model.parameters(), memory["params"], strict=True):
+                p.copy_(saved)
+        for step in range(memory["step"], STEPS):
+            cw.ping()
+            if plan.get("atomic") and rank == 0 and cw.iteration == 0 and step == FAULT_STEP:
+                _atomic_probe(cw, workdir)
+            if plan.get("atomic") and rank == 1 and cw.iteration == 0 and step == FAULT_STEP:
+                wait_for((workdir / "atomic_entered").exists, 30, "rank 0 in atomic()")
+            _fault(plan, rank, step, cw)
+            _step(model, step, r, w)
+            memory["step"], memory["params"] = step + 1, _params(model)
+        dist.destroy_process_group()
+        return _params(model)
+
+    sockets_before = _sockets()
+    try:
+        params = train(plan)
+        error = None
+    except RestartAbort as exc:
+        params, error = None, "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+    return {
+        "params": params,
+        "reference": reference,
+        "error": error,
+        "seen": seen,
+        "threads": [t.name for t in threading.enumerate() if t is not threading.main_thread()],
+        "children": _children(),
+        "sockets_left": _sockets() - sockets_before,
+        "dist_initialized": dist.is_initialized(),
+        "env": (os.environ["RANK"], os.environ["WORLD_SIZE"]),
+    }
+
+
+def _atomic_probe(cw: CallWrapper, workdir: Path) -> None:
+    """Rank 0 holds ``atomic()`` for ~1 s while rank 1 raises; the interruption must wait."""
+    with cw.atomic():
+        (workdir / "atomic_entered").write_text(str(time.time()))
+        for _ in range(100):  # 100 bytecode boundaries where an interruption could land
+            time.sleep(0.01)
+        (workdir / "atomic_left").write_text(str(time.time()))
+    try:
+        while True:
+            time.sleep(0.01)
+    except InterruptedIteration:
+        (workdir / "interrupted_at").write_text(str(time.time()))
+        raise
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _env() -> dict[str, str]:
+    with socket.socket() as s:  # the Wrapper's store goes on MASTER_PORT + 1
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"SFHARNESS_NO_INIT": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1)}
+
+
+def _run(tmp_path: Path, world: int, plan: dict[str, Any], schedule: Any) -> tuple[Ranks, list]:
+    ranks = Ranks(inproc_train, tmp_path, world, (plan, schedule), _env())
+    codes = ranks.wait(120)
+    return ranks, codes
+
+
+def _result(tmp_path: Path, rank: int) -> dict[str, Any]:
+    import pickle
+
+    status, value = pickle.loads((tmp_path / f"result_{rank}.pkl").read_bytes())
+    assert status == "ok", f"rank {rank} failed:\n{value}"
+    return value  # type: ignore[no-any-return]
+
+
+def _assert_clean(res: dict[str, Any]) -> None:
+    """After the Wrapper returned: no thread, process, socket or group of its is left,
+    and RANK/WORLD_SIZE are the caller's again."""
+    assert res["threads"] == []
+    assert res["children"] == []
+    assert res["sockets_left"] <= 0
+    assert not res["dist_initialized"]
+
+
+def _assert_bit_exact(res: dict[str, Any]) -> None:
+    assert res["params"] is not None and res["reference"] is not None
+    for got, want in zip(res["params"], res["reference"], strict=True):
+        assert torch.equal(got, want), "parameters differ from the fault-free run"
+
+
+def _no_monitor_left() -> bool:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                comm = Path(f"/proc/{entry}/comm").read_text().strip()
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if comm.startswith("sf-monitor") and state != "Z":
+                return False
+    return True
+
+
+def _kinds(evs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in evs if e["kind"] == kind]
+
+
+# -- the tests ----------------------------------------------------------------------------
+def test_exception_on_one_rank_restarts_every_rank(tmp_path: Path, event_log: Path) -> None:
+    full = [(2, STEPS, {0: 0, 1: 1})]
+    _, codes = _run(tmp_path, 2, {"kind": "exception", "rank": 1}, full)
+    assert codes == [0, 0]
+    results = [_result(tmp_path, r) for r in range(2)]
+    evs = read_events(event_log)
+    # detected: rank 1's own exception, with its message
+    faults = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "exception"]
+    assert [(e["fault_rank"], e["iteration"]) for e in faults] == [(1, 0)]
+    assert "injected fault on rank 1" in faults[0]["detail"]
+    # recovered: both ranks ran iteration 1 (same ranks) and finished bit-exact
+    restarts = _kinds(evs, "inprocess_restart")
+    assert sorted(e["rank"] for e in restarts) == [0, 1]
+    for e in restarts:
+        assert e["iteration"] == 1 and e["world_size"] == 2 and e["cause"] == "exception"
+        # rank 0 was blocked in an all-reduce with a 120 s timeout: the abort released it
+        assert e["seconds"] < PG_TIMEOUT.total_seconds() / 4
+    for r, res in enumerate(results):
+        assert res["seen"]["iterations"] == [0, 1]
+        assert res["env"] == (str(r), "2")
+        _assert_bit_exact(res)
+        _assert_clean(res)
+    wait_for(_no_monitor_left, 10, "monitor processes to exit")
+
+
+@pytest.mark.slow
+def test_sigkilled_rank_survivors_restart_with_shifted_ranks(
+    tmp_path: Path, event_log: Path
+) -> None:
+    # rank 1 dies at step 3: ranks 0 and 2 go on as ranks 0 and 1 of a world of 2
+    schedule = [(3, FAULT_STEP, {0: 0, 1: 1, 2: 2}), (2, STEPS, {0: 0, 2: 1})]
+    _, codes = _run(tmp_path, 3, {"kind": "kill", "rank": 1}, schedule)
+    assert codes[1] == -signal.SIGKILL and codes[0] == codes[2] == 0
+    evs = read_events(event_log)
+    died = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "rank_died"]
+    assert [e["fault_rank"] for e in died] == [1]
+    assert [e["terminated_rank"] for e in _kinds(evs, "inprocess_terminated")] == [1]
+    restarts = _kinds(evs, "inprocess_restart")
+    assert sorted(e["rank"] for e in restarts) == [0, 2]
+    assert all(e["world_size"] == 2 and e["terminated"] == [1] for e in restarts)
+    moved = _kinds(evs, "inprocess_rank_reassigned")
+    assert [(e["rank"], e["from_rank"], e["to_rank"]) for e in moved] == [(2, 2, 1)]
+    for r in (0, 2):
+        res = _result(tmp_path, r)
+        assert res["seen"]["ranks"] == [(r, 3), ({0: 0, 2: 1}[r], 2)]
+        _assert_bit_exact(res)
+        _assert_clean(res)
+    # the dead rank's monitor process reported and went away too
+    wait_for(_no_monitor_left, 10, "monitor processes to exit")
+
+
+@pytest.mark.slow
+def test_rank_hung_in_python_is_interrupted_by_the_soft_timeout(
+    tmp_path: Path, event_log: Path
+) -> None:
+    full = [(2, STEPS, {0: 0, 1: 1})]
+    plan = {"kind": "hang_python", "rank": 1, "soft": 1.5, "hard": 30}
+    _, codes = _run(tmp_path, 2, plan, full)
+    assert codes == [0, 0]
+    evs = read_events(event_log)
+    soft = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "soft_timeout"]
+    # Rank 1 stopped pinging while its interpreter ran; rank 0, blocked in the all-reduce
+    # that waits for rank 1, stopped progressing at the same moment: either may be first.
+    assert soft and {e["fault_rank"] for e in soft} <= {0, 1}
+    for e in soft:
+        where = "ping() stopped" if e["fault_rank"] == 1 else "stuck outside Python"
+        assert where in e["detail"]
+    assert not _kinds(evs, "inprocess_terminated")
+    assert sorted(e["rank"] for e in _kinds(evs, "inprocess_restart")) == [0, 1]
+    for r in range(2):
+        res = _result(tmp_path, r)
+        assert res["seen"]["iterations"] == [0, 1]
+        _assert_bit_exact(res)
+        _assert_clean(res)
+
+
+@pytest.mark.slow
+def test_rank_stuck_outside_python_is_terminated_by_the_hard_timeout(
+    tmp_path: Path, event_log: Path
+) -> None:
+    schedule = [(3, FAULT_STEP, {0: 0, 1: 1, 2: 2}), (2, STEPS, {0: 0, 1: 1})]
+    plan = {"kind": "stopped", "rank": 2, "soft": 1.0, "hard": 2.5}
+    _, codes = _run(tmp_path, 3, plan, schedule)
+    assert codes[2] == -signal.SIGKILL and codes[0] == codes[1] == 0
+    evs = read_events(event_log)
+    term = _kinds(evs, "inprocess_terminated")
+    # a stopped process ignores SIGTERM: the monitor escalated to SIGKILL after the grace
+    assert [(e["terminated_rank"], e["cause"], e["signal"]) for e in term] == [
+        (2, "hard_timeout", "SIGKILL")
+    ]
+    causes = {(e["cause"], e["fault_rank"]) for e in _kinds(evs, "inprocess_interrupted")}
+    assert ("hard_timeout", 2) in causes
+    restarts = _kinds(evs, "inprocess_restart")
+    assert sorted(e["rank"] for e in restarts) == [0, 1]
+    assert all(e["world_size"] == 2 and e["terminated"] == [2] for e in restarts)
+    for r in range(2):
+        res = _result(tmp_path, r)
+        _assert_bit_exact(res)
+        _assert_clean(res)
+    wait_for(_no_monitor_left, 10, "monitor processes to exit")
+
+
+@pytest.mark.slow
+def test_retry_limit_ends_with_a_clear_error_on_every_rank(tmp_path: Path, event_log: Path) -> None:
+    plan = {"kind": "exception", "rank": 1, "step": 1, "max_fault_iteration": 99}
+    _, codes = _run(tmp_path, 2, {**plan, "max_iterations": 2}, None)
+    assert codes == [0, 0]
+    evs = read_events(event_log)
+    faults = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "exception"]
+    assert [e["iteration"] for e in faults] == [0, 1, 2]
+    for r in range(2):
+        res = _result(tmp_path, r)
+        assert res["params"] is None
+        assert "retry limit reached: iteration 3 > max_iterations 2" in res["error"]
+        assert res["seen"]["iterations"] == [0, 1, 2]
+        _assert_clean(res)
+
+
+@pytest.mark.slow
+def test_atomic_section_holds_off_the_interruption(tmp_path: Path, event_log: Path) -> None:
+    full = [(2, STEPS, {0: 0, 1: 1})]
+    plan = {"kind": "exception", "rank": 1, "atomic": True}
+    _, codes = _run(tmp_path, 2, plan, full)
+    assert codes == [0, 0]
+    entered = float((tmp_path / "atomic_entered").read_text())
+    left = float((tmp_path / "atomic_left").read_text())
+    interrupted = float((tmp_path / "interrupted_at").read_text())
+    fault = next(e["time"] for e in _kinds(read_events(event_log), "inprocess_interrupted"))
+    assert entered <= fault < left, "rank 1 must fault while rank 0 is inside atomic()"
+    assert interrupted >= left, "the interruption landed inside atomic()"
+    for r in range(2):
+        res = _result(tmp_path, r)
+        _assert_bit_exact(res)
+        _assert_clean(res)
