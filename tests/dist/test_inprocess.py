@@ -17,13 +17,13 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from sfharness import Ranks, read_events, wait_for
 
+from sfharness import Ranks, read_events, wait_for
 from steadfast.inprocess import (
     CallWrapper,
     InterruptedIteration,
@@ -156,7 +156,7 @@ def inproc_train(
     seen: dict[str, Any] = {"iterations": [], "ranks": []}
 
     @Wrapper(**kwargs)
-    def train(plan: dict[str, Any], call_wrapper: Optional[CallWrapper] = None) -> Any:
+    def train(plan: dict[str, Any], call_wrapper: CallWrapper | None = None) -> Any:
         assert call_wrapper is not None
         cw = call_wrapper
         r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
