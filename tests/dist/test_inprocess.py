@@ -102,6 +102,10 @@ def _fault(plan: dict[str, Any], rank: int, step: int, cw: CallWrapper) -> None:
         raise ValueError(f"injected fault on rank {rank}")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "lost":  # the rank and its monitor process vanish at once, like a lost node
+        for child in _children():
+            os.kill(child, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang_python":  # alive and in Python, but no ping: only the manual timeout sees it
         while True:
             time.sleep(0.01)
@@ -141,7 +145,7 @@ def inproc_train(
         soft_timeout=_td(plan.get("soft", 20)),
         hard_timeout=_td(plan.get("hard", 30)),
         barrier_timeout=_td(60),
-        heartbeat_timeout=_td(10),
+        heartbeat_timeout=_td(plan.get("heartbeat", 10)),
         monitor_thread_interval=_td(0.1),
         monitor_process_interval=_td(0.1),
         progress_watchdog_interval=_td(0.1),
@@ -399,6 +403,28 @@ def test_atomic_section_holds_off_the_interruption(tmp_path: Path, event_log: Pa
     assert entered <= fault < left, "rank 1 must fault while rank 0 is inside atomic()"
     assert interrupted >= left, "the interruption landed inside atomic()"
     for r in range(2):
+        res = _result(tmp_path, r)
+        _assert_bit_exact(res)
+        _assert_clean(res)
+
+
+@pytest.mark.slow
+def test_lost_rank_and_monitor_are_found_by_the_heartbeat_timeout(
+    tmp_path: Path, event_log: Path
+) -> None:
+    schedule = [(3, FAULT_STEP, {0: 0, 1: 1, 2: 2}), (2, STEPS, {0: 0, 2: 1})]
+    plan = {"kind": "lost", "rank": 1, "heartbeat": 1.5}
+    _, codes = _run(tmp_path, 3, plan, schedule)
+    assert codes[1] == -signal.SIGKILL and codes[0] == codes[2] == 0
+    evs = read_events(event_log)
+    # nobody was left to report the death: the store host noticed the silence
+    lost = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "heartbeat_lost"]
+    assert [(e["fault_rank"], e["rank"]) for e in lost] == [(1, 0)]
+    assert not [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "rank_died"]
+    restarts = _kinds(evs, "inprocess_restart")
+    assert sorted(e["rank"] for e in restarts) == [0, 2]
+    assert all(e["terminated"] == [1] for e in restarts)
+    for r in (0, 2):
         res = _result(tmp_path, r)
         _assert_bit_exact(res)
         _assert_clean(res)

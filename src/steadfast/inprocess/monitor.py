@@ -290,17 +290,7 @@ class _Monitor:
                     detail = (
                         f"no progress for {age:.2f}s (soft_timeout {cfg.soft_timeout:g}s): {where}"
                     )
-                    self.log.warning("rank %d: %s", self.rank, detail)
-                    first = store.record_interruption(iteration, self.rank, "soft_timeout", detail)
-                    events.emit(
-                        "inprocess_interrupted",
-                        cause="soft_timeout",
-                        rank=self.rank,
-                        iteration=iteration,
-                        fault_rank=self.rank,
-                        detail=detail,
-                        first=first,
-                    )
+                    self._report(iteration, self.rank, "soft_timeout", detail)
                 aborted, alive = self.shared.abort_state()
                 if aborted and now - alive < 2 * cfg.interval + cfg.thread_interval:
                     # Interrupted and aborted by a live monitor thread: the main thread
@@ -319,19 +309,28 @@ class _Monitor:
             self._serve_until_all_left()
         return 0
 
-    def _rank_gone(self, iteration: int, cause: str, detail: str, pidfd: int | None) -> None:
-        """Declare this rank terminated (and terminate it if it still runs)."""
-        self.log.warning("rank %d: %s", self.rank, detail)
-        self.store.record_terminated(self.rank)
-        self.store.record_interruption(iteration, self.rank, cause, detail)
+    def _report(
+        self, iteration: int, rank: int, cause: str, detail: str, terminated: bool = False
+    ) -> None:
+        """Record an interruption of ``iteration`` caused by ``rank`` (and, if
+        ``terminated``, that ``rank`` left for good) in the store and the event log."""
+        self.log.warning("rank %d: %s", rank, detail)
+        if terminated:
+            self.store.record_terminated(rank)
+        first = self.store.record_interruption(iteration, rank, cause, detail)
         events.emit(
             "inprocess_interrupted",
             cause=cause,
             rank=self.rank,
             iteration=iteration,
-            fault_rank=self.rank,
+            fault_rank=rank,
             detail=detail,
+            first=first,
         )
+
+    def _rank_gone(self, iteration: int, cause: str, detail: str, pidfd: int | None) -> None:
+        """Declare this rank terminated (and terminate it if it still runs)."""
+        self._report(iteration, self.rank, cause, detail, terminated=True)
         sent = None
         if pidfd is not None:
             sent = self._terminate(pidfd)
@@ -376,17 +375,7 @@ class _Monitor:
             elif now - seen[1] > self.cfg.heartbeat_timeout and r not in gone:
                 self._lost.add(r)
                 detail = f"no heartbeat from rank {r}'s monitor for {now - seen[1]:.1f}s"
-                self.log.warning(detail)
-                self.store.record_terminated(r)
-                self.store.record_interruption(iteration, r, "heartbeat_lost", detail)
-                events.emit(
-                    "inprocess_interrupted",
-                    cause="heartbeat_lost",
-                    rank=self.rank,
-                    iteration=iteration,
-                    fault_rank=r,
-                    detail=detail,
-                )
+                self._report(iteration, r, "heartbeat_lost", detail, terminated=True)
 
     def _serve_until_all_left(self) -> None:
         """The store's host lingers until every other rank has left or is gone."""

@@ -339,7 +339,7 @@ class CallWrapper:
                 target=self._monitor_thread, name="steadfast-inprocess-monitor", daemon=True
             )
             monitor_thread.start()
-            return self._loop(fn, params, args, kwargs)
+            return self._loop(fn, args, {**kwargs, **dict.fromkeys(params, self)})
         except BaseException as exc:
             self._last_call(exc)
             raise
@@ -382,17 +382,9 @@ class CallWrapper:
         kwargs.setdefault("timeout", self.wrapper.barrier_timeout)
         return kwargs
 
-    def _loop(
-        self,
-        fn: Callable[..., Any],
-        params: list[str],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
+    def _loop(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run iterations until one completes on every active rank."""
         w = self.wrapper
-        call_kwargs = dict(kwargs)
-        for name in params:
-            call_kwargs[name] = self
         state = w.rank_filter(self.state)
         while True:
             self._begin_iteration(state)
@@ -401,7 +393,7 @@ class CallWrapper:
                 if w.initialize is not None:
                     w.initialize(state)
                 if state.active:
-                    result = self._run_fn(fn, args, call_kwargs, state)
+                    result = self._run_fn(fn, args, kwargs, state)
                     if self._await_completion(state):
                         return result
                 elif self._await_completion(state):
