@@ -661,7 +661,8 @@ class CallWrapper:
         store = getattr(self, "store_client", None)
         if store is not None:
             with contextlib.suppress(Exception):
-                if store.iteration_state(it) != COMPLETED:
+                ended = store.iteration_state(it) == COMPLETED or rank in store.terminated()
+                if not ended:  # (a terminal error was recorded by _last_call already)
                     store.record_terminated(rank)
                     store.record_interruption(it, rank, "left", "the rank left the Wrapper")
                 store.record_left(rank)
