@@ -10,33 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from sfharness import children, socket_count
 from steadfast import events
-
-
-def _children(pid: int) -> set[int]:
-    kids: set[int] = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            kids.add(int(entry))
-    return kids
-
-
-def _sockets() -> int:
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                count += 1
-        except OSError:
-            pass
-    return count
 
 
 def _shm() -> set[str]:
@@ -50,14 +25,14 @@ def _shm() -> set[str]:
 def no_leaks() -> Iterator[None]:
     """Fail a test that leaves a child process, thread, socket or /dev/shm segment behind."""
     threads_before = set(threading.enumerate())
-    sockets_before = _sockets()
+    sockets_before = socket_count()
     shm_before = _shm()
     yield
     deadline = time.monotonic() + 5.0
     while True:
-        kids = _children(os.getpid())
+        kids = children(os.getpid())
         threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
-        sockets = _sockets() - sockets_before
+        sockets = socket_count() - sockets_before
         shm = _shm() - shm_before
         if not (kids or threads or sockets > 0 or shm) or time.monotonic() > deadline:
             break

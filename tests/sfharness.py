@@ -23,6 +23,35 @@ from typing import Any
 _HERE = str(Path(__file__).resolve().parent)
 
 
+def children(pid: int, zombies: bool = False) -> set[int]:
+    """The child processes of ``pid`` (zombies too when ``zombies``: an unreaped child
+    is a leak of its parent)."""
+    kids: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and (zombies or fields[0] != "Z"):
+            kids.add(int(entry))
+    return kids
+
+
+def socket_count() -> int:
+    """How many sockets this process has open."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                count += 1
+        except OSError:
+            pass
+    return count
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` so that a reader polling ``path`` never sees it empty or partial
     (``write_text`` truncates first): a temporary file renamed over it."""

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sfharness import Ranks, read_events, wait_for
+from sfharness import Ranks, children, read_events, socket_count, wait_for
 from steadfast.inprocess import (
     CallWrapper,
     InterruptedIteration,
@@ -103,7 +103,7 @@ def _fault(plan: dict[str, Any], rank: int, step: int, cw: CallWrapper) -> None:
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "lost":  # the rank and its monitor process vanish at once, like a lost node
-        for child in _children():
+        for child in children(os.getpid(), zombies=True):
             os.kill(child, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang_python":  # alive and in Python, but no ping: only the manual timeout sees it
@@ -111,29 +111,6 @@ def _fault(plan: dict[str, Any], rank: int, step: int, cw: CallWrapper) -> None:
             time.sleep(0.01)
     if kind == "stopped":  # never returns to the interpreter: no thread of it runs,
         os.kill(os.getpid(), signal.SIGSTOP)  # and a SIGTERM stays pending (NVRx rank_hung)
-
-
-def _sockets() -> int:
-    return sum(
-        1
-        for fd in os.listdir("/proc/self/fd")
-        if os.path.exists(f"/proc/self/fd/{fd}")
-        and os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-    )
-
-
-def _children() -> list[int]:
-    me = str(os.getpid())
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[1] == me:
-                kids.append(int(entry))
-    return kids
 
 
 def inproc_train(
@@ -183,7 +160,7 @@ def inproc_train(
         dist.destroy_process_group()
         return _params(model)
 
-    sockets_before = _sockets()
+    sockets_before = socket_count()
     try:
         params = train(plan)
         error = None
@@ -195,8 +172,8 @@ def inproc_train(
         "error": error,
         "seen": seen,
         "threads": [t.name for t in threading.enumerate() if t is not threading.main_thread()],
-        "children": _children(),
-        "sockets_left": _sockets() - sockets_before,
+        "children": sorted(children(os.getpid(), zombies=True)),
+        "sockets_left": socket_count() - sockets_before,
         "dist_initialized": dist.is_initialized(),
         "env": (os.environ["RANK"], os.environ["WORLD_SIZE"]),
     }
