@@ -20,7 +20,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
-from .state import HealthCheckError, RestartAbort, State
+from .state import HealthCheckError, InterruptedIteration, RestartAbort, State
 
 __all__ = [
     "Abort",
@@ -158,8 +158,6 @@ class FaultCounter(HealthCheck):
         self.faults = 0
 
     def __call__(self, state: State) -> None:
-        from .state import InterruptedIteration
-
         exc = state.fn_exception
         if exc is not None and not isinstance(exc, InterruptedIteration):
             self.faults += 1

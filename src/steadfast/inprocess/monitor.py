@@ -274,8 +274,8 @@ class _Monitor:
                 break
             store.heartbeat(self.rank)
             now = time.monotonic()
-            if self.shared.ticks() != ticks:
-                ticks, ticked_at = self.shared.ticks(), now
+            if (count := self.shared.ticks()) != ticks:
+                ticks, ticked_at = count, now
             if phase in (RUNNING, RESTARTING, SPARE):
                 auto = max(since, ticked_at)
                 progress = min(auto, manual) if phase == RUNNING and manual > 0 else auto

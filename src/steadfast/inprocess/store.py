@@ -54,8 +54,7 @@ class StoreMixin:
 
     def heartbeats(self, ranks: list[int]) -> dict[int, int]:
         """Heartbeat counters of those of ``ranks`` that have registered one."""
-        keys = [f"hb/{r}" for r in ranks]
-        present = [r for r, k in zip(ranks, keys, strict=True) if self.store.check([k])]
+        present = [r for r in ranks if self.store.check([f"hb/{r}"])]
         if not present:
             return {}
         values = self.store.multi_get([f"hb/{r}" for r in present])

@@ -574,7 +574,7 @@ class CallWrapper:
             raise RestartError(
                 f"rank {state.initial_rank} was declared terminated during iteration {it}"
             )
-        following = state.replace(iteration=it + 1, terminated=terminated, fn_exception=None)
+        following = state.replace(iteration=it + 1, terminated=terminated)
         new_state = w.rank_filter(w.rank_assignment(following))
         self.state = new_state
         first_time = min((c["time"] for c in causes), default=time.time())
