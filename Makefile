@@ -10,7 +10,12 @@ BIN     = $(VENV)/bin
 # The stamp's name carries the torch requirement, so `make test TORCH=...` reinstalls.
 STAMP   = $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo test lint typecheck pytest bench clean slurm
+
+# tests/slurm/ runs a real single-node Slurm: Debian's slurm-wlm and munge, installed
+# here when missing and the machine allows it (root and apt-get); elsewhere those tests
+# are skipped with the reason (never in CI, where they fail instead).
+SLURM_SCRIPT = scripts/slurm-localhost.sh
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,7 +35,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict src
 
-pytest: $(STAMP)
+slurm:
+	@bash $(SLURM_SCRIPT) check || { \
+	  if bash $(SLURM_SCRIPT) can-install; then \
+	    echo "installing Slurm for tests/slurm (slurm-wlm, munge)"; bash $(SLURM_SCRIPT) install; \
+	  else echo "no Slurm here and no root+apt-get to install it: tests/slurm will be skipped"; fi; }
+
+pytest: $(STAMP) slurm
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest

@@ -20,9 +20,9 @@ What it uses:
 
 Faults (``--fault-rank``, default the last rank; each fires once per run, remembered in
 ``--fault-dir``, so the re-run of a step after a restart or rollback is clean):
-``--nan-burst STEP`` (``--nan-len`` NaN losses in a row), ``--kill-at STEP``
-(SIGKILL), ``--hang-at STEP`` (stuck in the step), ``--slow-at STEP`` (``--slow-steps``
-steps ``--slow-seconds`` slower).
+``--nan-burst STEP`` (``--nan-len`` NaN losses in a row), ``--kill-at STEP[,STEP...]``
+(SIGKILL, once at each), ``--hang-at STEP`` (stuck in the step), ``--slow-at STEP``
+(``--slow-steps`` steps ``--slow-seconds`` slower).
 """
 
 from __future__ import annotations
@@ -58,12 +58,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fault-dir", type=Path, default=None, help="default: beside --ckpt-dir")
     p.add_argument("--nan-burst", type=int, default=-1)
     p.add_argument("--nan-len", type=int, default=3)
-    p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--kill-at", type=_steps, default=[], help="STEP[,STEP...]: one kill each")
     p.add_argument("--hang-at", type=int, default=-1)
     p.add_argument("--slow-at", type=int, default=-1)
     p.add_argument("--slow-steps", type=int, default=20)
     p.add_argument("--slow-seconds", type=float, default=0.1)
     return p.parse_args()
+
+
+def _steps(text: str) -> list[int]:
+    return [int(s) for s in text.split(",") if s.strip()]
 
 
 def batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,12 +95,12 @@ class Faults:
         self.nan_left = 0
         self.slow_left = 0
 
-    def fire(self, name: str, at: int, step: int) -> bool:
+    def fire(self, name: str, at: int, step: int, marker: str | None = None) -> bool:
         """True once: on the fault rank, at step ``at``, the first time any run gets there."""
         if at < 0 or step != at or self.rank != self.target:
             return False
         try:
-            os.close(os.open(self.dir / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(self.dir / (marker or name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return False
         events.emit("fault_injected", step=step, cause=name, fault=name)
@@ -105,8 +109,9 @@ class Faults:
 
     def before_step(self, step: int) -> None:
         a = self.args
-        if self.fire("rank_killed", a.kill_at, step):
-            os.kill(os.getpid(), signal.SIGKILL)  # a crashed rank: the launcher restarts all
+        for at in a.kill_at:
+            if self.fire("rank_killed", at, step, marker=f"rank_killed@{at}"):
+                os.kill(os.getpid(), signal.SIGKILL)  # a crashed rank: the launcher restarts all
         if self.fire("rank_hung", a.hang_at, step):
             while True:  # stuck inside the step: the watcher's step timeout catches it
                 time.sleep(3600)

@@ -52,6 +52,23 @@ def socket_count() -> int:
     return count
 
 
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of the processes whose command line contains ``text`` (a test's tmp path):
+    grandchildren, and processes under slurmstepd, that the leak check cannot see."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmdline = fh.read().decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(int(entry))
+    return found
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` so that a reader polling ``path`` never sees it empty or partial
     (``write_text`` truncates first): a temporary file renamed over it."""

@@ -1,5 +1,5 @@
-"""The ``steadfast`` command: ``launch``, ``demo`` (what ``make demo`` runs), ``report``
-and ``health``.
+"""The ``steadfast`` command: ``launch``, ``demo`` (what ``make demo`` runs), ``report``,
+``health``, ``slurm`` (writes a batch script) and ``requeue``.
 
 ``steadfast demo`` runs ``examples/train.py`` under ``steadfast launch`` with a scripted
 sequence of faults and ends with the run's report (see :mod:`steadfast.demo`);
@@ -37,8 +37,11 @@ def _report(ns: argparse.Namespace) -> int:
     report = compute_report(evs, problems)
     picture: Path | None = None
     if not ns.no_timeline:
-        target = Path(ns.timeline) if ns.timeline else (
-            source if source.is_dir() else source.parent) / "timeline.png"  # fmt: skip
+        target = (
+            Path(ns.timeline)
+            if ns.timeline
+            else (source if source.is_dir() else source.parent) / "timeline.png"
+        )
         try:
             picture = plot_timeline(evs, target, title=str(source))
         except ImportError as exc:
@@ -63,8 +66,176 @@ def _health(ns: argparse.Namespace) -> int:
     return 0 if healthy or (ns.allow_no_cuda and not result["cuda_available"]) else 1
 
 
+def _slurm(ns: argparse.Namespace) -> int:
+    import shlex
+    import subprocess
+
+    from .config import ConfigError
+    from .slurm import SbatchSpec, render_sbatch
+
+    try:
+        spec = SbatchSpec(
+            script=ns.script,
+            script_args=list(ns.script_args),
+            nodes=ns.nodes,
+            nproc_per_node=ns.nproc_per_node,
+            job_name=ns.job_name,
+            partition=ns.partition,
+            account=ns.account,
+            time=ns.time,
+            output=ns.output,
+            error=ns.error,
+            gpus_per_node=ns.gpus_per_node,
+            cpus_per_task=ns.cpus_per_task,
+            preempt_signal=ns.preempt_signal,
+            preempt_time=ns.preempt_time,
+            max_restarts=ns.max_restarts,
+            num_job_retries_on_failure=ns.num_job_retries_on_failure,
+            rdzv_port=ns.rdzv_port,
+            run_dir=ns.run_dir,
+            python=ns.python or sys.executable,
+            sbatch_lines=list(ns.sbatch),
+            setup=list(ns.setup),
+            launcher_args=list(ns.launcher_arg),
+            srun_args=list(ns.srun_arg),
+        )
+    except ConfigError as exc:
+        print(f"steadfast slurm: {exc}", file=sys.stderr)
+        return 2
+    text = render_sbatch(spec, "steadfast slurm " + shlex.join(ns.argv))
+    run_dir = Path(spec.run_dir or f"runs/{spec.job_name}")
+    if ns.write is None and not ns.submit:
+        sys.stdout.write(text)
+        if not run_dir.is_dir():
+            print(
+                f"steadfast slurm: create {run_dir} before sbatch: Slurm opens the output "
+                "there before the script runs",
+                file=sys.stderr,
+            )
+        return 0
+    # Slurm opens the output file before the script runs and does not create folders
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = Path(ns.write or f"{spec.job_name}.sbatch")
+    target.write_text(text)
+    target.chmod(0o755)
+    print(f"steadfast slurm: wrote {target}", file=sys.stderr)
+    if not ns.submit:
+        return 0
+    try:
+        proc = subprocess.run(["sbatch", "--parsable", str(target)], capture_output=True, text=True)
+    except OSError as exc:
+        print(f"steadfast slurm: cannot run sbatch: {exc}", file=sys.stderr)
+        return 1
+    if proc.returncode != 0:
+        print(f"steadfast slurm: sbatch failed: {proc.stderr.strip()}", file=sys.stderr)
+        return proc.returncode
+    print(proc.stdout.strip().split(";")[0])  # the job id
+    return 0
+
+
+def _requeue(ns: argparse.Namespace) -> int:
+    from .slurm import requeue_job
+
+    return 0 if requeue_job(ns.job, cause=ns.cause) else 1
+
+
+def _add_slurm_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .slurm import SbatchSpec
+
+    d = SbatchSpec.__dataclass_fields__  # the defaults live in one place
+    p = sub.add_parser(
+        "slurm",
+        help="write (and optionally submit) an sbatch script: steadfast launch on N nodes",
+        description="Write a batch script that runs `steadfast launch` once per node "
+        "through srun, with a c10d rendezvous on the first node, in-job restarts, job "
+        "retries (the launcher requeues the job) and the preemption signal forwarded to "
+        "the ranks. Printed to stdout unless --write or --submit.",
+    )
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own flags")
+    p.add_argument("--nodes", type=int, default=d["nodes"].default)
+    p.add_argument(
+        "--nproc-per-node",
+        default=d["nproc_per_node"].default,
+        help="ranks per node: a number, gpu or auto",
+    )
+    p.add_argument("--job-name", default=d["job_name"].default)
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--time", help="Slurm time limit (e.g. 4:00:00); enables --signal")
+    p.add_argument("--output", help="default: RUN_DIR/slurm-%%j.out")
+    p.add_argument("--error", help="default: with the output")
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--cpus-per-task", type=int)
+    p.add_argument(
+        "--preempt-signal",
+        default=d["preempt_signal"].default,
+        help="sent to the batch shell PREEMPT_TIME s before the time limit",
+    )
+    p.add_argument("--preempt-time", type=int, default=d["preempt_time"].default)
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=d["max_restarts"].default,
+        help="in-job restarts (every node's ranks restart)",
+    )
+    p.add_argument(
+        "--num-job-retries-on-failure",
+        type=int,
+        default=d["num_job_retries_on_failure"].default,
+        help="requeues after the in-job restarts are spent",
+    )
+    p.add_argument("--rdzv-port", type=int, default=d["rdzv_port"].default)
+    p.add_argument(
+        "--run-dir", help="event log and output of every incarnation (default runs/JOB_NAME)"
+    )
+    p.add_argument("--python", help="the Python that has steadfast (default: this one)")
+    p.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="an extra #SBATCH option, e.g. --sbatch=--qos=high (repeatable)",
+    )
+    p.add_argument(
+        "--setup",
+        action="append",
+        default=[],
+        metavar="LINE",
+        help="a shell line run before srun (repeatable)",
+    )
+    p.add_argument(
+        "--launcher-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an extra steadfast launch flag, e.g. --launcher-arg=--ft-cfg-path=ft.yaml",
+    )
+    p.add_argument(
+        "--srun-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an extra srun flag (repeatable)",
+    )
+    p.add_argument("--write", metavar="FILE", help="write the script to FILE")
+    p.add_argument(
+        "--submit",
+        action="store_true",
+        help="write it (to --write or JOB_NAME.sbatch) and sbatch it; prints the job id",
+    )
+    p.set_defaults(func=_slurm)
+    r = sub.add_parser(
+        "requeue", help="requeue this Slurm job (scontrol requeue) and record a job_requeued event"
+    )
+    r.add_argument("--job", default=None, help="job id (default: $SLURM_JOB_ID)")
+    r.add_argument("--cause", default="preempted", help="the event's cause")
+    r.set_defaults(func=_requeue)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``steadfast`` argument parser (sub-commands ``demo``, ``launch``, ``health``)."""
+    """The ``steadfast`` argument parser (sub-commands ``demo``, ``launch``, ``report``,
+    ``health``, ``slurm``, ``requeue``)."""
     parser = argparse.ArgumentParser(prog="steadfast", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
@@ -91,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--device", type=int, default=0)
     health.add_argument("--allow-no-cuda", action="store_true", help="exit 0 on CPU-only nodes")
     health.set_defaults(func=_health)
+    _add_slurm_parser(sub)
     return parser
 
 
@@ -102,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch_main(args[1:])
     ns = build_parser().parse_args(args)
+    ns.argv = args[1:]
     code: int = ns.func(ns)
     return code
 

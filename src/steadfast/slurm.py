@@ -1,14 +1,24 @@
-"""Slurm job information and requeue detection.
+"""Slurm job information, requeue detection, job retries and the sbatch script.
 
 Parity with ``kempnerforge.resilience`` (seed 000): :class:`SLURMInfo`,
 :func:`get_slurm_info`, :func:`is_slurm_job`, :func:`is_slurm_requeue`,
-:func:`log_job_info`. Facts from real Slurm that shape this module:
+:func:`log_job_info`. On top of it: :func:`requeue_job` and :func:`failure_requeues`
+(the launcher's job retries) and :func:`render_sbatch` (``steadfast slurm``: the batch
+script that runs ``steadfast launch`` on every node). Facts from real Slurm that shape
+this module (checked against a real single-node Slurm in ``tests/slurm/``):
 
 - ``SLURM_RESTART_COUNT`` is *unset* until the first requeue, so unset means 0.
 - ``SLURM_NTASKS_PER_NODE`` is only set when ``--ntasks-per-node`` was given; otherwise the
   per-node task count is in ``SLURM_TASKS_PER_NODE`` in Slurm's compressed form
   (``"4(x2),3"``), of which the first node's count is used.
 - ``SLURM_JOB_NUM_NODES`` is the newer name of ``SLURM_NNODES``; both are read.
+- ``--signal=B:SIG@T`` delivers ``SIG`` to the batch shell only (without ``B:``, to the
+  srun steps only); a shell blocked in a foreground ``srun`` runs its trap only after
+  srun returns, so the script runs srun in the background, ``wait``s, and forwards the
+  signal to srun, which passes it to every task (the launchers).
+- ``SLURM_RESTART_COUNT`` counts every requeue: preemptions and an operator's
+  ``scontrol requeue`` as well as failures. Job retries count only the failures, from
+  the ``job_requeued`` events of the run's event log (:func:`failure_requeues`).
 
 A variable that is set but malformed raises :class:`~steadfast.config.ConfigError`
 naming it, instead of a bare ``int()`` traceback.
@@ -19,18 +29,30 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+import shlex
+import signal
+import sys
+from dataclasses import dataclass, field
 
-from .config import ConfigError
+from .config import ConfigError, require_number
 
 __all__ = [
+    "FAILURE_REQUEUE_CAUSES",
     "SLURMInfo",
+    "SbatchSpec",
+    "failure_requeues",
     "get_slurm_info",
     "is_slurm_job",
     "is_slurm_requeue",
     "log_job_info",
+    "parse_time_limit",
+    "render_sbatch",
     "requeue_job",
 ]
+
+#: ``job_requeued`` causes that spend a job retry (``num_job_retries_on_failure``); a
+#: preemption or an operator's requeue does not.
+FAILURE_REQUEUE_CAUSES = ("restarts_exhausted", "restart_elsewhere")
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +152,13 @@ def log_job_info() -> None:
 def requeue_job(
     job_id: str | None = None, timeout: float = 60.0, cause: str = "restarts_exhausted"
 ) -> bool:
-    """Ask Slurm to requeue the job (``scontrol requeue <job_id>``, default this job):
-    the job retry after in-job restarts are spent (``cause`` says why, for the
-    ``job_requeued`` event). True if scontrol accepted it; the reason is logged when it
-    did not (no scontrol, a job that is not requeueable...)."""
+    """Ask Slurm to requeue the job (``scontrol requeue <job_id>``, default this job).
+
+    Used for a job retry after the in-job restarts are spent (``cause``
+    ``restarts_exhausted`` or ``restart_elsewhere``) and by the batch script after a
+    preemption (``preempted``); ``cause`` goes into the ``job_requeued`` event, which
+    :func:`failure_requeues` reads back. True if scontrol accepted it; the reason is
+    logged when it did not (no scontrol, a job that is not requeueable...)."""
     import subprocess
 
     from . import events
@@ -155,5 +180,302 @@ def requeue_job(
         )
         return False
     events.emit("job_requeued", cause=cause, slurm_job=job)
-    logger.warning("requeued Slurm job %s", job)
+    logger.warning("requeued Slurm job %s (%s)", job, cause)
     return True
+
+
+def failure_requeues(job_id: str) -> int | None:
+    """How many job retries job ``job_id`` has spent: its ``job_requeued`` events whose
+    cause is a failure (:data:`FAILURE_REQUEUE_CAUSES`) in this process's event log.
+
+    ``SLURM_RESTART_COUNT`` cannot tell: it also counts preemptions and an operator's
+    requeues, which must not use up the retries of a job that never failed. None when
+    there is no readable log (``STEADFAST_EVENTS=off``, or a log on a disk the requeued
+    job cannot see); the caller then falls back to ``SLURM_RESTART_COUNT``."""
+    from . import events
+
+    path = events.current_path()
+    if path is None:
+        return None
+    if not os.path.exists(path):
+        return 0  # no event yet: nothing was requeued through this log
+    try:
+        return sum(
+            1
+            for ev in events.read_events(path)
+            if ev.kind == "job_requeued"
+            and ev.get("slurm_job") == job_id
+            and ev.cause in FAILURE_REQUEUE_CAUSES
+        )
+    except (OSError, events.EventLogError) as exc:
+        logger.warning("cannot count the job's requeues in %s: %s", path, exc)
+        return None
+
+
+# --------------------------------------------------------------------- sbatch script
+
+_TIME_FORMATS = (  # Slurm's --time forms, as regular expressions of (days, h, m, s)
+    (re.compile(r"^(\d+)$"), ("m",)),
+    (re.compile(r"^(\d+):(\d+)$"), ("m", "s")),
+    (re.compile(r"^(\d+):(\d+):(\d+)$"), ("h", "m", "s")),
+    (re.compile(r"^(\d+)-(\d+)$"), ("d", "h")),
+    (re.compile(r"^(\d+)-(\d+):(\d+)$"), ("d", "h", "m")),
+    (re.compile(r"^(\d+)-(\d+):(\d+):(\d+)$"), ("d", "h", "m", "s")),
+)
+_UNIT_SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_time_limit(text: str, field_name: str = "time") -> int:
+    """Seconds in a Slurm time limit (``--time``): ``minutes``, ``minutes:seconds``,
+    ``hours:minutes:seconds``, ``days-hours``, ``days-hours:minutes`` or
+    ``days-hours:minutes:seconds``. A :class:`ConfigError` naming ``field_name`` for any
+    other text (``UNLIMITED`` included: a preemption signal needs a limit)."""
+    value = text.strip()
+    for pattern, units in _TIME_FORMATS:
+        match = pattern.match(value)
+        if match:
+            seconds = sum(
+                int(g) * _UNIT_SECONDS[u] for g, u in zip(match.groups(), units, strict=True)
+            )
+            if seconds <= 0:
+                break
+            return seconds
+    raise ConfigError(
+        f"{field_name}: {text!r} is not a Slurm time limit (minutes, MM:SS, HH:MM:SS, "
+        "D-HH, D-HH:MM or D-HH:MM:SS, more than zero)"
+    )
+
+
+def _signal_name(value: str | int, field_name: str) -> str:
+    text = str(value).strip().upper()
+    try:
+        sig = (
+            signal.Signals(int(text))
+            if text.isdigit()
+            else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+        )
+    except (KeyError, ValueError):
+        raise ConfigError(f"{field_name}: {value!r} is not a signal name or number") from None
+    if sig in (signal.SIGKILL, signal.SIGSTOP):
+        raise ConfigError(f"{field_name}: {sig.name} cannot be caught, so nothing could save")
+    return sig.name.removeprefix("SIG")
+
+
+@dataclass
+class SbatchSpec:
+    """What ``steadfast slurm`` writes into a batch script (see :func:`render_sbatch`).
+
+    ``script`` and ``script_args`` are the training script and its flags;
+    ``nproc_per_node`` is ``steadfast launch --nproc-per-node`` (a number, ``gpu`` or
+    ``auto``); ``preempt_signal`` reaches the batch shell ``preempt_time`` seconds before
+    the time limit (``--signal=B:SIG@T``, only with a ``time``); ``max_restarts`` are
+    the in-job restarts and ``num_job_retries_on_failure`` the requeues after them;
+    ``run_dir`` holds the event log of every incarnation of the job (and, by default,
+    the output); ``sbatch_lines`` are extra ``#SBATCH`` options, ``setup`` shell lines run
+    before srun (``module load``, ``source venv/bin/activate``), ``launcher_args`` extra
+    ``steadfast launch`` flags (``--ft-cfg-path ft.yaml``), ``srun_args`` extra srun flags.
+    """
+
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    nodes: int = 1
+    nproc_per_node: str = "1"
+    job_name: str = "steadfast"
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    output: str | None = None
+    error: str | None = None
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    preempt_signal: str = "USR1"
+    preempt_time: int = 120
+    max_restarts: int = 3
+    num_job_retries_on_failure: int = 2
+    rdzv_port: int = 29400
+    run_dir: str | None = None
+    python: str = sys.executable
+    sbatch_lines: list[str] = field(default_factory=list)
+    setup: list[str] = field(default_factory=list)
+    launcher_args: list[str] = field(default_factory=list)
+    srun_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """One :class:`ConfigError` naming the first field that is wrong."""
+        if not self.script.strip():
+            raise ConfigError("script: the training script is missing")
+        for name in ("nodes", "max_restarts", "num_job_retries_on_failure", "rdzv_port"):
+            minimum = 1 if name in ("nodes", "rdzv_port") else 0
+            setattr(
+                self, name, require_number(name, getattr(self, name), minimum=minimum, integer=True)
+            )
+        if self.rdzv_port > 65535:
+            raise ConfigError(f"rdzv_port: {self.rdzv_port} is not a TCP port (1-65535)")
+        nproc = str(self.nproc_per_node).strip()
+        if not (nproc in ("gpu", "auto", "cpu") or (nproc.isdigit() and int(nproc) > 0)):
+            raise ConfigError(
+                f"nproc_per_node: expected a positive integer, 'gpu', 'cpu' or 'auto', "
+                f"got {self.nproc_per_node!r}"
+            )
+        self.nproc_per_node = nproc
+        for name in ("gpus_per_node", "cpus_per_task"):
+            if getattr(self, name) is not None:
+                require_number(name, getattr(self, name), minimum=1, integer=True)
+        if not re.fullmatch(r"[A-Za-z0-9_.+-]+", self.job_name):
+            raise ConfigError(f"job_name: {self.job_name!r} (letters, digits and _.+- only)")
+        self.preempt_signal = _signal_name(self.preempt_signal, "preempt_signal")
+        self.preempt_time = require_number(
+            "preempt_time", self.preempt_time, minimum=0, integer=True
+        )
+        if self.preempt_time > 65535:  # Slurm's own limit on --signal's time
+            raise ConfigError(f"preempt_time: {self.preempt_time} s is over Slurm's 65535")
+        if self.time is not None:
+            limit = parse_time_limit(self.time, "time")
+            if self.preempt_time >= limit:
+                raise ConfigError(
+                    f"preempt_time: {self.preempt_time} s before a time limit of {limit} s "
+                    f"(time={self.time!r}) would signal the job before it starts"
+                )
+        for i, line in enumerate(self.sbatch_lines):
+            opt = line.strip().removeprefix("#SBATCH").strip()
+            if not opt.startswith("-") or "\n" in opt:
+                raise ConfigError(f"sbatch_lines[{i}]: {line!r} is not one sbatch option")
+            self.sbatch_lines[i] = opt
+        for i, line in enumerate(self.setup):
+            if "\n" in line:
+                raise ConfigError(f"setup[{i}]: one shell line per entry, got {line!r}")
+
+    def sbatch_options(self) -> list[str]:
+        """The ``#SBATCH`` options, in the order written."""
+        run_dir = self.run_dir or f"runs/{self.job_name}"
+        opts = [
+            f"--job-name={self.job_name}",
+            f"--nodes={self.nodes}",
+            "--ntasks-per-node=1",  # one steadfast launch per node; it starts the ranks
+            "--requeue",
+            "--open-mode=append",  # a requeued job adds to the same output files
+            f"--output={self.output or run_dir + '/slurm-%j.out'}",
+        ]
+        if self.error:
+            opts.append(f"--error={self.error}")
+        if self.time is not None:
+            opts.append(f"--time={self.time}")
+            if self.preempt_time > 0:
+                opts.append(f"--signal=B:{self.preempt_signal}@{self.preempt_time}")
+        for name in ("partition", "account"):
+            if getattr(self, name):
+                opts.append(f"--{name}={getattr(self, name)}")
+        if self.gpus_per_node:
+            opts.append(f"--gpus-per-node={self.gpus_per_node}")
+        if self.cpus_per_task:
+            opts.append(f"--cpus-per-task={self.cpus_per_task}")
+        return opts + list(self.sbatch_lines)
+
+
+def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
+    """The batch script for ``spec``: ``spec.nodes`` nodes, each running one
+    ``steadfast launch`` (through srun) that starts ``spec.nproc_per_node`` ranks, all
+    meeting in a c10d rendezvous on the first node of the allocation.
+
+    Faults are answered in three layers: a failed or hung rank restarts every node's
+    workers in the job (``--max-restarts``); when those are spent the launcher of
+    ``SLURM_PROCID`` 0 requeues the job while job retries remain (exit 17 and 76 are
+    final); the preemption signal (``--signal=B:...``, sent to this batch shell only) is
+    forwarded to the launchers and from them to the ranks, which save, and then the
+    script requeues the job, which resumes from the latest checkpoint. Every
+    incarnation appends to one event log, ``<run_dir>/events.jsonl``.
+    """
+    q = shlex.quote
+    run_dir = spec.run_dir or f"runs/{spec.job_name}"
+    handled = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]
+    if "SIG" + spec.preempt_signal not in handled:
+        handled.append("SIG" + spec.preempt_signal)
+    srun = " ".join(
+        [
+            "srun",
+            f"--nodes={spec.nodes}",
+            "--ntasks-per-node=1",
+            "--kill-on-bad-exit=0",  # the launcher of SLURM_PROCID 0 must live to requeue
+            *(q(a) for a in spec.srun_args),
+        ]
+    )
+    command = [
+        srun,
+        '"$SF_PYTHON" -m steadfast.cli launch',
+        f"--nnodes={spec.nodes} --nproc-per-node={spec.nproc_per_node}",
+        '--rdzv-backend=c10d --rdzv-endpoint="$SF_HEAD:$SF_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID"',
+        f"--max-restarts={spec.max_restarts} "
+        f"--ft-num-job-retries-on-failure={spec.num_job_retries_on_failure}",
+        f"--signals-to-handle={','.join(handled)}",
+    ]
+    if spec.launcher_args:
+        command.append(" ".join(q(a) for a in spec.launcher_args))
+    command.append(" ".join([q(spec.script), *(q(a) for a in spec.script_args)]))
+    body = " \\\n    ".join(command)
+    lines = ["#!/bin/bash"]
+    lines += [
+        f"# Written by `steadfast slurm`: {spec.nodes} node(s) x {spec.nproc_per_node} "
+        f"process(es) of {spec.script}.",
+    ]
+    if command_line:
+        lines.append(f"#   {command_line}")
+    lines += [f"#SBATCH {opt}" for opt in spec.sbatch_options()]
+    preempt = (
+        f"SIG{spec.preempt_signal} {spec.preempt_time} s before the time limit"
+        if spec.time is not None and spec.preempt_time > 0
+        else f"SIG{spec.preempt_signal} (no time limit given: from scancel or a scheduler)"
+    )
+    lines += [
+        "",
+        "# Faults, in three layers:",
+        f"#  1. a rank fails or hangs: every node restarts its ranks in the job "
+        f"(--max-restarts={spec.max_restarts});",
+        "#  2. those are spent: the launcher of SLURM_PROCID 0 requeues the job while job",
+        f"#     retries remain (num_job_retries_on_failure={spec.num_job_retries_on_failure};"
+        " exit 17, a result that failed",
+        "#     validation, and 76, restarts that made no progress, are final);",
+        f"#  3. preemption: {preempt}",
+        "#     reaches this shell only: it is forwarded to the launchers, which pass it to",
+        "#     the ranks; they save a checkpoint and stop; then this script requeues the job.",
+        "# A requeued job resumes from the latest checkpoint (the training script's own",
+        "# resume). Every incarnation appends to one event log: steadfast report RUN_DIR.",
+        "set -uo pipefail",
+        "",
+        f"SF_PYTHON={q(spec.python)}",
+        f"SF_RUN_DIR={q(run_dir)}",
+        f"SF_RDZV_PORT={spec.rdzv_port}",
+        'mkdir -p "$SF_RUN_DIR"',
+        'export STEADFAST_EVENTS="${STEADFAST_EVENTS:-$SF_RUN_DIR/events.jsonl}"',
+        *spec.setup,
+        'SF_HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'echo "steadfast: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on'
+        ' $SLURM_JOB_NUM_NODES node(s), rendezvous $SF_HEAD:$SF_RDZV_PORT"',
+        "",
+        "sf_preempted=''",
+        "sf_srun=''",
+        "sf_forward() {  # Slurm signals this shell only: pass it on to srun, which passes",
+        "    sf_preempted=$1  # it to every launcher",
+        '    echo "steadfast: SIG$1 (preemption): forwarding to the launchers" >&2',
+        '    [ -n "$sf_srun" ] && kill -s "$1" "$sf_srun" 2>/dev/null',
+        "}",
+        f"trap 'sf_forward {spec.preempt_signal}' {spec.preempt_signal}",
+        "",
+        body + " &",
+        "sf_srun=$!",
+        "# a trapped signal ends `wait` early: wait again until srun is gone, then take",
+        "# its exit status",
+        'while kill -0 "$sf_srun" 2>/dev/null; do wait "$sf_srun"; done',
+        'wait "$sf_srun"',
+        "sf_rc=$?",
+        'if [ -n "$sf_preempted" ]; then',
+        '    echo "steadfast: preempted (SIG$sf_preempted); the launchers exited $sf_rc;'
+        ' requeueing job $SLURM_JOB_ID" >&2',
+        '    "$SF_PYTHON" -m steadfast.cli requeue --cause preempted && exit 0',
+        "fi",
+        'exit "$sf_rc"',
+        "",
+    ]
+    return "\n".join(lines)

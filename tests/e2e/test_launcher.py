@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from sfharness import processes_mentioning
+
 SCRIPT = Path(__file__).with_name("ft_train.py")
 TIMEOUTS = [
     "--ft-param-rank_section_timeouts=setup:60,step:2,checkpointing:5",
@@ -31,27 +33,12 @@ TIMEOUTS = [
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmdline = fh.read().decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(int(entry))
-    return found
-
-
 @pytest.fixture(autouse=True)
 def no_worker_outlives_its_launcher(tmp_path: Path):
     """The conftest leak check sees only direct children: workers are grandchildren."""
     yield
     deadline = time.monotonic() + 10
-    while (left := _processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
+    while (left := processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"processes of this test still running: {left}"
 
@@ -211,12 +198,17 @@ def test_restarts_exhausted_exit_code(tmp_path: Path, event_log: Path):
     assert not (tmp_path / "out.pt").exists()
 
 
-@pytest.mark.parametrize(("restart_count", "requeued"), [(None, True), ("2", False)])
+@pytest.mark.parametrize(
+    ("earlier", "requeued"),
+    [(("preempted", "preempted"), True), (("restarts_exhausted", "restart_elsewhere"), False)],
+)
 def test_job_retry_requeues_the_slurm_job(
-    tmp_path: Path, event_log: Path, monkeypatch: pytest.MonkeyPatch, restart_count, requeued
+    tmp_path: Path, event_log: Path, monkeypatch: pytest.MonkeyPatch, earlier, requeued
 ):
-    """A stand-in ``scontrol`` on PATH records the call (a real Slurm is the Slurm
-    issue's test); SLURM_RESTART_COUNT is unset until the first requeue, as in Slurm."""
+    """A stand-in ``scontrol`` on PATH records the call (the real Slurm tests are in
+    tests/slurm). The job was requeued twice before (SLURM_RESTART_COUNT=2): for two
+    preemptions, which spend no job retry, or for two failures, which spend both."""
+    from steadfast import events
     from steadfast.launcher import EXIT_REQUEUED, EXIT_RESTARTS_EXHAUSTED
 
     bindir = tmp_path / "bin"
@@ -227,10 +219,9 @@ def test_job_retry_requeues_the_slurm_job(
     scontrol.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    if restart_count is None:
-        monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-    else:
-        monkeypatch.setenv("SLURM_RESTART_COUNT", restart_count)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    for cause in earlier:  # the earlier incarnations' requeues, in the run's event log
+        events.emit("job_requeued", cause=cause, slurm_job="4242")
     proc = _launch(
         tmp_path / "run",
         "--fault",
@@ -240,7 +231,7 @@ def test_job_retry_requeues_the_slurm_job(
     if requeued:
         assert proc.returncode == EXIT_REQUEUED
         assert calls.read_text().split() == ["requeue", "4242"]
-        assert _events(event_log, "job_requeued")[0]["slurm_job"] == "4242"
+        assert _events(event_log, "job_requeued")[-1]["cause"] == "restarts_exhausted"
     else:  # retries spent: no requeue
         assert proc.returncode == EXIT_RESTARTS_EXHAUSTED and not calls.exists()
 

@@ -90,3 +90,138 @@ def test_malformed_variable_names_it(monkeypatch):
         get_slurm_info()
     with pytest.raises(ConfigError, match="SLURM_RESTART_COUNT"):
         is_slurm_requeue()
+
+
+# ----------------------------------------------------------------- job retries, sbatch
+
+
+def test_failure_requeues_count_only_failures_of_this_job(monkeypatch, event_log):
+    from steadfast import events
+    from steadfast.slurm import failure_requeues
+
+    assert failure_requeues("7") == 0  # no log yet: nothing was requeued
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    for cause, job in [
+        ("restarts_exhausted", "7"),
+        ("preempted", "7"),  # a preemption spends no retry
+        ("restart_elsewhere", "7"),
+        ("restarts_exhausted", "8"),  # another job's
+    ]:
+        events.emit("job_requeued", cause=cause, slurm_job=job)
+    assert failure_requeues("7") == 2
+    monkeypatch.setenv(events.EVENTS_ENV, events.EVENTS_OFF)
+    assert failure_requeues("7") is None  # no log: the caller uses SLURM_RESTART_COUNT
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90", 5400), ("5:30", 330), ("1:00:00", 3600), ("2-3", 183600), ("1-0:10", 87000),
+     ("0-0:0:45", 45)],
+)  # fmt: skip
+def test_parse_time_limit(text, seconds):
+    from steadfast.slurm import parse_time_limit
+
+    assert parse_time_limit(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "UNLIMITED", "1h", "0", "1:2:3:4", "-5"])
+def test_parse_time_limit_rejects(text):
+    from steadfast.slurm import parse_time_limit
+
+    with pytest.raises(ConfigError, match=r"^time: .* is not a Slurm time limit"):
+        parse_time_limit(text)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"script": " "}, "script: the training script is missing"),
+        ({"nodes": 0}, "nodes"),
+        ({"nproc_per_node": "four"}, "nproc_per_node: expected a positive integer"),
+        ({"max_restarts": -1}, "max_restarts"),
+        ({"num_job_retries_on_failure": 1.5}, "num_job_retries_on_failure"),
+        ({"rdzv_port": 70000}, "rdzv_port: 70000 is not a TCP port"),
+        ({"job_name": "my job"}, "job_name"),
+        ({"preempt_signal": "KILL"}, "preempt_signal: SIGKILL cannot be caught"),
+        ({"preempt_signal": "SIGFOO"}, "preempt_signal: 'SIGFOO' is not a signal"),
+        ({"time": "5", "preempt_time": 300}, "preempt_time: 300 s before a time limit of 300"),
+        ({"time": "soon"}, "time: 'soon' is not a Slurm time limit"),
+        ({"sbatch_lines": ["qos=high"]}, r"sbatch_lines\[0\]: 'qos=high' is not one sbatch"),
+        ({"setup": ["a\nb"]}, r"setup\[0\]: one shell line"),
+    ],
+)
+def test_sbatch_spec_errors_name_the_field(kwargs, message):
+    from steadfast.slurm import SbatchSpec
+
+    with pytest.raises(ConfigError, match=message):
+        SbatchSpec(**{"script": "train.py", **kwargs})
+
+
+def test_rendered_script_is_valid_bash_with_every_option(tmp_path):
+    import subprocess
+
+    from steadfast.slurm import SbatchSpec, render_sbatch
+
+    spec = SbatchSpec(
+        script="train.py",
+        script_args=["--ckpt-dir", "runs/my ckpt", "--lr=1e-3"],
+        nodes=4,
+        nproc_per_node="gpu",
+        job_name="llm",
+        partition="gpu",
+        account="proj",
+        time="4:00:00",
+        gpus_per_node=8,
+        cpus_per_task=32,
+        preempt_signal="SIGTERM",
+        preempt_time=300,
+        max_restarts=5,
+        num_job_retries_on_failure=1,
+        rdzv_port=29555,
+        python="/opt/venv/bin/python",
+        sbatch_lines=["#SBATCH --qos=high", "--exclusive"],
+        setup=["module load cuda"],
+        launcher_args=["--ft-cfg-path", "ft.yaml"],
+        srun_args=["--cpu-bind=none"],
+    )
+    text = render_sbatch(spec, "steadfast slurm ...")
+    path = tmp_path / "job.sbatch"
+    path.write_text(text)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    sbatch = [
+        line.removeprefix("#SBATCH ") for line in text.splitlines() if line.startswith("#SBATCH")
+    ]
+    assert sbatch == [
+        "--job-name=llm", "--nodes=4", "--ntasks-per-node=1", "--requeue", "--open-mode=append",
+        "--output=runs/llm/slurm-%j.out", "--time=4:00:00", "--signal=B:TERM@300",
+        "--partition=gpu", "--account=proj", "--gpus-per-node=8", "--cpus-per-task=32",
+        "--qos=high", "--exclusive",
+    ]  # fmt: skip
+    assert "srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=0 --cpu-bind=none" in text
+    assert '--rdzv-endpoint="$SF_HEAD:$SF_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID"' in text
+    assert "--max-restarts=5 --ft-num-job-retries-on-failure=1" in text
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT\n" in text.replace(" \\", "")
+    assert "trap 'sf_forward TERM' TERM" in text
+    assert "train.py --ckpt-dir 'runs/my ckpt' --lr=1e-3 &" in text
+    assert "SF_PYTHON=/opt/venv/bin/python" in text and "\nmodule load cuda\n" in text
+
+
+def test_without_a_time_limit_there_is_no_signal_option():
+    from steadfast.slurm import SbatchSpec, render_sbatch
+
+    text = render_sbatch(SbatchSpec(script="t.py"))
+    assert "--signal=" not in text and "--time=" not in text
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in text
+    assert "trap 'sf_forward USR1' USR1" in text
+
+
+def test_slurm_command_writes_the_script_and_names_a_bad_flag(tmp_path, capsys, monkeypatch):
+    from steadfast.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["slurm", "--nodes", "2", "--write", "job.sbatch", "train.py", "--steps", "9"]) == 0
+    text = (tmp_path / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in text and "train.py --steps 9 &" in text
+    assert (tmp_path / "runs" / "steadfast").is_dir()  # Slurm needs the output's folder
+    assert main(["slurm", "--time", "1", "--preempt-time", "60", "train.py"]) == 2
+    assert "preempt_time: 60 s before a time limit of 60 s" in capsys.readouterr().err

@@ -133,6 +133,7 @@ def _launch(argv: list[str]) -> int:
     )
     shutdown_rdzv = True
     try:
+        _handle_signals_now(config.signals_to_handle)
         result: Any = agent.run()
     except RerunExit as exc:
         return _rerun_exit(exc.code, split.ft.num_job_retries_on_failure)
@@ -157,6 +158,21 @@ def _launch(argv: list[str]) -> int:
     return EXIT_OK
 
 
+def _handle_signals_now(names: str) -> None:
+    """Torch's agent installs its handlers (which stop the workers with the same signal)
+    only when it first starts them; until then a signal it should handle, such as the
+    preemption SIGUSR1 of a Slurm batch script, would kill the launcher outright
+    (SIGUSR1's default action). Install the same handler from the start."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+
+    for name in names.split(","):
+        sig = getattr(signal, name.strip(), None)
+        if isinstance(sig, signal.Signals):
+            signal.signal(sig, _terminate_process_handler)
+
+
 def _rerun_exit(code: int, retries: int) -> int:
     """The launcher's answer to the re-run state machine's exit codes (see above)."""
     if code == EXIT_RESULT_VALIDATION_FAILED:
@@ -175,17 +191,24 @@ def _job_retry(
     retries: int, cause: str = "restarts_exhausted", otherwise: int = EXIT_RESTARTS_EXHAUSTED
 ) -> int:
     """Requeue the Slurm job when job retries remain (the launcher of SLURM_PROCID 0);
-    ``otherwise`` is the exit code when it is not requeued."""
-    from ..slurm import get_slurm_info, requeue_job
+    ``otherwise`` is the exit code when it is not requeued.
+
+    The retries spent are the job's earlier failure requeues in the event log
+    (:func:`~steadfast.slurm.failure_requeues`): a preemption or an operator's requeue
+    does not spend one. Without a readable log, ``SLURM_RESTART_COUNT`` (every requeue)
+    is used, which can only retry less, never more."""
+    from ..slurm import failure_requeues, get_slurm_info, requeue_job
 
     info = get_slurm_info()
     if info is None or retries <= 0:
         return otherwise
-    if info.restart_count >= retries:
+    spent = failure_requeues(info.job_id)
+    counted = "failure requeues in the event log"
+    if spent is None:
+        spent, counted = info.restart_count, "SLURM_RESTART_COUNT"
+    if spent >= retries:
         logger.error(
-            "job retries spent (SLURM_RESTART_COUNT=%d, num_job_retries_on_failure=%d)",
-            info.restart_count,
-            retries,
+            "job retries spent (%d %s, num_job_retries_on_failure=%d)", spent, counted, retries
         )
         return otherwise
     if os.environ.get("SLURM_PROCID", "0") != "0":

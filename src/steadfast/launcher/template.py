@@ -83,7 +83,7 @@ def _run_child(request: dict[str, Any]) -> int:
     with contextlib.suppress(OSError):  # its own process group (the template set it too)
         os.setpgid(0, 0)
     _die_with_parent()
-    for sig in (signal.SIGCHLD, signal.SIGTERM):
+    for sig in (signal.SIGCHLD, *_launcher_signals()):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as in any Python process
@@ -150,9 +150,23 @@ def _die_with_parent() -> None:
         pass
 
 
+def _launcher_signals() -> set[signal.Signals]:
+    """The signals the launcher handles (torch's ``TORCHELASTIC_SIGNALS_TO_HANDLE``),
+    with SIGTERM and SIGINT: the launcher decides what they mean for the workers."""
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    found = {getattr(signal, n.strip(), None) for n in names.split(",")}
+    return {s for s in found if isinstance(s, signal.Signals)} | {signal.SIGTERM, signal.SIGINT}
+
+
 def serve(fd: int) -> None:
     """The template's main loop (``python -m steadfast.launcher.template FD``)."""
     import importlib
+
+    # Under srun every process of the step gets a forwarded signal (SIGUSR1 of a
+    # preemption, say), the template too, even while it imports torch: it must not die
+    # of it, or its workers go with it before they can save. The launcher decides.
+    for sig in _launcher_signals():
+        signal.signal(sig, signal.SIG_IGN)
 
     for name in ("torch", "torch.distributed", "torch.nn.parallel"):
         importlib.import_module(name)
@@ -170,8 +184,6 @@ def serve(fd: int) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher decides when we go
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)

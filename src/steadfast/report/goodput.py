@@ -24,8 +24,9 @@ Events read (the training loop writes the first two, the library the others):
 ``job_start`` (with ``process_start``), ``step_done`` (``seconds``), ``checkpoint_saved``,
 ``checkpoint_loaded``, ``fault_injected``, ``rank_hung``, ``rank_failed``,
 ``nan_detected``, ``rollback``, ``straggler_detected``, ``shutdown_requested``,
-``preemption_signal``, ``restart``. Step time is taken from the lowest rank that reports
-steps (rank 0), which waits for the others in its collectives.
+``preemption_signal``, ``restart``; under Slurm, the ``slurm_job_id`` and
+``slurm_restart`` of each ``job_start`` count the requeues. Step time is taken from the
+lowest rank that reports steps (rank 0), which waits for the others in its collectives.
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ class GoodputReport:
     generations: int
     restarts: int
     problems: list[str] = field(default_factory=list)
+    #: Slurm incarnations after the first (a requeue for any reason: a job retry, a
+    #: preemption, an operator), from the distinct (slurm_job_id, slurm_restart) pairs.
+    requeues: int = 0
 
     @property
     def goodput(self) -> float:
@@ -231,6 +235,11 @@ def compute_report(
     badput["other"] = max(0.0, wall - accounted)
     generations = len({e.get("pid") for e in starts})
     restarts = sum(1 for e in evs if e.kind == "restart")
+    incarnations = {
+        (e.get("slurm_job_id"), e.get("slurm_restart"))
+        for e in starts
+        if e.get("slurm_job_id") is not None
+    }
     return GoodputReport(
         wall_time=wall,
         productive_time=productive,
@@ -241,6 +250,7 @@ def compute_report(
         generations=generations,
         restarts=restarts,
         problems=list(problems or []),
+        requeues=max(0, len(incarnations) - 1),
     )
 
 
