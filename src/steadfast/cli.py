@@ -185,7 +185,7 @@ def _add_slurm_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=d["num_job_retries_on_failure"].default,
         help="requeues after the in-job restarts are spent",
     )
-    p.add_argument("--rdzv-port", type=int, default=d["rdzv_port"].default)
+    p.add_argument("--rdzv-port", type=int, help="default: 29400 + the job id %% 1000")
     p.add_argument(
         "--run-dir", help="event log and output of every incarnation (default runs/JOB_NAME)"
     )

@@ -106,7 +106,8 @@ EVENT_KINDS: dict[str, str] = {
     "rank_failed": "fields: exit_code, signal",
     "restart": "fields: restart_count, reason",
     "job_requeued": "the Slurm job was requeued (cause: restarts_exhausted, or "
-    "restart_elsewhere after a worker's exit 16); fields: slurm_job",
+    "restart_elsewhere after a worker's exit 16: both spend a job retry; preempted, by "
+    "the batch script of steadfast slurm: spends none); fields: slurm_job",
     "job_start": "a training process (re)started (after its restore); fields: world_size, "
     "resumed_from, process_start (epoch seconds the process began: see job_start())",
     "step_done": "a training step completed on this rank; fields: seconds (its duration), "

@@ -292,7 +292,7 @@ class SbatchSpec:
     preempt_time: int = 120
     max_restarts: int = 3
     num_job_retries_on_failure: int = 2
-    rdzv_port: int = 29400
+    rdzv_port: int | None = None
     run_dir: str | None = None
     python: str = sys.executable
     sbatch_lines: list[str] = field(default_factory=list)
@@ -307,13 +307,15 @@ class SbatchSpec:
         """One :class:`ConfigError` naming the first field that is wrong."""
         if not self.script.strip():
             raise ConfigError("script: the training script is missing")
-        for name in ("nodes", "max_restarts", "num_job_retries_on_failure", "rdzv_port"):
-            minimum = 1 if name in ("nodes", "rdzv_port") else 0
+        for name in ("nodes", "max_restarts", "num_job_retries_on_failure"):
+            minimum = 1 if name == "nodes" else 0
             setattr(
                 self, name, require_number(name, getattr(self, name), minimum=minimum, integer=True)
             )
-        if self.rdzv_port > 65535:
-            raise ConfigError(f"rdzv_port: {self.rdzv_port} is not a TCP port (1-65535)")
+        if self.rdzv_port is not None:
+            self.rdzv_port = require_number("rdzv_port", self.rdzv_port, minimum=1, integer=True)
+            if self.rdzv_port > 65535:
+                raise ConfigError(f"rdzv_port: {self.rdzv_port} is not a TCP port (1-65535)")
         nproc = str(self.nproc_per_node).strip()
         if not (nproc in ("gpu", "auto", "cpu") or (nproc.isdigit() and int(nproc) > 0)):
             raise ConfigError(
@@ -446,7 +448,10 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
         "",
         f"SF_PYTHON={q(spec.python)}",
         f"SF_RUN_DIR={q(run_dir)}",
-        f"SF_RDZV_PORT={spec.rdzv_port}",
+        # two jobs that share their first node must not share a port: by default it
+        # follows the job id (a requeued job keeps its id, and so its port)
+        "SF_RDZV_PORT="
+        + (str(spec.rdzv_port) if spec.rdzv_port else "$((29400 + SLURM_JOB_ID % 1000))"),
         'mkdir -p "$SF_RUN_DIR"',
         'export STEADFAST_EVENTS="${STEADFAST_EVENTS:-$SF_RUN_DIR/events.jsonl}"',
         *spec.setup,

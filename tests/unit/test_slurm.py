@@ -203,6 +203,7 @@ def test_rendered_script_is_valid_bash_with_every_option(tmp_path):
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT\n" in text.replace(" \\", "")
     assert "trap 'sf_forward TERM' TERM" in text
     assert "train.py --ckpt-dir 'runs/my ckpt' --lr=1e-3 &" in text
+    assert "SF_RDZV_PORT=29555\n" in text
     assert "SF_PYTHON=/opt/venv/bin/python" in text and "\nmodule load cuda\n" in text
 
 
@@ -213,6 +214,7 @@ def test_without_a_time_limit_there_is_no_signal_option():
     assert "--signal=" not in text and "--time=" not in text
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in text
     assert "trap 'sf_forward USR1' USR1" in text
+    assert "SF_RDZV_PORT=$((29400 + SLURM_JOB_ID % 1000))" in text  # jobs sharing a node
 
 
 def test_slurm_command_writes_the_script_and_names_a_bad_flag(tmp_path, capsys, monkeypatch):

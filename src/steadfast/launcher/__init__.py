@@ -72,9 +72,12 @@ def _launch(argv: list[str]) -> int:
 
     from .agent import FTAgent, NoProgressError, RerunExit
     from .args import split_argv
+    from .template import discard_prestarted
 
     parser = torchrun.get_args_parser()
     split = split_argv(argv, parser)
+    if not split.ft.worker_template:
+        discard_prestarted()
     args = parser.parse_args(split.torchrun_argv)
     single_node_default = (
         args.rdzv_backend == "static"
@@ -218,12 +221,19 @@ def _job_retry(
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``steadfast launch``; returns the documented exit code."""
+    from .template import discard_prestarted, prestart
+
     logging.basicConfig(level=logging.INFO, format="[steadfast launch] %(message)s")
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not {"-h", "--help"} & set(args):
+        prestart()  # the worker template imports torch while this process does
     try:
-        return _launch(list(sys.argv[1:] if argv is None else argv))
+        return _launch(args)
     except ConfigError as exc:
         print(f"steadfast launch: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    finally:
+        discard_prestarted()
 
 
 def console_main() -> None:

@@ -35,7 +35,7 @@ from ..rerun.machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
 )
-from .template import Template
+from .template import Template, take_prestarted
 
 __all__ = ["FTAgent", "NoProgressError", "RerunExit", "rerun_exit_code"]
 
@@ -90,8 +90,8 @@ class FTAgent(LocalElasticAgent):
         self.restarts = 0
         self._client_seen = False
         self.template: Template | None = None
-        if ft.worker_template:
-            self.template = Template()  # imports torch now, in parallel with the rendezvous
+        if ft.worker_template:  # importing torch, in parallel with the rendezvous
+            self.template = take_prestarted() or Template()
 
     def close(self) -> None:
         """Stop the watcher and remove the heartbeat table."""

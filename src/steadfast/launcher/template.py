@@ -31,7 +31,14 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["Template", "TemplateProc", "parse_python_argv"]
+__all__ = [
+    "Template",
+    "TemplateProc",
+    "discard_prestarted",
+    "parse_python_argv",
+    "prestart",
+    "take_prestarted",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +97,13 @@ def _run_child(request: dict[str, Any]) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        # OpenMP read its environment when the template imported torch, which may have
+        # been before torchrun set OMP_NUM_THREADS for the workers: apply it here
+        import torch
+
+        torch.set_num_threads(int(threads))
     opened: dict[str, int] = {}
     for fd, path in ((1, request.get("stdout")), (2, request.get("stderr"))):
         if path:  # torchrun's --redirects / --log-dir: the worker writes to its file
@@ -151,11 +165,14 @@ def _die_with_parent() -> None:
 
 
 def _launcher_signals() -> set[signal.Signals]:
-    """The signals the launcher handles (torch's ``TORCHELASTIC_SIGNALS_TO_HANDLE``),
-    with SIGTERM and SIGINT: the launcher decides what they mean for the workers."""
-    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    """The signals the launcher may handle (torch's ``TORCHELASTIC_SIGNALS_TO_HANDLE``,
+    which the launcher may set only after the template started, and the usual ones):
+    the launcher decides what they mean for the workers."""
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "")
     found = {getattr(signal, n.strip(), None) for n in names.split(",")}
-    return {s for s in found if isinstance(s, signal.Signals)} | {signal.SIGTERM, signal.SIGINT}
+    usual = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+    return {s for s in found if isinstance(s, signal.Signals)} | usual | {
+        signal.SIGUSR1, signal.SIGUSR2}  # fmt: skip
 
 
 def serve(fd: int) -> None:
@@ -379,6 +396,33 @@ class Template:
             self._proc.kill()
             self._proc.wait()
         self._reader.join(5)
+
+
+_prestarted: Template | None = None
+
+
+def prestart() -> None:
+    """Start the template now, before the launcher imports torch itself, so that the two
+    imports (~2-3 s each) run side by side instead of one after the other. The agent
+    takes it with :func:`take_prestarted`; :func:`discard_prestarted` closes it when
+    nothing took it (``worker_template: false``, an error before the agent)."""
+    global _prestarted
+    if _prestarted is None:
+        _prestarted = Template()
+
+
+def take_prestarted() -> Template | None:
+    """The template :func:`prestart` started, now owned by the caller (or None)."""
+    global _prestarted
+    template, _prestarted = _prestarted, None
+    return template
+
+
+def discard_prestarted() -> None:
+    """Close a prestarted template that nothing took."""
+    template = take_prestarted()
+    if template is not None:
+        template.close()
 
 
 # ---------------------------------------------------------------------- torch's agent glue
