@@ -135,24 +135,36 @@ EOF
     echo "export SLURM_CONF=$SLURM_CONF"
 }
 
-stop_pid() {  # stop_pid PIDFILE NAME: SIGTERM, then SIGKILL after 10 s
+live_pid() {  # live_pid PIDFILE NAME: the pid in PIDFILE if it is still that daemon
     local file=$1 name=$2 pid
-    [ -f "$file" ] || return 0
+    [ -f "$file" ] || return 1
     pid=$(cat "$file")
-    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || { rm -f "$file"; return 0; }
     # the pid file may be stale and the number reused: check the process's name
-    grep -q "$name" "/proc/$pid/comm" 2>/dev/null || { rm -f "$file"; return 0; }
-    kill "$pid" 2>/dev/null || true
-    wait_for 10 "$name to stop" sh -c "! kill -0 $pid" || kill -9 "$pid" 2>/dev/null || true
-    wait_for 5 "$name to die" sh -c "! kill -0 $pid" || true
-    rm -f "$file"
+    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && grep -q "$name" "/proc/$pid/comm" 2>/dev/null \
+        && echo "$pid"
 }
 
-stop() {
-    local dir=${1:?usage: stop DIR}
-    stop_pid "$dir/slurmd.pid" slurmd
-    stop_pid "$dir/slurmctld.pid" slurmctld
-    stop_pid "$dir/munge/munged.pid" munged
+stop() {  # SIGTERM to every daemon at once, SIGKILL to any still there after 10 s
+    local dir=${1:?usage: stop DIR} pids="" pid pair
+    for pair in slurmd.pid:slurmd slurmctld.pid:slurmctld munge/munged.pid:munged; do
+        pid=$(live_pid "$dir/${pair%%:*}" "${pair##*:}") && pids="$pids $pid"
+        rm -f "$dir/${pair%%:*}"
+    done
+    [ -n "$pids" ] || return 0
+    kill $pids 2>/dev/null || true
+    # shellcheck disable=SC2086
+    wait_for 10 "the daemons to stop" all_gone $pids || {
+        kill -9 $pids 2>/dev/null || true
+        wait_for 5 "the daemons to die" all_gone $pids || true
+    }
+}
+
+all_gone() {
+    local pid
+    for pid in "$@"; do
+        kill -0 "$pid" 2>/dev/null && return 1
+    done
+    return 0
 }
 
 case "${1:-}" in

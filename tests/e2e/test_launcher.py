@@ -177,7 +177,7 @@ def test_rank_without_a_first_heartbeat(tmp_path: Path, event_log: Path, referen
             *TIMEOUTS,
             "--max-restarts=1",
             "--ft-initial_rank_heartbeat_timeout",
-            "15",
+            "8",  # the healthy rank's first beat comes ~1 s after its fork from the template
             "--ft-rank_heartbeat_timeout",
             "30",
         ),

@@ -134,7 +134,7 @@ def test_restarts_spent_the_job_requeues_itself_and_resumes(
 def test_preemption_signal_saves_and_the_requeued_job_resumes(
     slurm: Cluster, tmp_path: Path, reference
 ):
-    script = _job_script(tmp_path, "--step-sleep", "0.15")
+    script = _job_script(tmp_path, "--step-sleep", "0.1")
     job = slurm.sbatch(script)
     _wait_event(tmp_path, "checkpoint_saved")  # training is under way
     # what --signal=B:USR1@T does before the time limit: the signal to the batch shell only
@@ -158,7 +158,7 @@ def test_preemption_signal_saves_and_the_requeued_job_resumes(
 def test_an_operators_requeue_while_running_comes_back_and_resumes(
     slurm: Cluster, tmp_path: Path, reference
 ):
-    script = _job_script(tmp_path, "--step-sleep", "0.15")
+    script = _job_script(tmp_path, "--step-sleep", "0.1")
     job = slurm.sbatch(script)
     _wait_event(tmp_path, "checkpoint_saved")
     slurm.run("scontrol", "requeue", job)  # Slurm SIGTERMs every process of the job
