@@ -33,24 +33,23 @@ check() {
 }
 
 can_install() {
-    [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1
-}
-
-install() {
     check && return 0
     can_install || die "installing Slurm needs root and apt-get (Debian/Ubuntu)"
     export DEBIAN_FRONTEND=noninteractive
+    # the packages' maintainer scripts must not start daemons of their own (the tests
+    # run theirs, with their own configuration): Debian's policy-rc.d says no (101)
+    local policy=/usr/sbin/policy-rc.d added=""
+    if [ ! -e "$policy" ]; then
+        printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && added=1
+    fi
     # the package lists of a fresh machine may be missing or stale: update on failure
+    local rc=0
     apt-get install -y -q --no-install-recommends "${PKGS[@]}" >/dev/null 2>&1 || {
-        apt-get update -q >/dev/null
-        apt-get install -y -q --no-install-recommends "${PKGS[@]}" >/dev/null
-    }
-    # the packages' postinst may have started daemons through an init script: stop them,
-    # the tests run their own with their own configuration
-    local name
-    for name in slurmctld slurmd munged; do
-        pkill -x "$name" 2>/dev/null || true
-    done
+        apt-get update -q >/dev/null && \
+            apt-get install -y -q --no-install-recommends "${PKGS[@]}" >/dev/null
+    } || rc=$?
+    [ -z "$added" ] || rm -f "$policy"
+    [ "$rc" = 0 ] || die "apt-get install ${PKGS[*]} failed (exit $rc)"
     check || die "slurm-wlm/munge installed but ${BINS[*]} are not all on PATH"
 }
 
@@ -151,6 +150,7 @@ stop() {  # SIGTERM to every daemon at once, SIGKILL to any still there after 10
         rm -f "$dir/${pair%%:*}"
     done
     [ -n "$pids" ] || return 0
+    # shellcheck disable=SC2086
     kill $pids 2>/dev/null || true
     # shellcheck disable=SC2086
     wait_for 10 "the daemons to stop" all_gone $pids || {
@@ -159,10 +159,11 @@ stop() {  # SIGTERM to every daemon at once, SIGKILL to any still there after 10
     }
 }
 
-all_gone() {
+all_gone() {  # a zombie (PID 1 here may not reap) counts as gone
     local pid
     for pid in "$@"; do
-        kill -0 "$pid" 2>/dev/null && return 1
+        kill -0 "$pid" 2>/dev/null || continue
+        [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" = Z ] || return 1
     done
     return 0
 }

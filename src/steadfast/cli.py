@@ -106,7 +106,7 @@ def _slurm(ns: argparse.Namespace) -> int:
     run_dir = Path(spec.run_dir or f"runs/{spec.job_name}")
     if ns.write is None and not ns.submit:
         sys.stdout.write(text)
-        if not run_dir.is_dir():
+        if spec.output is None and not run_dir.is_dir():
             print(
                 f"steadfast slurm: create {run_dir} before sbatch: Slurm opens the output "
                 "there before the script runs",
@@ -157,7 +157,7 @@ def _add_slurm_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--nproc-per-node",
         default=d["nproc_per_node"].default,
-        help="ranks per node: a number, gpu or auto",
+        help="ranks per node: a number, gpu, cpu or auto",
     )
     p.add_argument("--job-name", default=d["job_name"].default)
     p.add_argument("--partition")
@@ -170,7 +170,8 @@ def _add_slurm_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--preempt-signal",
         default=d["preempt_signal"].default,
-        help="sent to the batch shell PREEMPT_TIME s before the time limit",
+        help="sent to the batch shell PREEMPT_TIME s before the time limit "
+        "(USR1, USR2, TERM, HUP, QUIT or ALRM)",
     )
     p.add_argument("--preempt-time", type=int, default=d["preempt_time"].default)
     p.add_argument(

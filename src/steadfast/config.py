@@ -118,8 +118,9 @@ class FaultToleranceConfig:
         max_no_progress_restarts: Stop restarting (exit code 76) after this many
             consecutive restarts in which no rank completed a step; 0 disables the guard.
         num_job_retries_on_failure: Job retries (Megatron Bridge's name): when the
-            in-job restarts are spent under Slurm, requeue the job while
-            ``SLURM_RESTART_COUNT`` is below this (exit code 78); 0 never requeues.
+            in-job restarts are spent under Slurm, requeue the job while its failure
+            requeues so far (``job_requeued`` events in the run's event log; preemptions
+            do not count) are below this (exit code 78); 0 never requeues.
         worker_template: Start script workers by forking a template process that has
             imported torch already, so a (re)start does not pay ``import torch`` again.
     """

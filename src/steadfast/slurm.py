@@ -31,7 +31,9 @@ import os
 import re
 import shlex
 import signal
+import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 
 from .config import ConfigError, require_number
@@ -159,68 +161,95 @@ def requeue_job(
     preemption (``preempted``); ``cause`` goes into the ``job_requeued`` event, which
     :func:`failure_requeues` reads back. True if scontrol accepted it; the reason is
     logged when it did not (no scontrol, a job that is not requeueable...)."""
-    import subprocess
-
     from . import events
 
     job = job_id or os.environ.get("SLURM_JOB_ID")
     if not job:
         logger.error("cannot requeue: not a Slurm job (SLURM_JOB_ID is not set)")
         return False
+    # Slurm SIGTERMs every process of the job as soon as it accepts the requeue: hold
+    # the signals until the event is written, or the retry would go uncounted (and a
+    # failing job could be requeued for ever). They are delivered on the way out.
+    held = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+            signal.SIGUSR2}  # fmt: skip
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held) if main_thread else None
     try:
-        proc = subprocess.run(
-            ["scontrol", "requeue", job], capture_output=True, text=True, timeout=timeout
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        logger.error("scontrol requeue %s failed: %s", job, exc)
-        return False
-    if proc.returncode != 0:
-        logger.error(
-            "scontrol requeue %s failed (exit %d): %s", job, proc.returncode, proc.stderr.strip()
-        )
-        return False
-    events.emit("job_requeued", cause=cause, slurm_job=job)
-    logger.warning("requeued Slurm job %s (%s)", job, cause)
-    return True
+        try:
+            proc = subprocess.run(
+                ["scontrol", "requeue", job], capture_output=True, text=True, timeout=timeout
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            logger.error("scontrol requeue %s failed: %s", job, exc)
+            return False
+        if proc.returncode != 0:
+            logger.error(
+                "scontrol requeue %s failed (exit %d): %s",
+                job,
+                proc.returncode,
+                proc.stderr.strip(),
+            )
+            return False
+        events.emit("job_requeued", cause=cause, slurm_job=job)
+        logger.warning("requeued Slurm job %s (%s)", job, cause)
+        return True
+    finally:
+        if before is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
-def failure_requeues(job_id: str) -> int | None:
+def failure_requeues(job_id: str, restart_count: int = 0) -> int | None:
     """How many job retries job ``job_id`` has spent: its ``job_requeued`` events whose
     cause is a failure (:data:`FAILURE_REQUEUE_CAUSES`) in this process's event log.
 
     ``SLURM_RESTART_COUNT`` cannot tell: it also counts preemptions and an operator's
     requeues, which must not use up the retries of a job that never failed. None when
-    there is no readable log (``STEADFAST_EVENTS=off``, or a log on a disk the requeued
-    job cannot see); the caller then falls back to ``SLURM_RESTART_COUNT``."""
+    the log cannot tell either: ``STEADFAST_EVENTS=off``, an unreadable log, or a job
+    that was requeued (``restart_count`` > 0) whose log holds no event of an earlier
+    incarnation (a log on a node-local disk, a new log per incarnation). The caller then
+    falls back to ``SLURM_RESTART_COUNT``, which can only retry less, never more."""
     from . import events
 
     path = events.current_path()
     if path is None:
         return None
-    if not os.path.exists(path):
-        return 0  # no event yet: nothing was requeued through this log
-    try:
-        return sum(
-            1
-            for ev in events.read_events(path)
-            if ev.kind == "job_requeued"
-            and ev.get("slurm_job") == job_id
-            and ev.cause in FAILURE_REQUEUE_CAUSES
+    failures = 0
+    earlier = False
+    if os.path.exists(path):
+        try:
+            for ev in events.read_events(path):
+                if ev.get("slurm_job_id") == job_id and (ev.get("slurm_restart") or 0) < (
+                    restart_count
+                ):
+                    earlier = True
+                if (
+                    ev.kind == "job_requeued"
+                    and ev.get("slurm_job") == job_id
+                    and ev.cause in FAILURE_REQUEUE_CAUSES
+                ):
+                    failures += 1
+        except (OSError, events.EventLogError) as exc:
+            logger.warning("cannot count the job's requeues in %s: %s", path, exc)
+            return None
+    if restart_count > 0 and not earlier:
+        logger.warning(
+            "the event log %s has no event of this job's earlier runs: job retries are "
+            "counted from SLURM_RESTART_COUNT instead",
+            path,
         )
-    except (OSError, events.EventLogError) as exc:
-        logger.warning("cannot count the job's requeues in %s: %s", path, exc)
         return None
+    return failures
 
 
 # --------------------------------------------------------------------- sbatch script
 
 _TIME_FORMATS = (  # Slurm's --time forms, as regular expressions of (days, h, m, s)
-    (re.compile(r"^(\d+)$"), ("m",)),
-    (re.compile(r"^(\d+):(\d+)$"), ("m", "s")),
-    (re.compile(r"^(\d+):(\d+):(\d+)$"), ("h", "m", "s")),
-    (re.compile(r"^(\d+)-(\d+)$"), ("d", "h")),
-    (re.compile(r"^(\d+)-(\d+):(\d+)$"), ("d", "h", "m")),
-    (re.compile(r"^(\d+)-(\d+):(\d+):(\d+)$"), ("d", "h", "m", "s")),
+    (re.compile(r"^(\d+)$", re.ASCII), ("m",)),
+    (re.compile(r"^(\d+):(\d+)$", re.ASCII), ("m", "s")),
+    (re.compile(r"^(\d+):(\d+):(\d+)$", re.ASCII), ("h", "m", "s")),
+    (re.compile(r"^(\d+)-(\d+)$", re.ASCII), ("d", "h")),
+    (re.compile(r"^(\d+)-(\d+):(\d+)$", re.ASCII), ("d", "h", "m")),
+    (re.compile(r"^(\d+)-(\d+):(\d+):(\d+)$", re.ASCII), ("d", "h", "m", "s")),
 )
 _UNIT_SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 
@@ -228,8 +257,9 @@ _UNIT_SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 def parse_time_limit(text: str, field_name: str = "time") -> int:
     """Seconds in a Slurm time limit (``--time``): ``minutes``, ``minutes:seconds``,
     ``hours:minutes:seconds``, ``days-hours``, ``days-hours:minutes`` or
-    ``days-hours:minutes:seconds``. A :class:`ConfigError` naming ``field_name`` for any
-    other text (``UNLIMITED`` included: a preemption signal needs a limit)."""
+    ``days-hours:minutes:seconds``, rounded up to whole minutes as Slurm does. A
+    :class:`ConfigError` naming ``field_name`` for any other text (``UNLIMITED``
+    included: a preemption signal needs a limit)."""
     value = text.strip()
     for pattern, units in _TIME_FORMATS:
         match = pattern.match(value)
@@ -239,11 +269,18 @@ def parse_time_limit(text: str, field_name: str = "time") -> int:
             )
             if seconds <= 0:
                 break
-            return seconds
+            return -(-seconds // 60) * 60  # Slurm's resolution is the minute
     raise ConfigError(
         f"{field_name}: {text!r} is not a Slurm time limit (minutes, MM:SS, HH:MM:SS, "
         "D-HH, D-HH:MM or D-HH:MM:SS, more than zero)"
     )
+
+
+#: Preemption signals the batch script can pass on: the launcher handles them (torch's
+#: ``--signals-to-handle``) and its worker template ignores them. The training loop must
+#: handle the one chosen (``ShutdownHandler``: SIGTERM, SIGUSR1; ``PreemptionHandler``:
+#: its ``exit_signal``).
+PREEMPT_SIGNALS = ("USR1", "USR2", "TERM", "HUP", "QUIT", "ALRM")
 
 
 def _signal_name(value: str | int, field_name: str) -> str:
@@ -251,14 +288,18 @@ def _signal_name(value: str | int, field_name: str) -> str:
     try:
         sig = (
             signal.Signals(int(text))
-            if text.isdigit()
+            if text.isascii() and text.isdigit()
             else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
         )
     except (KeyError, ValueError):
         raise ConfigError(f"{field_name}: {value!r} is not a signal name or number") from None
-    if sig in (signal.SIGKILL, signal.SIGSTOP):
-        raise ConfigError(f"{field_name}: {sig.name} cannot be caught, so nothing could save")
-    return sig.name.removeprefix("SIG")
+    name = sig.name.removeprefix("SIG")
+    if name not in PREEMPT_SIGNALS:
+        raise ConfigError(
+            f"{field_name}: SIG{name} cannot be the preemption signal; use one of "
+            + ", ".join("SIG" + n for n in PREEMPT_SIGNALS)
+        )
+    return name
 
 
 @dataclass
@@ -307,6 +348,11 @@ class SbatchSpec:
         """One :class:`ConfigError` naming the first field that is wrong."""
         if not self.script.strip():
             raise ConfigError("script: the training script is missing")
+        for name in ("script", "python", "partition", "account", "output", "error", "run_dir"):
+            value = getattr(self, name)
+            spaced = name not in ("script", "python") and value is not None
+            if value is not None and ("\n" in value or (spaced and re.search(r"\s", value))):
+                raise ConfigError(f"{name}: {value!r} must be one word on one line")
         for name in ("nodes", "max_restarts", "num_job_retries_on_failure"):
             minimum = 1 if name == "nodes" else 0
             setattr(
@@ -317,7 +363,8 @@ class SbatchSpec:
             if self.rdzv_port > 65535:
                 raise ConfigError(f"rdzv_port: {self.rdzv_port} is not a TCP port (1-65535)")
         nproc = str(self.nproc_per_node).strip()
-        if not (nproc in ("gpu", "auto", "cpu") or (nproc.isdigit() and int(nproc) > 0)):
+        digits = nproc.isascii() and nproc.isdigit()
+        if not (nproc in ("gpu", "auto", "cpu") or (digits and int(nproc) > 0)):
             raise ConfigError(
                 f"nproc_per_node: expected a positive integer, 'gpu', 'cpu' or 'auto', "
                 f"got {self.nproc_per_node!r}"
@@ -335,6 +382,7 @@ class SbatchSpec:
         if self.preempt_time > 65535:  # Slurm's own limit on --signal's time
             raise ConfigError(f"preempt_time: {self.preempt_time} s is over Slurm's 65535")
         if self.time is not None:
+            self.time = self.time.strip()
             limit = parse_time_limit(self.time, "time")
             if self.preempt_time >= limit:
                 raise ConfigError(
@@ -401,6 +449,8 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
             f"--nodes={spec.nodes}",
             "--ntasks-per-node=1",
             "--kill-on-bad-exit=0",  # the launcher of SLURM_PROCID 0 must live to requeue
+            # srun does not take the batch job's --cpus-per-task (Slurm 22.05 to 23.02)
+            *([f"--cpus-per-task={spec.cpus_per_task}"] if spec.cpus_per_task else []),
             *(q(a) for a in spec.srun_args),
         ]
     )
@@ -440,31 +490,34 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
         " exit 17, a result that failed",
         "#     validation, and 76, restarts that made no progress, are final);",
         f"#  3. preemption: {preempt}",
-        "#     reaches this shell only: it is forwarded to the launchers, which pass it to",
-        "#     the ranks; they save a checkpoint and stop; then this script requeues the job.",
+        "#     reaches this shell only: it is passed on to the launchers (scancel --signal),",
+        "#     which pass it to the ranks; they save a checkpoint and stop; then this",
+        "#     script requeues the job.",
         "# A requeued job resumes from the latest checkpoint (the training script's own",
         "# resume). Every incarnation appends to one event log: steadfast report RUN_DIR.",
-        "set -uo pipefail",
+        "set -o pipefail",
         "",
         f"SF_PYTHON={q(spec.python)}",
         f"SF_RUN_DIR={q(run_dir)}",
+        'case "$SF_RUN_DIR" in /*) ;; *) SF_RUN_DIR="$PWD/$SF_RUN_DIR" ;; esac',
         # two jobs that share their first node must not share a port: by default it
         # follows the job id (a requeued job keeps its id, and so its port)
         "SF_RDZV_PORT="
         + (str(spec.rdzv_port) if spec.rdzv_port else "$((29400 + SLURM_JOB_ID % 1000))"),
-        'mkdir -p "$SF_RUN_DIR"',
+        'mkdir -p "$SF_RUN_DIR" || exit 1',
         'export STEADFAST_EVENTS="${STEADFAST_EVENTS:-$SF_RUN_DIR/events.jsonl}"',
         *spec.setup,
         'SF_HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        '[ -n "$SF_HEAD" ] || { echo "steadfast: no first node in $SLURM_JOB_NODELIST" >&2;'
+        " exit 1; }",
         'echo "steadfast: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on'
         ' $SLURM_JOB_NUM_NODES node(s), rendezvous $SF_HEAD:$SF_RDZV_PORT"',
         "",
         "sf_preempted=''",
-        "sf_srun=''",
-        "sf_forward() {  # Slurm signals this shell only: pass it on to srun, which passes",
-        "    sf_preempted=$1  # it to every launcher",
-        '    echo "steadfast: SIG$1 (preemption): forwarding to the launchers" >&2',
-        '    [ -n "$sf_srun" ] && kill -s "$1" "$sf_srun" 2>/dev/null',
+        "sf_forward() {  # Slurm signalled this shell only. srun would pass on only USR1",
+        "    sf_preempted=$1  # and USR2 (it ends the step on TERM): signal the steps",
+        '    echo "steadfast: SIG$1 (preemption): passing it on to the launchers" >&2',
+        '    scancel --signal="$1" "$SLURM_JOB_ID"',
         "}",
         f"trap 'sf_forward {spec.preempt_signal}' {spec.preempt_signal}",
         "",
@@ -475,7 +528,10 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
         'while kill -0 "$sf_srun" 2>/dev/null; do wait "$sf_srun"; done',
         'wait "$sf_srun"',
         "sf_rc=$?",
-        'if [ -n "$sf_preempted" ]; then',
+        f"trap - {spec.preempt_signal}",
+        "# a launcher that got the signal exits 128+N after its ranks saved; 0 is a",
+        "# finished run, which must not run again",
+        'if [ -n "$sf_preempted" ] && [ "$sf_rc" -ne 0 ]; then',
         '    echo "steadfast: preempted (SIG$sf_preempted); the launchers exited $sf_rc;'
         ' requeueing job $SLURM_JOB_ID" >&2',
         '    "$SF_PYTHON" -m steadfast.cli requeue --cause preempted && exit 0',

@@ -219,9 +219,10 @@ def test_job_retry_requeues_the_slurm_job(
     scontrol.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
-    for cause in earlier:  # the earlier incarnations' requeues, in the run's event log
+    for restart, cause in enumerate(earlier):  # the earlier incarnations' requeues
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
         events.emit("job_requeued", cause=cause, slurm_job="4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     proc = _launch(
         tmp_path / "run",
         "--fault",

@@ -109,14 +109,17 @@ def test_failure_requeues_count_only_failures_of_this_job(monkeypatch, event_log
     ]:
         events.emit("job_requeued", cause=cause, slurm_job=job)
     assert failure_requeues("7") == 2
+    assert failure_requeues("7", restart_count=3) == 2  # the log has the earlier runs
+    # a requeued job whose log holds nothing of its earlier runs cannot count them
+    assert failure_requeues("9", restart_count=1) is None
     monkeypatch.setenv(events.EVENTS_ENV, events.EVENTS_OFF)
     assert failure_requeues("7") is None  # no log: the caller uses SLURM_RESTART_COUNT
 
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("90", 5400), ("5:30", 330), ("1:00:00", 3600), ("2-3", 183600), ("1-0:10", 87000),
-     ("0-0:0:45", 45)],
+    [("90", 5400), ("5:30", 360), ("1:00:00", 3600), ("2-3", 183600), ("1-0:10", 87000),
+     ("0-0:0:45", 60), (" 2 ", 120)],
 )  # fmt: skip
 def test_parse_time_limit(text, seconds):
     from steadfast.slurm import parse_time_limit
@@ -142,9 +145,14 @@ def test_parse_time_limit_rejects(text):
         ({"num_job_retries_on_failure": 1.5}, "num_job_retries_on_failure"),
         ({"rdzv_port": 70000}, "rdzv_port: 70000 is not a TCP port"),
         ({"job_name": "my job"}, "job_name"),
-        ({"preempt_signal": "KILL"}, "preempt_signal: SIGKILL cannot be caught"),
+        ({"preempt_signal": "KILL"}, "preempt_signal: SIGKILL cannot be the preemption"),
+        ({"preempt_signal": "CHLD"}, "preempt_signal: SIGCHLD cannot be the preemption"),
+        ({"partition": "gpu\nrm -rf /"}, "partition: .* must be one word on one line"),
+        ({"run_dir": "my runs"}, "run_dir: 'my runs' must be one word"),
+        ({"script": "a.py\nrm"}, "script: .* must be one word on one line"),
         ({"preempt_signal": "SIGFOO"}, "preempt_signal: 'SIGFOO' is not a signal"),
         ({"time": "5", "preempt_time": 300}, "preempt_time: 300 s before a time limit of 300"),
+        ({"nproc_per_node": "\u00b2"}, "nproc_per_node: expected a positive integer"),
         ({"time": "soon"}, "time: 'soon' is not a Slurm time limit"),
         ({"sbatch_lines": ["qos=high"]}, r"sbatch_lines\[0\]: 'qos=high' is not one sbatch"),
         ({"setup": ["a\nb"]}, r"setup\[0\]: one shell line"),
@@ -197,11 +205,16 @@ def test_rendered_script_is_valid_bash_with_every_option(tmp_path):
         "--partition=gpu", "--account=proj", "--gpus-per-node=8", "--cpus-per-task=32",
         "--qos=high", "--exclusive",
     ]  # fmt: skip
-    assert "srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=0 --cpu-bind=none" in text
+    assert "srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=0 --cpus-per-task=32" in text
     assert '--rdzv-endpoint="$SF_HEAD:$SF_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID"' in text
     assert "--max-restarts=5 --ft-num-job-retries-on-failure=1" in text
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT\n" in text.replace(" \\", "")
     assert "trap 'sf_forward TERM' TERM" in text
+    # srun would end the step on TERM: the signal goes to the steps through scancel
+    assert 'scancel --signal="$1" "$SLURM_JOB_ID"' in text and "kill -s" not in text
+    assert "--kill-on-bad-exit=0 --cpus-per-task=32 --cpu-bind=none" in text
+    assert 'if [ -n "$sf_preempted" ] && [ "$sf_rc" -ne 0 ]; then' in text  # not a done run
+    assert "set -u" not in text  # a setup line may read unset variables (conda, module)
     assert "train.py --ckpt-dir 'runs/my ckpt' --lr=1e-3 &" in text
     assert "SF_RDZV_PORT=29555\n" in text
     assert "SF_PYTHON=/opt/venv/bin/python" in text and "\nmodule load cuda\n" in text
@@ -211,7 +224,7 @@ def test_without_a_time_limit_there_is_no_signal_option():
     from steadfast.slurm import SbatchSpec, render_sbatch
 
     text = render_sbatch(SbatchSpec(script="t.py"))
-    assert "--signal=" not in text and "--time=" not in text
+    assert "#SBATCH --signal=" not in text and "#SBATCH --time=" not in text
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in text
     assert "trap 'sf_forward USR1' USR1" in text
     assert "SF_RDZV_PORT=$((29400 + SLURM_JOB_ID % 1000))" in text  # jobs sharing a node

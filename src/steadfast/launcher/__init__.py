@@ -15,7 +15,8 @@ Exit codes (for job scripts that decide whether to requeue):
 76   no progress: ``max_no_progress_restarts`` consecutive restarts completed no step
 77   the workers failed and the in-job restarts (``--max-restarts``) are spent
 78   as 77 or 16, and the Slurm job was requeued (``num_job_retries_on_failure`` >
-     ``SLURM_RESTART_COUNT``; only the launcher with ``SLURM_PROCID`` 0 requeues)
+     the job's failure requeues so far, from the event log; only the launcher with
+     ``SLURM_PROCID`` 0 requeues)
 16   restart elsewhere: a worker exited 16 (``EXIT_CODE_RESUME_TO_DISAMBIGUATE``: the
      re-run state machine reproduced an unexpected result in place, saved a checkpoint
      and must re-run the step on other hardware). Not restarted in-job, because the
@@ -47,6 +48,7 @@ __all__ = [
     "EXIT_RESTARTS_EXHAUSTED",
     "EXIT_RESTART_ELSEWHERE",
     "EXIT_RESULT_VALIDATION_FAILED",
+    "PRESTART_ENV",
     "main",
 ]
 
@@ -59,6 +61,11 @@ EXIT_RESTARTS_EXHAUSTED = 77
 EXIT_REQUEUED = 78
 EXIT_RESTART_ELSEWHERE = 16  # = rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE
 EXIT_RESULT_VALIDATION_FAILED = 17  # = rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+#: ``STEADFAST_TEMPLATE_PRESTART=0`` starts the worker template only once the agent
+#: exists (after the launcher imported torch), as before the prestart: the baseline of
+#: ``bench/bench_launch_start.py``, and a way out if an import-time setting must come
+#: from the launcher.
+PRESTART_ENV = "STEADFAST_TEMPLATE_PRESTART"
 
 
 def _launch(argv: list[str]) -> int:
@@ -72,7 +79,7 @@ def _launch(argv: list[str]) -> int:
 
     from .agent import FTAgent, NoProgressError, RerunExit
     from .args import split_argv
-    from .template import discard_prestarted
+    from .template import discard_prestarted, keep_prestarted_if
 
     parser = torchrun.get_args_parser()
     split = split_argv(argv, parser)
@@ -95,7 +102,8 @@ def _launch(argv: list[str]) -> int:
     # addresses ("connectFullMesh failed ... Connection refused", pytorch#135712).
     # A store of their own per generation avoids it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    config, cmd, cmd_args = torchrun.config_from_args(args)
+    config, cmd, cmd_args = torchrun.config_from_args(args)  # sets OMP_NUM_THREADS
+    keep_prestarted_if(os.environ.get("OMP_NUM_THREADS"))
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -205,7 +213,7 @@ def _job_retry(
     info = get_slurm_info()
     if info is None or retries <= 0:
         return otherwise
-    spent = failure_requeues(info.job_id)
+    spent = failure_requeues(info.job_id, info.restart_count)
     counted = "failure requeues in the event log"
     if spent is None:
         spent, counted = info.restart_count, "SLURM_RESTART_COUNT"
@@ -216,7 +224,12 @@ def _job_retry(
         return otherwise
     if os.environ.get("SLURM_PROCID", "0") != "0":
         return EXIT_REQUEUED  # the launcher of SLURM_PROCID 0 asks Slurm
-    return EXIT_REQUEUED if requeue_job(info.job_id, cause=cause) else otherwise
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        return EXIT_REQUEUED if requeue_job(info.job_id, cause=cause) else otherwise
+    except SignalException:  # Slurm's SIGTERM of the requeued job, held until the event
+        return EXIT_REQUEUED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="[steadfast launch] %(message)s")
     args = list(sys.argv[1:] if argv is None else argv)
-    if not {"-h", "--help"} & set(args):
+    wanted = os.environ.get(PRESTART_ENV, "1") != "0"  # 0: the template after the agent
+    if wanted and not {"-h", "--help"} & set(args):
         prestart()  # the worker template imports torch while this process does
     try:
         return _launch(args)

@@ -34,7 +34,9 @@ from typing import Any
 __all__ = [
     "Template",
     "TemplateProc",
+    "IGNORED_SIGNALS",
     "discard_prestarted",
+    "keep_prestarted_if",
     "parse_python_argv",
     "prestart",
     "take_prestarted",
@@ -90,7 +92,7 @@ def _run_child(request: dict[str, Any]) -> int:
     with contextlib.suppress(OSError):  # its own process group (the template set it too)
         os.setpgid(0, 0)
     _die_with_parent()
-    for sig in (signal.SIGCHLD, *_launcher_signals()):
+    for sig in (signal.SIGCHLD, *IGNORED_SIGNALS):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as in any Python process
@@ -98,9 +100,10 @@ def _run_child(request: dict[str, Any]) -> int:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        # OpenMP read its environment when the template imported torch, which may have
-        # been before torchrun set OMP_NUM_THREADS for the workers: apply it here
+    if threads.isascii() and threads.isdigit() and int(threads) > 0:
+        # what the template's OpenMP read at its import is what torchrun sets for the
+        # workers (a prestarted template that would differ is not used); applied again
+        # so that the worker's own environment rules its thread count
         import torch
 
         torch.set_num_threads(int(threads))
@@ -164,15 +167,18 @@ def _die_with_parent() -> None:
         pass
 
 
-def _launcher_signals() -> set[signal.Signals]:
-    """The signals the launcher may handle (torch's ``TORCHELASTIC_SIGNALS_TO_HANDLE``,
-    which the launcher may set only after the template started, and the usual ones):
-    the launcher decides what they mean for the workers."""
-    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "")
-    found = {getattr(signal, n.strip(), None) for n in names.split(",")}
-    usual = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
-    return {s for s in found if isinstance(s, signal.Signals)} | usual | {
-        signal.SIGUSR1, signal.SIGUSR2}  # fmt: skip
+#: Signals the template ignores (its workers get the default actions back): a signal
+#: forwarded by srun reaches every process of the step, the template too, and the
+#: launcher decides what it means for the workers. The template itself ends when the
+#: launcher closes its socket, or by SIGKILL when the launcher dies (PR_SET_PDEATHSIG).
+IGNORED_SIGNALS = frozenset(
+    getattr(signal, name)
+    for name in (
+        "SIGHUP", "SIGINT", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGTERM",
+        "SIGXCPU", "SIGVTALRM", "SIGPROF", "SIGPWR",
+    )
+    if hasattr(signal, name)
+)  # fmt: skip
 
 
 def serve(fd: int) -> None:
@@ -182,8 +188,9 @@ def serve(fd: int) -> None:
     # Under srun every process of the step gets a forwarded signal (SIGUSR1 of a
     # preemption, say), the template too, even while it imports torch: it must not die
     # of it, or its workers go with it before they can save. The launcher decides.
-    for sig in _launcher_signals():
+    for sig in IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    _die_with_parent()  # the launcher gone -> the template, and then its workers, gone
 
     for name in ("torch", "torch.distributed", "torch.nn.parallel"):
         importlib.import_module(name)
@@ -193,7 +200,6 @@ def serve(fd: int) -> None:
         importlib.import_module("torch._dynamo")
 
     sock = socket.socket(fileno=fd)
-    _die_with_parent()  # the launcher gone -> the template, and then its workers, gone
     if sys.path and sys.path[0] in ("", os.getcwd()):
         sys.path.pop(0)  # `python -m` put the launcher's cwd first; a script does not have it
     children: set[int] = set()
@@ -204,7 +210,10 @@ def serve(fd: int) -> None:
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
-    _send(sock, {"ready": os.getpid()})
+    try:
+        _send(sock, {"ready": os.getpid()})
+    except OSError:  # the launcher closed it while we imported torch (not needed)
+        return
     try:
         while True:
             for key, _ in sel.select():
@@ -286,13 +295,16 @@ class TemplateProc:
 class Template:
     """The launcher's handle on the template process."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         parent, child = socket.socketpair()
         self._sock = parent
+        #: the environment the template imported torch with (OpenMP reads it then)
+        self.env = dict(os.environ if env is None else env)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "steadfast.launcher.template", str(child.fileno())],
             pass_fds=(child.fileno(),),
             start_new_session=True,
+            env=self.env,
         )
         child.close()
         self._lock = threading.Lock()
@@ -390,6 +402,8 @@ class Template:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+        if not self._ready.is_set():  # still importing torch: nothing of it is needed
+            self._proc.kill()
         try:
             self._proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -405,10 +419,24 @@ def prestart() -> None:
     """Start the template now, before the launcher imports torch itself, so that the two
     imports (~2-3 s each) run side by side instead of one after the other. The agent
     takes it with :func:`take_prestarted`; :func:`discard_prestarted` closes it when
-    nothing took it (``worker_template: false``, an error before the agent)."""
+    nothing took it (``worker_template: false``, an error before the agent).
+
+    Its environment is the launcher's with ``OMP_NUM_THREADS=1`` when unset: what
+    torchrun sets for more than one worker per node. When the launcher ends up with
+    another value (one worker per node), :func:`keep_prestarted_if` drops it."""
     global _prestarted
     if _prestarted is None:
-        _prestarted = Template()
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        _prestarted = Template(env=env)
+
+
+def keep_prestarted_if(omp_num_threads: str | None) -> None:
+    """Close the prestarted template unless it imported torch with this
+    ``OMP_NUM_THREADS`` (the launcher's, once torchrun's settings are applied): OpenMP
+    and BLAS size their thread pools from the environment at import."""
+    if _prestarted is not None and _prestarted.env.get("OMP_NUM_THREADS") != omp_num_threads:
+        discard_prestarted()
 
 
 def take_prestarted() -> Template | None:

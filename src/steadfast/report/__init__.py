@@ -44,7 +44,7 @@ def format_report(report: GoodputReport, title: str = "") -> str:
     lines.append(
         f"  steps kept {report.steps_done}, re-done {report.steps_redone}; "
         f"{report.generations} process generations, {report.restarts} in-job restarts"
-        + (f", {report.requeues} Slurm requeues" if report.requeues else "")
+        + (f", {report.requeues} Slurm requeues or resubmissions" if report.requeues else "")
     )
     if report.faults:
         lines.append(f"  faults ({len(report.faults)} injected):")

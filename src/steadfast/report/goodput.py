@@ -103,7 +103,8 @@ class GoodputReport:
     restarts: int
     problems: list[str] = field(default_factory=list)
     #: Slurm incarnations after the first (a requeue for any reason: a job retry, a
-    #: preemption, an operator), from the distinct (slurm_job_id, slurm_restart) pairs.
+    #: preemption, an operator; or a new job resubmitted into the same run), from the
+    #: distinct (slurm_job_id, slurm_restart) pairs.
     requeues: int = 0
 
     @property
