@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sfharness import children, socket_count
+from sfharness import children, socket_count, start_template, stop_template
 from steadfast import events
 
 
@@ -21,16 +21,28 @@ def _shm() -> set[str]:
         return set()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def rank_template() -> Iterator[int | None]:
+    """The session's rank template (sfharness): the process that forks the test ranks,
+    started before the first test so every leak check sees it already there."""
+    pid = start_template()
+    yield pid
+    stop_template()
+
+
 @pytest.fixture(autouse=True)
-def no_leaks() -> Iterator[None]:
-    """Fail a test that leaves a child process, thread, socket or /dev/shm segment behind."""
+def no_leaks(rank_template: int | None) -> Iterator[None]:
+    """Fail a test that leaves a child process, thread, socket or /dev/shm segment behind
+    (a rank forked by the session's template counts as the test's own child)."""
     threads_before = set(threading.enumerate())
     sockets_before = socket_count()
     shm_before = _shm()
     yield
     deadline = time.monotonic() + 5.0
     while True:
-        kids = children(os.getpid())
+        kids = children(os.getpid()) - {rank_template}
+        if rank_template is not None:
+            kids |= children(rank_template)
         threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
         sockets = socket_count() - sockets_before
         shm = _shm() - shm_before

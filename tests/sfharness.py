@@ -1,12 +1,17 @@
 """Test harness: run a function on N real processes joined in a gloo process group.
 
-Each rank is a real OS process (a fresh interpreter started with subprocess, as torchrun
-gives it), the group is real (gloo over a FileStore in the test's tmp dir), and results or
-tracebacks come back through files, so a rank that is killed or hangs is seen as such.
+Each rank is a real OS process, the group is real (gloo over a FileStore in the test's
+tmp dir), and results or tracebacks come back through files, so a rank that is killed or
+hangs is seen as such. The ranks are forked by steadfast's own worker template (the
+process ``steadfast launch`` forks its workers from): one per test session, started by
+``tests/conftest.py``, that imported torch once, so a rank does not pay ``import torch``
+(2-3 s here) again. Without it (``SFHARNESS_FRESH=1``, or no session template) each rank
+is a fresh interpreter started with subprocess.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -21,6 +26,31 @@ from pathlib import Path
 from typing import Any
 
 _HERE = str(Path(__file__).resolve().parent)
+_template: Any = None  # the session's steadfast.launcher.template.Template
+
+
+def start_template() -> int | None:
+    """Start the session's rank template (the conftest does, before the first test, so
+    that its process, thread and socket are there before every test's leak check
+    looks); its pid."""
+    global _template
+    if _template is None and not os.environ.get("SFHARNESS_FRESH"):
+        from steadfast.launcher.template import Template
+
+        _template = Template()
+    return template_pid()
+
+
+def template_pid() -> int | None:
+    """The session template's pid (its children are the ranks), or None."""
+    return int(_template._proc.pid) if _template is not None else None
+
+
+def stop_template() -> None:
+    global _template
+    if _template is not None:
+        _template.close()
+        _template = None
 
 
 def children(pid: int, zombies: bool = False) -> set[int]:
@@ -86,7 +116,10 @@ def _rank_main(workdir: str, rank: int, world_size: int) -> None:
     write_atomic(Path(workdir) / f"pid_{rank}", str(os.getpid()))
     code = 0
     try:
-        module, name, args = pickle.loads((Path(workdir) / "call.pkl").read_bytes())
+        module, name, args, module_dir = pickle.loads((Path(workdir) / "call.pkl").read_bytes())
+        for path in (module_dir, _HERE):  # a forked rank did not read PYTHONPATH
+            if path not in sys.path:
+                sys.path.insert(0, path)
         fn = getattr(importlib.import_module(module), name)
         if not os.environ.get("SFHARNESS_NO_INIT"):  # else fn initialises it itself
             dist.init_process_group(
@@ -126,18 +159,19 @@ class Ranks:
     ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        (self.workdir / "call.pkl").write_bytes(pickle.dumps((fn.__module__, fn.__name__, args)))
         module_dir = str(Path(sys.modules[fn.__module__].__file__ or _HERE).resolve().parent)
+        call = (fn.__module__, fn.__name__, args, module_dir)
+        (self.workdir / "call.pkl").write_bytes(pickle.dumps(call))
         child_env = dict(os.environ)
         child_env.update(env or {})
         child_env["PYTHONPATH"] = os.pathsep.join(
             [_HERE, module_dir, *filter(None, [child_env.get("PYTHONPATH")])]
         )
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, str(self.workdir), str(r), str(world_size)],
-                env=child_env,
-            )
+        argv = [__file__, str(self.workdir)]  # the script and its arguments
+        self.procs: list[Any] = [
+            _template.spawn([*argv, str(r), str(world_size)], child_env)
+            if _template is not None
+            else subprocess.Popen([sys.executable, *argv, str(r), str(world_size)], env=child_env)
             for r in range(world_size)
         ]
 
@@ -166,7 +200,8 @@ class Ranks:
     def kill(self) -> None:
         for p in self.procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
             p.wait(10)
 
     def results(self) -> list[Any]:
