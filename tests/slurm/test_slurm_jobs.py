@@ -85,8 +85,18 @@ def _wait_event(tmp_path: Path, kind: str, timeout: float = 90) -> None:
 def test_a_rank_killed_twice_restarts_in_job_twice_then_succeeds(
     slurm: Cluster, tmp_path: Path, reference
 ):
-    script = _job_script(tmp_path, "--kill-at", "8,17")  # --max-restarts 3: the default
-    job = slurm.sbatch(script)
+    # --submit: steadfast slurm writes the script and hands it to sbatch itself
+    cmd = [sys.executable, "-m", "steadfast.cli", "slurm", "--nproc-per-node=2", "--submit"]
+    cmd += ["--job-name", "killed-twice", "--run-dir", str(tmp_path / "run")]
+    cmd += [str(TRAIN), "--ckpt-dir", str(tmp_path / "ckpt"), *STEPS]  # --max-restarts 3
+    cmd += ["--out", str(tmp_path / "out.pt"), "--kill-at", "8,17"]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=slurm.env
+    )
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip()
+    slurm.jobs.append(job)
+    assert (tmp_path / "killed-twice.sbatch").is_file()
     info = _finish(slurm, job, tmp_path)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", info
     failed = [e for e in _events(tmp_path, "rank_failed") if e["rank"] == 1]
