@@ -99,6 +99,15 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def assert_none_left(text: str, timeout: float = 10.0) -> None:
+    """Fail unless every process whose command line mentions ``text`` (a test's tmp
+    path) is gone within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_mentioning(text)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes of this test still running: {left}"
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` so that a reader polling ``path`` never sees it empty or partial
     (``write_text`` truncates first): a temporary file renamed over it."""

@@ -69,36 +69,13 @@ def _health(ns: argparse.Namespace) -> int:
 def _slurm(ns: argparse.Namespace) -> int:
     import shlex
     import subprocess
+    from dataclasses import fields
 
     from .config import ConfigError
     from .slurm import SbatchSpec, render_sbatch
 
-    try:
-        spec = SbatchSpec(
-            script=ns.script,
-            script_args=list(ns.script_args),
-            nodes=ns.nodes,
-            nproc_per_node=ns.nproc_per_node,
-            job_name=ns.job_name,
-            partition=ns.partition,
-            account=ns.account,
-            time=ns.time,
-            output=ns.output,
-            error=ns.error,
-            gpus_per_node=ns.gpus_per_node,
-            cpus_per_task=ns.cpus_per_task,
-            preempt_signal=ns.preempt_signal,
-            preempt_time=ns.preempt_time,
-            max_restarts=ns.max_restarts,
-            num_job_retries_on_failure=ns.num_job_retries_on_failure,
-            rdzv_port=ns.rdzv_port,
-            run_dir=ns.run_dir,
-            python=ns.python or sys.executable,
-            sbatch_lines=list(ns.sbatch),
-            setup=list(ns.setup),
-            launcher_args=list(ns.launcher_arg),
-            srun_args=list(ns.srun_arg),
-        )
+    try:  # the parser's destinations are SbatchSpec's field names
+        spec = SbatchSpec(**{f.name: getattr(ns, f.name) for f in fields(SbatchSpec)})
     except ConfigError as exc:
         print(f"steadfast slurm: {exc}", file=sys.stderr)
         return 2
@@ -190,9 +167,14 @@ def _add_slurm_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--run-dir", help="event log and output of every incarnation (default runs/JOB_NAME)"
     )
-    p.add_argument("--python", help="the Python that has steadfast (default: this one)")
+    p.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the Python that has steadfast (default: this one)",
+    )
     p.add_argument(
         "--sbatch",
+        dest="sbatch_lines",
         action="append",
         default=[],
         metavar="OPTION",
@@ -207,6 +189,7 @@ def _add_slurm_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument(
         "--launcher-arg",
+        dest="launcher_args",
         action="append",
         default=[],
         metavar="ARG",
@@ -214,6 +197,7 @@ def _add_slurm_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument(
         "--srun-arg",
+        dest="srun_args",
         action="append",
         default=[],
         metavar="ARG",

@@ -36,7 +36,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-from .config import ConfigError, require_number
+from .config import ConfigError, _signal, require_number
 
 __all__ = [
     "FAILURE_REQUEUE_CAUSES",
@@ -218,9 +218,8 @@ def failure_requeues(job_id: str, restart_count: int = 0) -> int | None:
     if os.path.exists(path):
         try:
             for ev in events.read_events(path):
-                if ev.get("slurm_job_id") == job_id and (ev.get("slurm_restart") or 0) < (
-                    restart_count
-                ):
+                incarnation = ev.get("slurm_restart") or 0
+                if ev.get("slurm_job_id") == job_id and incarnation < restart_count:
                     earlier = True
                 if (
                     ev.kind == "job_requeued"
@@ -284,15 +283,8 @@ PREEMPT_SIGNALS = ("USR1", "USR2", "TERM", "HUP", "QUIT", "ALRM")
 
 
 def _signal_name(value: str | int, field_name: str) -> str:
-    text = str(value).strip().upper()
-    try:
-        sig = (
-            signal.Signals(int(text))
-            if text.isascii() and text.isdigit()
-            else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
-        )
-    except (KeyError, ValueError):
-        raise ConfigError(f"{field_name}: {value!r} is not a signal name or number") from None
+    text = str(value).strip()
+    sig = _signal(field_name, int(text) if text.isascii() and text.isdigit() else value)
     name = sig.name.removeprefix("SIG")
     if name not in PREEMPT_SIGNALS:
         raise ConfigError(

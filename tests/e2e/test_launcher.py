@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfharness import processes_mentioning
+from sfharness import assert_none_left
 
 SCRIPT = Path(__file__).with_name("ft_train.py")
 TIMEOUTS = [
@@ -37,10 +37,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def no_worker_outlives_its_launcher(tmp_path: Path):
     """The conftest leak check sees only direct children: workers are grandchildren."""
     yield
-    deadline = time.monotonic() + 10
-    while (left := processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not left, f"processes of this test still running: {left}"
+    assert_none_left(str(tmp_path))
 
 
 def _launch(

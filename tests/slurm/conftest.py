@@ -12,14 +12,13 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from slurmcluster import CLUSTER_SCRIPT, Cluster
 
-from sfharness import processes_mentioning
+from sfharness import assert_none_left
 
 
 def _script(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -77,7 +76,4 @@ def slurm(slurm_cluster: Cluster, tmp_path: Path) -> Iterator[Cluster]:
     """The cluster, with this test's jobs cancelled and their processes gone after it."""
     yield slurm_cluster
     slurm_cluster.cancel_all()
-    deadline = time.monotonic() + 15
-    while (left := processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not left, f"processes of this test's jobs still running: {left}"
+    assert_none_left(str(tmp_path), timeout=15)

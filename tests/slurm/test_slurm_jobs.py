@@ -46,16 +46,24 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return _params(work / "out.pt")
 
 
+def _steadfast_slurm(
+    tmp_path: Path, slurm_flags: tuple[str, ...], train_args: tuple[str, ...], env=None
+) -> str:
+    """``steadfast slurm`` for a 2-rank training job of ``examples/train.py``; its stdout."""
+    cmd = [sys.executable, "-m", "steadfast.cli", "slurm", "--nproc-per-node=2"]
+    cmd += ["--run-dir", str(tmp_path / "run"), *slurm_flags]
+    cmd += [str(TRAIN), "--ckpt-dir", str(tmp_path / "ckpt"), *STEPS]
+    cmd += ["--out", str(tmp_path / "out.pt"), *train_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 def _job_script(tmp_path: Path, *train_args: str, slurm_flags: tuple[str, ...] = ()) -> Path:
     """``steadfast slurm`` writes the batch script of a 2-rank training job."""
     script = tmp_path / "job.sbatch"
-    cmd = [sys.executable, "-m", "steadfast.cli", "slurm", "--nproc-per-node=2"]
-    cmd += ["--job-name", tmp_path.name[:40], "--run-dir", str(tmp_path / "run")]
-    cmd += ["--write", str(script), *slurm_flags]
-    cmd += [str(TRAIN), "--ckpt-dir", str(tmp_path / "ckpt"), *STEPS]
-    cmd += ["--out", str(tmp_path / "out.pt"), *train_args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    flags = ("--job-name", tmp_path.name[:40], "--write", str(script), *slurm_flags)
+    _steadfast_slurm(tmp_path, flags, train_args)
     return script
 
 
@@ -86,15 +94,8 @@ def test_a_rank_killed_twice_restarts_in_job_twice_then_succeeds(
     slurm: Cluster, tmp_path: Path, reference
 ):
     # --submit: steadfast slurm writes the script and hands it to sbatch itself
-    cmd = [sys.executable, "-m", "steadfast.cli", "slurm", "--nproc-per-node=2", "--submit"]
-    cmd += ["--job-name", "killed-twice", "--run-dir", str(tmp_path / "run")]
-    cmd += [str(TRAIN), "--ckpt-dir", str(tmp_path / "ckpt"), *STEPS]  # --max-restarts 3
-    cmd += ["--out", str(tmp_path / "out.pt"), "--kill-at", "8,17"]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=slurm.env
-    )
-    assert proc.returncode == 0, proc.stderr
-    job = proc.stdout.strip()
+    flags = ("--submit", "--job-name", "killed-twice")  # --max-restarts 3: the default
+    job = _steadfast_slurm(tmp_path, flags, ("--kill-at", "8,17"), env=slurm.env).strip()
     slurm.jobs.append(job)
     assert (tmp_path / "killed-twice.sbatch").is_file()
     info = _finish(slurm, job, tmp_path)
