@@ -10,12 +10,20 @@ BIN     = $(VENV)/bin
 # The stamp's name carries the torch requirement, so `make test TORCH=...` reinstalls.
 STAMP   = $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint typecheck pytest bench clean slurm
+.PHONY: demo test lint shellcheck typecheck pytest bench clean slurm
 
-# tests/slurm/ runs a real single-node Slurm: Debian's slurm-wlm and munge, installed
-# here when missing and the machine allows it (root and apt-get); elsewhere those tests
-# are skipped with the reason (never in CI, where they fail instead).
+# Debian packages: tests/slurm/ runs a real single-node Slurm (slurm-wlm and munge) and
+# `make lint` runs shellcheck. Their install steps run on EVERY `make test` (a no-op when
+# the packages are there), so that a broken install fails on any machine, not only a new
+# one. Where they cannot be installed (no root or apt-get) the tests and checks that need
+# them are skipped with the reason; in CI (CI=true) that is a failure.
 SLURM_SCRIPT = scripts/slurm-localhost.sh
+DEBIAN       = scripts/debian-packages.sh
+SHELL_SCRIPTS = $(wildcard scripts/*.sh) .ci/run
+IS_CI := $(filter 1 true yes,$(CI))
+# $(call optional,WHAT): after a failed install, fail in CI, else warn and go on
+optional = { if [ -n "$(IS_CI)" ]; then echo "CI: $(1) must be installed here" >&2; exit 1; fi; \
+             echo "warning: $(1) not installed: what needs it is skipped" >&2; }
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,18 +36,21 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/steadfast demo
 
-lint: $(STAMP)
+lint: $(STAMP) shellcheck
 	$(BIN)/ruff check src tests examples bench
 	$(BIN)/ruff format --check src tests examples bench
+
+shellcheck:
+	@bash $(DEBIAN) ensure shellcheck || $(call optional,shellcheck)
+	@for f in $(SHELL_SCRIPTS); do bash -n "$$f" || exit 1; done
+	@if command -v shellcheck >/dev/null; then shellcheck $(SHELL_SCRIPTS) && \
+	  echo "shellcheck: $(words $(SHELL_SCRIPTS)) scripts clean"; fi
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict src
 
 slurm:
-	@bash $(SLURM_SCRIPT) check || { \
-	  if bash $(SLURM_SCRIPT) can-install; then \
-	    echo "installing Slurm for tests/slurm (slurm-wlm, munge)"; bash $(SLURM_SCRIPT) install; \
-	  else echo "no Slurm here and no root+apt-get to install it: tests/slurm will be skipped"; fi; }
+	@bash $(SLURM_SCRIPT) install || $(call optional,Slurm (tests/slurm))
 
 pytest: $(STAMP) slurm
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -4,7 +4,8 @@
 #   scripts/slurm-localhost.sh check            exit 0 when munged, slurmctld, slurmd and
 #                                                the client commands are installed
 #   scripts/slurm-localhost.sh install          install Debian's slurm-wlm and munge
-#                                                (needs root and apt-get; no-op if present)
+#                                                (scripts/debian-packages.sh: needs root
+#                                                and apt-get; a no-op when present)
 #   scripts/slurm-localhost.sh can-install      exit 0 when `install` could run here
 #   scripts/slurm-localhost.sh start DIR        write DIR/slurm.conf, start munged,
 #                                                slurmctld and slurmd with their state,
@@ -32,25 +33,15 @@ check() {
     done
 }
 
+PACKAGES="$(dirname "${BASH_SOURCE[0]}")/debian-packages.sh"
+
 can_install() {
-    check && return 0
-    can_install || die "installing Slurm needs root and apt-get (Debian/Ubuntu)"
-    export DEBIAN_FRONTEND=noninteractive
-    # the packages' maintainer scripts must not start daemons of their own (the tests
-    # run theirs, with their own configuration): Debian's policy-rc.d says no (101)
-    local policy=/usr/sbin/policy-rc.d added=""
-    if [ ! -e "$policy" ]; then
-        printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && added=1
-    fi
-    # the package lists of a fresh machine may be missing or stale: update on failure
-    local rc=0
-    apt-get install -y -q --no-install-recommends "${PKGS[@]}" >/dev/null 2>&1 || {
-        apt-get update -q >/dev/null && \
-            apt-get install -y -q --no-install-recommends "${PKGS[@]}" >/dev/null
-    } || rc=$?
-    [ -z "$added" ] || rm -f "$policy"
-    [ "$rc" = 0 ] || die "apt-get install ${PKGS[*]} failed (exit $rc)"
-    check || die "slurm-wlm/munge installed but ${BINS[*]} are not all on PATH"
+    bash "$PACKAGES" can-install
+}
+
+install() {  # a no-op when the packages are there; `make test` runs it every time
+    bash "$PACKAGES" ensure "${PKGS[@]}" || die "cannot install ${PKGS[*]}"
+    check || die "${PKGS[*]} are installed but ${BINS[*]} are not all on PATH"
 }
 
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
@@ -58,7 +49,7 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
     shift 2
     local end=$((SECONDS + limit))
     until "$@" >/dev/null 2>&1; do
-        [ $SECONDS -lt $end ] || return 1
+        [ $SECONDS -lt $end ] || { echo "slurm-localhost: gave up waiting for $what" >&2; return 1; }
         sleep 0.1
     done
 }

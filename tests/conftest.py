@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from sfharness import children, socket_count, start_template, stop_template
+from sfharness import (
+    children,
+    shm_entries,
+    shm_leaks,
+    socket_count,
+    start_template,
+    stop_template,
+)
 from steadfast import events
-
-
-def _shm() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -33,10 +33,13 @@ def rank_template() -> Iterator[int | None]:
 @pytest.fixture(autouse=True)
 def no_leaks(rank_template: int | None) -> Iterator[None]:
     """Fail a test that leaves a child process, thread, socket or /dev/shm segment behind
-    (a rank forked by the session's template counts as the test's own child)."""
+    (a rank forked by the session's template counts as the test's own child). Only the
+    test's own /dev/shm entries count (see :func:`sfharness.shm_leaks`): another program
+    on the machine may make and remove its own at any time."""
     threads_before = set(threading.enumerate())
     sockets_before = socket_count()
-    shm_before = _shm()
+    shm_before = shm_entries()
+    own = {os.getpid(), *([rank_template] if rank_template is not None else [])}
     yield
     deadline = time.monotonic() + 5.0
     while True:
@@ -45,7 +48,7 @@ def no_leaks(rank_template: int | None) -> Iterator[None]:
             kids |= children(rank_template)
         threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
         sockets = socket_count() - sockets_before
-        shm = _shm() - shm_before
+        shm = shm_leaks(shm_before, own | kids)
         if not (kids or threads or sockets > 0 or shm) or time.monotonic() > deadline:
             break
         time.sleep(0.05)

@@ -15,6 +15,7 @@ import contextlib
 import importlib
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -68,6 +69,32 @@ def children(pid: int, zombies: bool = False) -> set[int]:
         if int(fields[1]) == pid and (zombies or fields[0] != "Z"):
             kids.add(int(entry))
     return kids
+
+
+#: Names steadfast itself gives its shared-memory files (the heartbeat tables,
+#: ``steadfast-hb-<pid>-<hex>``; any later kind keeps the prefix).
+STEADFAST_SHM_PREFIX = "steadfast-"
+
+
+def shm_entries() -> set[str]:
+    """The names in ``/dev/shm`` now."""
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def shm_leaks(before: set[str], pids: set[int]) -> set[str]:
+    """The ``/dev/shm`` entries made since ``before`` that this test's processes made:
+    steadfast's own names, and names that embed one of ``pids`` as a number (torch's
+    ``torch_<pid>_<n>``). Entries of other programs on a busy machine (multiprocessing's
+    ``sem.mp-*`` of an unrelated job) are not the test's, and do not fail it."""
+    mine = {str(p) for p in pids}
+    return {
+        name
+        for name in shm_entries() - before
+        if name.startswith(STEADFAST_SHM_PREFIX) or mine & set(re.findall(r"\d+", name))
+    }
 
 
 def socket_count() -> int:
