@@ -9,9 +9,10 @@ iteration) and ``call_wrapper.store`` (a fresh store prefix per iteration). The 
 optimizer state live in memory outside the function: a snapshot after every step is what
 the next iteration resumes from, so a restart loses at most the step that failed.
 
-``--fault KIND:RANK:STEP`` (first iteration only): ``exception`` raises, ``kill`` sends
-SIGKILL (the other ranks go on with a smaller world, ranks shifted), ``hang`` stops
-calling ``ping()`` while the interpreter keeps running (the soft timeout interrupts).
+``--fault KIND:RANK:STEP`` (``steadfast.faults.fail_at``, once: the process lives on
+across iterations): ``exception`` raises, ``rank_killed`` sends SIGKILL (the other ranks
+go on with a smaller world, ranks shifted), ``rank_hung`` stops calling ``ping()`` while
+the interpreter keeps running (the soft timeout interrupts).
 ``--out FILE`` writes the final parameters (``torch.save``) from rank 0.
 """
 
@@ -19,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from steadfast.faults import parse_fault
 from steadfast.inprocess import CallWrapper, RetryController, Wrapper
 
 
@@ -40,11 +40,13 @@ def _batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--fault", default="", help="KIND:RANK:STEP (exception|kill|hang)")
+    parser.add_argument(
+        "--fault", default=None, help="KIND:RANK:STEP (exception|rank_killed|rank_hung)"
+    )
     parser.add_argument("--soft-timeout", type=float, default=5.0)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    kind, fault_rank, fault_step = [*args.fault.split(":"), "", "-1", "-1"][:3]
+    fault = parse_fault(args.fault) if args.fault else None
     initial_rank = int(os.environ["RANK"])
 
     torch.manual_seed(0)
@@ -88,14 +90,8 @@ def main() -> None:
         )
         for step in range(memory["step"], args.steps):
             cw.ping()
-            if cw.iteration == 0 and initial_rank == int(fault_rank) and step == int(fault_step):
-                if kind == "exception":
-                    raise RuntimeError(f"injected fault at step {step}")
-                if kind == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if kind == "hang":
-                    while True:
-                        time.sleep(0.05)
+            if fault is not None:
+                fault.check(step, initial_rank)
             x, y = _batch(step, rank, world)
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()

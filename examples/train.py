@@ -16,20 +16,22 @@ What it uses:
 - ``ShutdownHandler(agree=True)``: a SIGTERM to one rank (a preemption) makes every rank
   save and exit 0 after the same step.
 - events: ``job_start`` (with the process start time) and ``step_done`` for the goodput
-  report (``steadfast report``); ``fault_injected`` for each injected fault.
+  report (``steadfast report``); ``fault_injected`` for each injected fault. Under
+  ``steadfast launch`` they go to the launcher's log (``--events`` / ``--run-dir``);
+  run alone, to ``<ckpt-dir>/events.jsonl``.
 
-Faults (``--fault-rank``, default the last rank; each fires once per run, remembered in
-``--fault-dir``, so the re-run of a step after a restart or rollback is clean):
-``--nan-burst STEP`` (``--nan-len`` NaN losses in a row), ``--kill-at STEP[,STEP...]``
-(SIGKILL, once at each), ``--hang-at STEP`` (stuck in the step), ``--slow-at STEP``
-(``--slow-steps`` steps ``--slow-seconds`` slower).
+Faults: ``--fault KIND:RANK:STEP[:LENGTH]``, repeatable, with the names of
+``steadfast.faults.FaultKind`` (``rank_killed``, ``rank_hung``, ``exception``, ``exit``,
+``nan_burst``, ``slow_rank``, ``sigterm``), injected by ``steadfast.faults.fail_at``:
+each fires once per run, remembered in ``--fault-dir``, so the re-run of a step after a
+restart or a rollback is clean. A NaN burst is LENGTH NaN losses in a row; a slow rank
+is LENGTH steps ``--slow-seconds`` slower.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from steadfast import CheckpointManager, NaNDetector, ShutdownHandler, events, world_info
+from steadfast.faults import FaultKind, InjectedFault, parse_fault
 from steadfast.monitor import HB_TABLE_ENV, RankMonitorClient, load_ft_state, save_ft_state
 from steadfast.straggler import NVRxStragglerDetectionConfig, StragglerDetectionManager
 
@@ -54,20 +57,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     p.add_argument("--calc-timeouts-at", type=int, default=15, help="-1: keep the configured")
     p.add_argument("--straggler-interval", type=float, default=2.0, help="seconds per report")
-    p.add_argument("--fault-rank", type=int, default=-1, help="-1: the last rank")
+    p.add_argument(
+        "--fault", action="append", default=[], metavar="KIND:RANK:STEP[:LENGTH]",
+        help="a fault to inject once (repeatable), e.g. rank_killed:1:40, nan_burst:1:23:3",
+    )  # fmt: skip
     p.add_argument("--fault-dir", type=Path, default=None, help="default: beside --ckpt-dir")
-    p.add_argument("--nan-burst", type=int, default=-1)
-    p.add_argument("--nan-len", type=int, default=3)
-    p.add_argument("--kill-at", type=_steps, default=[], help="STEP[,STEP...]: one kill each")
-    p.add_argument("--hang-at", type=int, default=-1)
-    p.add_argument("--slow-at", type=int, default=-1)
-    p.add_argument("--slow-steps", type=int, default=20)
-    p.add_argument("--slow-seconds", type=float, default=0.1)
+    p.add_argument("--slow-seconds", type=float, default=0.1, help="a slow_rank step's extra")
     return p.parse_args()
-
-
-def _steps(text: str) -> list[int]:
-    return [int(s) for s in text.split(",") if s.strip()]
 
 
 def batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,52 +81,26 @@ class _Unmonitored:
 
 
 class Faults:
-    """Injected faults, each firing once per run (a marker file per fault)."""
+    """This run's injected faults (``fail_at``, once per run), and what they do to a step."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, world: int) -> None:
-        self.args, self.rank = args, rank
-        self.target = args.fault_rank if args.fault_rank >= 0 else world - 1
-        self.dir = args.fault_dir or args.ckpt_dir.parent / "faults"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.nan_left = 0
-        self.slow_left = 0
-
-    def fire(self, name: str, at: int, step: int, marker: str | None = None) -> bool:
-        """True once: on the fault rank, at step ``at``, the first time any run gets there."""
-        if at < 0 or step != at or self.rank != self.target:
-            return False
-        try:
-            os.close(os.open(self.dir / (marker or name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return False
-        events.emit("fault_injected", step=step, cause=name, fault=name)
-        print(f"[train] rank {self.rank}: injecting {name} at step {step}", flush=True)
-        return True
+    def __init__(self, args: argparse.Namespace, rank: int) -> None:
+        once = args.fault_dir or args.ckpt_dir.parent / "faults"
+        self.rank = rank
+        self.planned: list[InjectedFault] = [
+            parse_fault(spec, once_dir=once, seconds=args.slow_seconds) for spec in args.fault
+        ]
+        self.nan = False
+        self.slow = 0.0
 
     def before_step(self, step: int) -> None:
-        a = self.args
-        for at in a.kill_at:
-            if self.fire("rank_killed", at, step, marker=f"rank_killed@{at}"):
-                os.kill(os.getpid(), signal.SIGKILL)  # a crashed rank: the launcher restarts all
-        if self.fire("rank_hung", a.hang_at, step):
-            while True:  # stuck inside the step: the watcher's step timeout catches it
-                time.sleep(3600)
-        if self.fire("nan_burst", a.nan_burst, step):
-            self.nan_left = a.nan_len
-        if self.fire("slow_rank", a.slow_at, step):
-            self.slow_left = a.slow_steps
-
-    def nan_now(self) -> bool:
-        if self.nan_left > 0:
-            self.nan_left -= 1
-            return True
-        return False
-
-    def slow_now(self) -> float:
-        if self.slow_left > 0:
-            self.slow_left -= 1
-            return float(self.args.slow_seconds)
-        return 0.0
+        """Strike (a kill or a hang does not return); note a NaN loss or a slowdown."""
+        self.nan, self.slow = False, 0.0
+        for fault in self.planned:
+            if fault.check(step, self.rank):
+                if fault.kind is FaultKind.NAN_BURST:
+                    self.nan = True
+                elif fault.kind is FaultKind.SLOW_RANK:
+                    self.slow = fault.seconds
 
 
 def main() -> int:
@@ -151,9 +121,9 @@ def main() -> int:
     device = torch.device("cuda", info.local_rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    if not os.environ.get(events.EVENTS_ENV):
+    if not os.environ.get(events.EVENTS_ENV):  # run without the launcher
         events.set_default_path(args.ckpt_dir / "events.jsonl")
-    faults = Faults(args, info.rank, info.world_size)
+    faults = Faults(args, info.rank)
 
     torch.manual_seed(args.seed)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
@@ -199,8 +169,8 @@ def main() -> int:
         ft.start_section("step")
         faults.before_step(step)
         x, y = (t.to(device) for t in batch(args.seed, step, info.rank))
-        loss = torch.nn.functional.mse_loss(timed_forward(x, faults.slow_now()), y)
-        if faults.nan_now():
+        loss = torch.nn.functional.mse_loss(timed_forward(x, faults.slow), y)
+        if faults.nan:
             loss = loss * float("nan")  # a fault on one rank only
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     )
     from .config import ConfigError, FaultToleranceConfig
     from .dist import agree_any, backend_device, world_info
-    from .faults import SlowFault, setup_simulated_fault
+    from .faults import FaultKind, SlowFault, fail_at, setup_simulated_fault
     from .health import NaNDetector, NaNState, check_gpu_health, check_nccl_health
     from .signals import (
         PREEMPTION_EXIT_CODE,
@@ -47,6 +47,8 @@ __all__ = [
     "RNGState",
     "ResumableSampler",
     "SlowFault",
+    "FaultKind",
+    "fail_at",
     "Stateful",
     "DistributedSignalHandler",
     "NaNDetector",
@@ -89,6 +91,8 @@ _LAZY: dict[str, str] = {
     "backend_device": ".dist",
     "world_info": ".dist",
     "SlowFault": ".faults",
+    "FaultKind": ".faults",
+    "fail_at": ".faults",
     "setup_simulated_fault": ".faults",
     "NaNDetector": ".health",
     "NaNState": ".health",

@@ -25,10 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from . import events
+from .faults import FaultKind
 
 __all__ = ["FAULTS", "add_arguments", "run_demo"]
 
-FAULTS = ("nan", "kill", "hang", "slow", "sigterm")
+#: The demo's faults by their short flag names (``--faults``), and what they inject.
+_KINDS = {
+    "nan": FaultKind.NAN_BURST,
+    "kill": FaultKind.RANK_KILLED,
+    "hang": FaultKind.RANK_HUNG,
+    "slow": FaultKind.SLOW_RANK,
+    "sigterm": FaultKind.SIGTERM,
+}
+FAULTS = tuple(_KINDS)
 #: Rough fixed cost of a demo's run outside its paced steps (start-ups, restarts), used to
 #: turn --duration into a pace.
 _OVERHEAD_S = 22.0
@@ -98,24 +107,21 @@ class _Plan:
         }
         self.at = {k: v for k, v in at.items() if k in self.faults}
 
-    def script_args(self) -> list[str]:
-        flags = {
-            "nan": "--nan-burst",
-            "kill": "--kill-at",
-            "hang": "--hang-at",
-            "slow": "--slow-at",
-        }
+    def script_args(self, rank: int) -> list[str]:
+        """The training script's flags: pace, and a ``--fault`` spec per injected fault
+        on ``rank`` (the SIGTERM comes from the demo itself, as a scheduler's would)."""
         interval = max(1.0, 8 * self.pace)  # between straggler reports
         slow_steps = max(5, math.ceil(2.5 * interval / (3 * self.pace)))  # >= 2 reports
+        length = {"nan": 3, "slow": slow_steps}
         out = [
             "--step-sleep", str(self.pace),
             "--slow-seconds", str(round(2 * self.pace, 4)),
-            "--slow-steps", str(slow_steps),
             "--straggler-interval", str(interval),
         ]  # fmt: skip
-        for fault, flag in flags.items():
-            if fault in self.at:
-                out += [flag, str(self.at[fault])]
+        for fault, step in self.at.items():
+            if fault != "sigterm":
+                spec = f"{_KINDS[fault].value}:{rank}:{step}"
+                out += ["--fault", spec + (f":{length[fault]}" if fault in length else "")]
         return out
 
 
@@ -296,7 +302,7 @@ def run_demo(ns: argparse.Namespace) -> int:
     run_log = work / "run" / "launcher.log"
     run_args = [
         *common, "--ckpt-dir", str(work / "run" / "ckpt"), "--out", str(work / "run" / "final.pt"),
-        "--calc-timeouts-at", str(plan.calc_at), *plan.script_args(),
+        "--calc-timeouts-at", str(plan.calc_at), *plan.script_args(ns.nproc - 1),
     ]  # fmt: skip
     say(f"2/3 the run with faults (log: {run_log})")
     progress = _Progress(run_events, tty)
@@ -311,8 +317,8 @@ def run_demo(ns: argparse.Namespace) -> int:
         if sigterm_at is None or sent or seen is None or seen[0] < sigterm_at:
             return
         os.environ[events.EVENTS_ENV] = str(run_events)
-        events.emit("fault_injected", step=seen[0], rank=target, cause="sigterm",
-                    fault="sigterm")  # fmt: skip
+        sigterm = FaultKind.SIGTERM.value
+        events.emit("fault_injected", step=seen[0], rank=target, cause=sigterm, fault=sigterm)
         os.kill(seen[1], signal.SIGTERM)
         sent = True
 
@@ -343,18 +349,9 @@ def run_demo(ns: argparse.Namespace) -> int:
     )
     print(f"  final parameters equal the fault-free run bit for bit: {'YES' if exact else 'NO'}")
     injected = {r.fault for r in report.faults}
-    missing = sorted(_NAMES[f] for f in plan.faults if _NAMES[f] not in injected)
+    missing = sorted(_KINDS[f].value for f in plan.faults if _KINDS[f].value not in injected)
     if missing:
         print(f"  faults planned but never injected: {', '.join(missing)}")
     ok = exact and report.all_recovered and not missing
     print(f"  demo: {'PASSED' if ok else 'FAILED'}")
     return 0 if ok else 1
-
-
-_NAMES = {
-    "nan": "nan_burst",
-    "kill": "rank_killed",
-    "hang": "rank_hung",
-    "slow": "slow_rank",
-    "sigterm": "sigterm",
-}

@@ -18,16 +18,19 @@ Common fields, present on every line:
 ``restart``   int, ``TORCHELASTIC_RESTART_COUNT`` (in-job restart number, 0 first)
 
 Added when running under Slurm: ``slurm_job_id`` (str) and ``slurm_restart`` (int, the
-``SLURM_RESTART_COUNT``; 0 before the first requeue). Any other keys are kind-specific and
-listed with the kind in :data:`EVENT_KINDS`.
+``SLURM_RESTART_COUNT``; 0 before the first requeue). Any other keys are kind-specific:
+each kind declares its fields in :data:`EVENT_KINDS` (an :class:`EventKind`), and
+:func:`emit` rejects one that is not declared.
 
 Where the log goes
 ------------------
-1. ``$STEADFAST_EVENTS`` when set (the launcher sets it for its workers);
-   ``STEADFAST_EVENTS=off`` writes no file;
-2. else a path given to :func:`set_default_path` (the checkpoint manager sets
-   ``<checkpoint_dir>/events.jsonl``);
-3. else ``steadfast_events.jsonl`` in the working directory.
+1. ``$STEADFAST_EVENTS`` when set: ``steadfast launch`` owns the run's log and sets it
+   for every worker (``--events PATH`` / ``--run-dir DIR``; see
+   :mod:`steadfast.launcher`); ``STEADFAST_EVENTS=off`` writes no file;
+2. else a path the script gave :func:`set_default_path` itself (no steadfast
+   constructor changes it);
+3. else ``steadfast_events.jsonl`` in the working directory (also the launcher's
+   default, so a script run with and without the launcher writes to the same place).
 
 Every event also goes to the ``steadfast.events`` logger at DEBUG level.
 
@@ -45,7 +48,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,7 @@ __all__ = [
     "EVENTS_OFF",
     "EVENT_KINDS",
     "Event",
+    "EventKind",
     "EventLogError",
     "current_path",
     "emit",
@@ -66,6 +70,7 @@ __all__ = [
     "read_events",
     "register_kind",
     "set_default_path",
+    "SLURM_FIELDS",
 ]
 
 logger = logging.getLogger("steadfast.events")
@@ -78,66 +83,158 @@ DEFAULT_EVENTS_FILE = "steadfast_events.jsonl"
 
 COMMON_FIELDS: tuple[str, ...] = ("time", "kind", "rank", "step", "cause", "host", "pid", "restart")
 
-#: Every event kind with the kind-specific fields it carries. Components register their
-#: kinds here (not ad hoc), so the report and the docs have one list to read.
-EVENT_KINDS: dict[str, str] = {
-    # health / NaN detection
-    "nan_detected": "a non-finite loss or gradient on some rank; fields: source "
-    "('loss'|'gradients'), local (this rank's own value was non-finite), ranks_affected, "
-    "consecutive, total, action",
-    "nan_rollback_recommended": "consecutive NaN steps reached max_consecutive; fields: "
-    "consecutive, max_consecutive, last_good_step",
-    "health_check": "a GPU or collective health check; fields: check, ok, details",
-    # shutdown / signals
-    "shutdown_requested": "a shutdown signal arrived; fields: signal",
-    "shutdown_agreed": "ranks agreed to stop after this step; fields: ranks_signalled",
-    "shutdown_forced": "graceful shutdown exceeded its timeout, process force-exited; "
-    "fields: timeout_sec, exit_code",
-    "shutdown_complete": "graceful shutdown finished (handler.finish())",
-    "preemption_signal": "this rank received the preemption signal; fields: signal",
-    "preemption_exit": "all ranks stop for preemption after this step; fields: ranks_signalled",
-    # checkpoints
-    "checkpoint_saved": "fields: path, bytes, seconds, blocking_seconds",
-    "checkpoint_loaded": "fields: path, seconds",
-    "checkpoint_corrupt": "fields: path, reason",
-    "checkpoint_deleted": "fields: path",
-    # monitoring / launcher
-    "rank_hung": "fields: section, elapsed, timeout",
-    "rank_failed": "fields: exit_code, signal",
-    "restart": "fields: restart_count, reason",
-    "job_requeued": "the Slurm job was requeued (cause: restarts_exhausted, or "
-    "restart_elsewhere after a worker's exit 16: both spend a job retry; preempted, by "
-    "the batch script of steadfast slurm: spends none); fields: slurm_job",
-    "job_start": "a training process (re)started (after its restore); fields: world_size, "
-    "resumed_from, process_start (epoch seconds the process began: see job_start())",
-    "step_done": "a training step completed on this rank; fields: seconds (its duration), "
-    "loss (optional). What the goodput report counts as productive",
-    "rollback": "training state rolled back to a checkpoint (NaN burst); fields: to_step",
-    "job_end": "a training process ended; fields: exit_code, reason",
-    "fault_injected": "a simulated fault fired; fields: fault",
-    # re-run state machine
-    "rerun_result_rejected": "a validated result was rejected on this rank; fields: result, "
-    "invocation",
-    "rerun_verdict": "attribution of a rejected result: transient, persistent or correct; "
-    "fields: verdict",
-    # in-process restart (rank: the initial rank, this process's identity for the call)
-    "inprocess_interrupted": "an in-process restart iteration was interrupted (cause: "
-    "exception, soft_timeout, hard_timeout, rank_died, heartbeat_lost, left); fields: "
-    "iteration, fault_rank, detail",
-    "inprocess_restart": "this rank restarts the wrapped function in-process; fields: "
-    "iteration (the new one), world_size, active_world_size, terminated, causes, seconds "
-    "(from the first interruption record to the restart)",
-    "inprocess_terminated": "a rank left the job for good: terminated by its monitor "
-    "process on the hard timeout, or found dead; fields: iteration, terminated_rank, "
-    "signal (the last signal sent, null if it was already dead)",
-    "inprocess_rank_reassigned": "rank assignment gave this rank a new rank; fields: "
-    "iteration, from_rank, to_rank, world_size",
-    # straggler detection
-    "straggler_report": "a periodic straggler report; fields: relative, individual "
-    "({rank: score}), seconds",
-    "straggler_detected": "scores below the thresholds; fields: ranks, relative, individual, "
-    "scores",
+#: Added by :func:`emit` under Slurm: the job id and ``SLURM_RESTART_COUNT``.
+SLURM_FIELDS: tuple[str, ...] = ("slurm_job_id", "slurm_restart")
+
+
+@dataclass(frozen=True)
+class EventKind:
+    """One kind of event: what it records and the kind-specific fields it may carry
+    (each with what it means). :func:`emit` rejects a field that is not declared, and
+    :meth:`Event.get` one that is not declared for the event's kind, so a misspelt field
+    is an error at once instead of an event the report silently ignores."""
+
+    name: str
+    description: str
+    fields: Mapping[str, str] = field(default_factory=dict)
+
+    def allows(self, name: str) -> bool:
+        """Whether ``name`` is a field of this kind (or a common or Slurm field)."""
+        return name in self.fields or name in COMMON_FIELDS or name in SLURM_FIELDS
+
+    def __str__(self) -> str:
+        names = ", ".join(self.fields) or "none"
+        return f"{self.description}; fields: {names}"
+
+
+def _kinds(*specs: tuple[str, str, dict[str, str]]) -> dict[str, EventKind]:
+    return {name: EventKind(name, text, fields) for name, text, fields in specs}
+
+
+_WORKER = {
+    "exit_code": "the worker's exit code (negative: killed by that signal)",
+    "signal": "the signal's name when it was killed by one, else null",
+    "local_rank": "its rank on the node",
+    "worker_pid": "its process id",
 }
+
+#: Every event kind, with the fields it carries: the schema, as code. Components register
+#: further kinds with :func:`register_kind` (not ad hoc), so the report and the docs have
+#: one list to read.
+EVENT_KINDS: dict[str, EventKind] = _kinds(
+    # health / NaN detection
+    ("nan_detected", "a non-finite loss or gradient on some rank", {
+        "source": "'loss' or 'gradients'",
+        "local": "this rank's own value was non-finite",
+        "ranks_affected": "how many ranks saw one",
+        "consecutive": "bad steps in a row so far",
+        "total": "bad steps in the run so far",
+        "action": "what the detector does: warn, skip or raise",
+        "value": "the loss, when it was the loss",
+        "params": "the first parameters with non-finite gradients",
+    }),
+    ("nan_rollback_recommended", "consecutive NaN steps reached max_consecutive", {
+        "consecutive": "bad steps in a row",
+        "max_consecutive": "the configured limit",
+        "last_good_step": "the last step with finite values",
+    }),
+    ("health_check", "a GPU or collective health check", {
+        "check": "'gpu' or 'collective'", "ok": "the result", "details": "what was measured",
+    }),
+    # shutdown / signals
+    ("shutdown_requested", "a shutdown signal arrived", {"signal": "its name"}),
+    ("shutdown_agreed", "ranks agreed to stop after this step", {
+        "ranks_signalled": "how many ranks had the signal",
+    }),
+    ("shutdown_forced", "graceful shutdown exceeded its timeout, process force-exited", {
+        "timeout_sec": "the timeout", "exit_code": "the forced exit code",
+    }),
+    ("shutdown_complete", "graceful shutdown finished (handler.finish())", {}),
+    ("preemption_signal", "this rank received the preemption signal", {"signal": "its name"}),
+    ("preemption_exit", "all ranks stop for preemption after this step", {
+        "ranks_signalled": "how many ranks had the signal",
+    }),
+    # checkpoints
+    ("checkpoint_saved", "a checkpoint is complete and visible", {
+        "path": "its folder", "bytes": "its size", "seconds": "the whole save",
+        "blocking_seconds": "the part the training loop waited for",
+    }),
+    ("checkpoint_loaded", "a checkpoint was verified and loaded", {
+        "path": "its folder", "seconds": "the load",
+    }),
+    ("checkpoint_corrupt", "a checkpoint failed verification; an older one is used", {
+        "path": "its folder", "reason": "what failed",
+    }),
+    ("checkpoint_deleted", "an old checkpoint was removed (keep_last_n)", {"path": "its folder"}),
+    # monitoring / launcher
+    ("rank_hung", "a rank overstayed a timeout and is terminated (cause: what timed out)", {
+        "section": "the section, or what timed out", "elapsed": "seconds since it began",
+        "timeout": "the timeout", "local_rank": _WORKER["local_rank"],
+        "worker_pid": _WORKER["worker_pid"],
+    }),
+    ("rank_failed", "a worker failed: the first of its group to go down", dict(_WORKER)),
+    ("rank_stopped", "a worker that went down after another rank failed (stopped by the "
+     "launcher, or it lost its peer): not a fault of its own", {
+        **_WORKER, "first_failed_rank": "the rank whose failure it followed",
+    }),
+    ("restart", "the launcher restarts the worker group in-job (cause: worker_failure or "
+     "membership_change)", {
+        "restart_count": "restarts so far", "reason": "in words",
+        "remaining_restarts": "in-job restarts left",
+    }),
+    ("job_requeued", "the Slurm job was requeued (cause: restarts_exhausted, or "
+     "restart_elsewhere after a worker's exit 16: both spend a job retry; preempted, by "
+     "the batch script of steadfast slurm: spends none)", {"slurm_job": "the job id"}),
+    ("job_start", "a training process (re)started, after its restore", {
+        "world_size": "ranks in the job", "resumed_from": "the checkpoint, or null",
+        "process_start": "epoch seconds the process began (see job_start())",
+    }),
+    ("step_done", "a training step completed on this rank: what the goodput report counts "
+     "as productive", {"seconds": "its duration", "loss": "its loss (optional)"}),
+    ("rollback", "training state rolled back to a checkpoint (a NaN burst)", {
+        "to_step": "the step it went back to",
+    }),
+    ("job_end", "a training process ended", {"exit_code": "its code", "reason": "why"}),
+    ("fault_injected", "a simulated fault fired (steadfast.faults)", {
+        "fault": "its FaultKind name", "factor": "a slowdown's factor",
+    }),
+    # re-run state machine
+    ("rerun_result_rejected", "a validated result was rejected on this rank", {
+        "result": "the value", "invocation": "which run of the step",
+    }),
+    ("rerun_verdict", "attribution of a rejected result", {
+        "verdict": "transient, persistent or correct",
+    }),
+    # in-process restart (rank: the initial rank, this process's identity for the call)
+    ("inprocess_interrupted", "an in-process restart iteration was interrupted (cause: "
+     "exception, soft_timeout, hard_timeout, rank_died, heartbeat_lost, left)", {
+        "iteration": "the interrupted iteration", "fault_rank": "the rank at fault",
+        "detail": "in words", "first": "whether this record was the first of the iteration",
+    }),
+    ("inprocess_restart", "this rank restarts the wrapped function in-process", {
+        "iteration": "the new one", "world_size": "ranks left", "active_world_size":
+        "active ranks", "terminated": "ranks gone", "causes": "the interruptions",
+        "seconds": "from the first interruption record to the restart",
+    }),
+    ("inprocess_terminated", "a rank left the job for good: terminated by its monitor "
+     "process on the hard timeout, or found dead", {
+        "iteration": "the iteration", "terminated_rank": "the rank",
+        "signal": "the last signal sent, null if it was already dead",
+    }),
+    ("inprocess_rank_reassigned", "rank assignment gave this rank a new rank", {
+        "iteration": "the iteration", "from_rank": "before", "to_rank": "after",
+        "world_size": "the new world size",
+    }),
+    # straggler detection
+    ("straggler_report", "a periodic straggler report", {
+        "relative": "{rank: relative score}", "individual": "{rank: individual score}",
+        "seconds": "the report's cost",
+    }),
+    ("straggler_detected", "scores below the thresholds", {
+        "ranks": "the stragglers", "relative": "{rank: score}", "individual": "{rank: score}",
+        "scores": "the scores per section",
+    }),
+)  # fmt: skip
 
 _MAX_LINE = 64 * 1024  # one write stays well under any pipe/file atomicity concern
 
@@ -146,15 +243,24 @@ class EventLogError(ValueError):
     """An event or an event file is malformed; the message names the field or line."""
 
 
-def register_kind(kind: str, description: str) -> None:
-    """Add an event kind (with a description of its fields) to :data:`EVENT_KINDS`.
+def register_kind(
+    kind: str, description: str, fields: Mapping[str, str] | Iterable[str] = ()
+) -> EventKind:
+    """Add an event kind to :data:`EVENT_KINDS`: what it records and its kind-specific
+    fields (a mapping of name to meaning, or just the names).
 
     Components outside this module call this once at import so that their kinds are
-    documented and accepted by :func:`emit`.
+    documented and accepted by :func:`emit`, with exactly those fields.
     """
     if not kind or not kind.replace("_", "").isalnum() or kind != kind.lower():
         raise EventLogError(f"event kind {kind!r} must be lower_snake_case")
-    EVENT_KINDS[kind] = description
+    declared = dict(fields) if isinstance(fields, Mapping) else dict.fromkeys(fields, "")
+    clash = sorted(set(declared) & (set(COMMON_FIELDS) | set(SLURM_FIELDS)))
+    if clash:
+        raise EventLogError(f"event kind {kind!r}: {clash} are common fields, not its own")
+    spec = EventKind(kind, description, declared)
+    EVENT_KINDS[kind] = spec
+    return spec
 
 
 @dataclass(frozen=True)
@@ -169,7 +275,15 @@ class Event:
     fields: dict[str, Any] = field(default_factory=dict)
 
     def get(self, key: str, default: Any = None) -> Any:
-        """A kind-specific (or common non-core) field by name."""
+        """A kind-specific (or common non-core) field by name. Asking for a field that
+        the kind does not declare is an :class:`EventLogError` (a reader's typo); an
+        event of a kind this version does not know is read as it is."""
+        spec = EVENT_KINDS.get(self.kind)
+        if spec is not None and not spec.allows(key):
+            raise EventLogError(
+                f"event kind {self.kind!r} has no field {key!r}; its fields: "
+                f"{', '.join(spec.fields) or 'none'}"
+            )
         return self.fields.get(key, default)
 
 
@@ -293,6 +407,14 @@ def emit(
     clash = set(fields) & set(COMMON_FIELDS)
     if clash:
         raise EventLogError(f"event field(s) {sorted(clash)} are common fields, not extras")
+    spec = EVENT_KINDS[kind]
+    undeclared = sorted(name for name in fields if name not in spec.fields)
+    if undeclared:
+        raise EventLogError(
+            f"event {kind!r}: undeclared field(s) {undeclared}; its fields: "
+            f"{', '.join(spec.fields) or 'none'} (declare fields in "
+            "steadfast.events.EVENT_KINDS or with register_kind)"
+        )
     record: dict[str, Any] = {
         "time": time.time(),
         "kind": kind,

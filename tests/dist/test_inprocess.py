@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sfharness import Ranks, children, read_events, socket_count, wait_for
+from steadfast.faults import InjectedFault, fail_at
 from steadfast.inprocess import (
     CallWrapper,
     InterruptedIteration,
@@ -92,25 +93,28 @@ def _reference(rank: int, workdir: Path, schedule: list[tuple[int, int, dict[int
     return _params(model)
 
 
-def _fault(plan: dict[str, Any], rank: int, step: int, cw: CallWrapper) -> None:
-    if cw.iteration > plan.get("max_fault_iteration", 0) or rank != plan.get("rank"):
+def _planned_fault(plan: dict[str, Any], cw: CallWrapper) -> InjectedFault | None:
+    """This iteration's fault (``fail_at``, fresh each iteration up to
+    ``max_fault_iteration``). ``plan["kind"]`` is a FaultKind; ``lost`` (a rank_killed
+    that takes the rank's monitor process with it, as a lost node does) and ``freeze``
+    (a rank_hung by SIGSTOP) are the variants these tests add."""
+    if cw.iteration > plan.get("max_fault_iteration", 0):
+        return None
+    return fail_at(
+        plan["rank"],
+        plan.get("step", FAULT_STEP),
+        plan["kind"],
+        freeze=plan.get("freeze", False),
+    )
+
+
+def _strike(fault: InjectedFault | None, plan: dict[str, Any], rank: int, step: int) -> None:
+    if fault is None:
         return
-    if step != plan.get("step", FAULT_STEP):
-        return
-    kind = plan["kind"]
-    if kind == "exception":
-        raise ValueError(f"injected fault on rank {rank}")
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "lost":  # the rank and its monitor process vanish at once, like a lost node
-        for child in children(os.getpid(), zombies=True):
+    if plan.get("lost") and (rank, step) == (fault.rank, fault.step):
+        for child in children(os.getpid(), zombies=True):  # its monitor process first
             os.kill(child, signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "hang_python":  # alive and in Python, but no ping: only the manual timeout sees it
-        while True:
-            time.sleep(0.01)
-    if kind == "stopped":  # never returns to the interpreter: no thread of it runs,
-        os.kill(os.getpid(), signal.SIGSTOP)  # and a SIGTERM stays pending (NVRx rank_hung)
+    fault.check(step, rank)
 
 
 def inproc_train(
@@ -144,6 +148,7 @@ def inproc_train(
         seen["iterations"].append(cw.iteration)
         seen["ranks"].append((r, w))
         dist.init_process_group("gloo", store=cw.store, rank=r, world_size=w, timeout=PG_TIMEOUT)
+        fault = _planned_fault(plan, cw)
         model = _model()
         with torch.no_grad():
             for p, saved in zip(model.parameters(), memory["params"], strict=True):
@@ -154,7 +159,7 @@ def inproc_train(
                 _atomic_probe(cw, workdir)
             if plan.get("atomic") and rank == 1 and cw.iteration == 0 and step == FAULT_STEP:
                 wait_for((workdir / "atomic_entered").exists, 30, "rank 0 in atomic()")
-            _fault(plan, rank, step, cw)
+            _strike(fault, plan, rank, step)
             _step(model, step, r, w)
             memory["step"], memory["params"] = step + 1, _params(model)
         dist.destroy_process_group()
@@ -280,7 +285,7 @@ def test_sigkilled_rank_survivors_restart_with_shifted_ranks(
 ) -> None:
     # rank 1 dies at step 3: ranks 0 and 2 go on as ranks 0 and 1 of a world of 2
     schedule = [(3, FAULT_STEP, {0: 0, 1: 1, 2: 2}), (2, STEPS, {0: 0, 2: 1})]
-    _, codes = _run(tmp_path, 3, {"kind": "kill", "rank": 1}, schedule)
+    _, codes = _run(tmp_path, 3, {"kind": "rank_killed", "rank": 1}, schedule)
     assert codes[1] == -signal.SIGKILL and codes[0] == codes[2] == 0
     evs = read_events(event_log)
     died = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "rank_died"]
@@ -305,7 +310,7 @@ def test_rank_hung_in_python_is_interrupted_by_the_soft_timeout(
     tmp_path: Path, event_log: Path
 ) -> None:
     full = [(2, STEPS, {0: 0, 1: 1})]
-    plan = {"kind": "hang_python", "rank": 1, "soft": 1.5, "hard": 30}
+    plan = {"kind": "rank_hung", "rank": 1, "soft": 1.5, "hard": 30}
     _, codes = _run(tmp_path, 2, plan, full)
     assert codes == [0, 0]
     evs = read_events(event_log)
@@ -330,7 +335,7 @@ def test_rank_stuck_outside_python_is_terminated_by_the_hard_timeout(
     tmp_path: Path, event_log: Path
 ) -> None:
     schedule = [(3, FAULT_STEP, {0: 0, 1: 1, 2: 2}), (2, STEPS, {0: 0, 1: 1})]
-    plan = {"kind": "stopped", "rank": 2, "soft": 1.0, "hard": 2.5}
+    plan = {"kind": "rank_hung", "freeze": True, "rank": 2, "soft": 1.0, "hard": 2.5}
     _, codes = _run(tmp_path, 3, plan, schedule)
     assert codes[2] == -signal.SIGKILL and codes[0] == codes[1] == 0
     evs = read_events(event_log)
@@ -390,7 +395,7 @@ def test_lost_rank_and_monitor_are_found_by_the_heartbeat_timeout(
     tmp_path: Path, event_log: Path
 ) -> None:
     schedule = [(3, FAULT_STEP, {0: 0, 1: 1, 2: 2}), (2, STEPS, {0: 0, 2: 1})]
-    plan = {"kind": "lost", "rank": 1, "heartbeat": 1.5}
+    plan = {"kind": "rank_killed", "lost": True, "rank": 1, "heartbeat": 1.5}
     _, codes = _run(tmp_path, 3, plan, schedule)
     assert codes[1] == -signal.SIGKILL and codes[0] == codes[2] == 0
     evs = read_events(event_log)

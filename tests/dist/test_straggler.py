@@ -14,7 +14,8 @@ STEP_SECONDS = 0.006
 SLOW_FROM = 10  # the first report is made at call 10: every later sample is slow
 
 
-def _run(rank: int, world: int, workdir: Path, steps: int, slow: bool, stop: bool, ckpt: str):
+def _run(rank: int, world: int, workdir: Path, steps: int, slow: bool, stop: bool, ckpt: str,
+         interval: float = 0.05):  # fmt: skip
     import time
 
     import torch
@@ -23,7 +24,7 @@ def _run(rank: int, world: int, workdir: Path, steps: int, slow: bool, stop: boo
     from steadfast import CheckpointManager, SlowFault
     from steadfast.straggler import NVRxStragglerDetectionConfig, StragglerDetectionManager
 
-    cfg = NVRxStragglerDetectionConfig(enabled=True, report_time_interval=0.05,
+    cfg = NVRxStragglerDetectionConfig(enabled=True, report_time_interval=interval,
                                        stop_if_detected=stop)
     manager = StragglerDetectionManager(cfg)
     fault = SlowFault(factor=1.5, rank=1, start_step=SLOW_FROM if slow else 10**9)
@@ -51,9 +52,11 @@ def _run(rank: int, world: int, workdir: Path, steps: int, slow: bool, stop: boo
 
 
 def test_uniform_ranks_have_no_straggler(tmp_path: Path, event_log: Path):
-    results = run_ranks(_run, tmp_path, args=(140, False, False, ""))
+    # medians over ~35 steps per report: a burst of scheduler delay on this shared 2-core
+    # machine (which over 8 steps made a healthy rank score 0.63 once) does not move them
+    results = run_ranks(_run, tmp_path, args=(220, False, False, "", 0.25))
     reports, _ = results[0]
-    assert len(reports) >= 10
+    assert len(reports) >= 4
     for rel, ind, found, _ in reports:
         assert found == {"relative": [], "individual": []}, (rel, ind)
     assert [json.loads(x)["kind"] for x in event_log.read_text().splitlines()].count(
@@ -70,7 +73,7 @@ def test_slowed_rank_is_flagged_in_the_first_report_after(tmp_path: Path, event_
     events = [json.loads(x) for x in event_log.read_text().splitlines()]
     detected = [e for e in events if e["kind"] == "straggler_detected"]
     assert detected and detected[0]["ranks"] == [1] and detected[0]["rank"] == 0
-    assert any(e["kind"] == "fault_injected" and e["fault"] == "slow" for e in events)
+    assert any(e["kind"] == "fault_injected" and e["fault"] == "slow_rank" for e in events)
 
 
 def test_stop_if_detected_stops_every_rank_after_the_same_step(tmp_path: Path):

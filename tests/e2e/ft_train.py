@@ -1,8 +1,17 @@
 """A training script for the launcher tests: 2-rank gloo DDP with sections, heartbeats,
-checkpoints, and one injected fault in the first worker generation.
+checkpoints, and one injected fault (``steadfast.faults.fail_at``, once per run).
 
     steadfast launch --nproc-per-node 2 ... ft_train.py --ckpt DIR --out FILE \
-        [--fault KIND --fault-rank R --fault-step K]
+        [--fault KIND --fault-rank R --fault-step K --where WHERE]
+
+``KIND`` is a :class:`~steadfast.faults.FaultKind`; ``--where`` says where it strikes:
+``step`` (inside the step section of step K, the default), ``checkpointing`` (inside
+the save of step K), ``out_of_section`` (after the step section of step K), ``setup``
+(before the first step) or ``start`` (before monitoring starts: no heartbeat ever).
+``--every-generation`` makes it strike in every worker generation, not once per run.
+Under ``--rerun``, ``--fault nan_burst`` is a NaN loss on the first attempt of step K
+(transient), and ``--nan-on HW`` a NaN on every attempt while the hardware id is HW (a
+faulty GPU: persistent).
 
 The data of a step depends only on (step, rank), so a run that is restarted from its
 latest checkpoint ends bit-identical to one that never failed.
@@ -12,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -21,6 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from steadfast import CheckpointManager, ShutdownHandler, setup_simulated_fault
+from steadfast.faults import FaultKind, fail_at
 from steadfast.monitor import RankMonitorClient, load_ft_state, save_ft_state
 from steadfast.rerun import (
     HARDWARE_ID_ENV,
@@ -29,19 +38,7 @@ from steadfast.rerun import (
     RerunStateMachineConfig,
 )
 
-FAULTS = (
-    "none",
-    "hang_step",
-    "hang_checkpointing",
-    "hang_out_of_section",
-    "no_heartbeat",
-    "kill",
-    "raise",
-    "exit3",
-    "always_fail",
-    "nan_transient",  # a NaN loss on the first attempt only (with --rerun)
-    "nan_persistent",  # a NaN loss whenever the hardware id is "node-a" (with --rerun)
-)
+WHERE = ("step", "checkpointing", "out_of_section", "setup", "start")
 
 
 class _NoMonitor:
@@ -54,9 +51,12 @@ def main() -> int:
     ap.add_argument("--ckpt", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--fault", choices=FAULTS, default="none")
+    ap.add_argument("--fault", choices=[k.value for k in FaultKind], default=None)
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--fault-step", type=int, default=5)
+    ap.add_argument("--where", choices=WHERE, default="step")
+    ap.add_argument("--every-generation", action="store_true")
+    ap.add_argument("--nan-on", default=None, help="with --rerun: NaN at --fault-step on HW")
     ap.add_argument("--calc-timeouts", action="store_true")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--no-ft", action="store_true", help="run without the rank monitor")
@@ -64,13 +64,17 @@ def main() -> int:
     ap.add_argument("--graceful", action="store_true", help="save and stop on SIGTERM")
     ap.add_argument("--rerun", action="store_true", help="steps under the re-run state machine")
     args = ap.parse_args()
-    generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ["RANK"])
-    faulty = (generation == 0 or args.fault == "always_fail") and rank == args.fault_rank
-    fault = args.fault if faulty else "none"
+    once = None if args.every_generation else args.ckpt.parent / "faults"
+    fault = (
+        fail_at(args.fault_rank, args.fault_step, args.fault, once_dir=once) if args.fault else None
+    )
 
-    if fault == "no_heartbeat":
-        time.sleep(3600)  # stuck before monitoring even starts (e.g. in an import)
+    def strike(where: str, step: int) -> bool:
+        """The fault, if it strikes here (True while a NaN burst lasts)."""
+        return fault is not None and args.where == where and fault.check(step, rank)
+
+    strike("start", args.fault_step)  # stuck before monitoring starts (e.g. in an import)
     ft = RankMonitorClient()
     ft_state = args.ckpt / "ft_state.json"
     if args.no_ft:  # plain torchrun: the client's calls are never reached for real
@@ -97,13 +101,12 @@ def main() -> int:
     rank_state = {"rerun": machine} if machine is not None else None
     restored = ckpt.restore({**objects, **(rank_state or {})})
     start = restored[0] if restored else 0
-    if fault == "always_fail":
-        raise RuntimeError("injected: fails before any step, every generation")
+    strike("setup", args.fault_step)
     ft.end_section("setup")
     stop = ShutdownHandler(timeout_sec=30, agree=True) if args.graceful else None
     if stop is not None:
         stop.register()
-    if args.simulate and generation == 0:
+    if args.simulate and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         setup_simulated_fault(
             simulate_fault=True,
             simulated_fault_type=args.simulate,
@@ -114,14 +117,8 @@ def main() -> int:
     for step in range(start, args.steps):
         ft.send_heartbeat()
         ft.start_section("step")
-        if fault == "hang_step" and step == args.fault_step:
-            time.sleep(3600)
-        if fault == "kill" and step == args.fault_step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if fault == "raise" and step == args.fault_step:
-            raise RuntimeError(f"injected failure at step {step}")
-        if fault == "exit3" and step == args.fault_step:
-            os._exit(3)
+        if args.fault != FaultKind.NAN_BURST.value:  # a NaN strikes in the forward
+            strike("step", step)
         g = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
         if machine is None:
@@ -129,23 +126,19 @@ def main() -> int:
             torch.nn.functional.mse_loss(model(x), y).backward()
         else:  # the seed's loop: the step may run again with the same batch
             data = RerunDataIterator([(x, y)])
-            attempt = 0
             while machine.should_run_forward_backward(data):
                 bx, by = next(data)
                 opt.zero_grad(set_to_none=True)
                 loss = torch.nn.functional.mse_loss(model(bx), by)
-                bad = rank == args.fault_rank and step == args.fault_step
-                if bad and (
-                    (fault == "nan_transient" and attempt == 0)
-                    or (
-                        args.fault == "nan_persistent"
-                        and os.environ.get(HARDWARE_ID_ENV) == "node-a"
-                    )
-                ):
+                faulty_gpu = (
+                    args.nan_on is not None
+                    and os.environ.get(HARDWARE_ID_ENV) == args.nan_on
+                    and (rank, step) == (args.fault_rank, args.fault_step)
+                )
+                if faulty_gpu or strike("step", step):
                     loss = loss * float("nan")
                 loss.backward()
                 machine.validate_loss(loss)
-                attempt += 1
             save_now, exit_now, code = machine.should_checkpoint_and_exit()
             if save_now or exit_now:  # the step's update is not applied
                 ft.end_section("step")
@@ -161,8 +154,7 @@ def main() -> int:
         opt.step()
         time.sleep(args.step_sleep)
         ft.end_section("step")
-        if fault == "hang_out_of_section" and step == args.fault_step:
-            time.sleep(3600)
+        strike("out_of_section", step)
         if stop is not None and stop.should_shutdown(step):  # every rank, the same step
             ft.start_section("checkpointing")
             ckpt.save_emergency(step + 1, objects, rank_state=rank_state)
@@ -171,13 +163,11 @@ def main() -> int:
             break
         if (step + 1) % 2 == 0:
             ft.start_section("checkpointing")
-            if fault == "hang_checkpointing" and step + 1 == args.fault_step:
-                time.sleep(3600)
+            strike("checkpointing", step + 1)
             ckpt.save(step + 1, objects, rank_state=rank_state)
             ft.end_section("checkpointing")
-    if args.calc_timeouts:
-        ft.calculate_and_set_section_timeouts()
-        ft.calculate_and_set_hb_timeouts()
+    if args.calc_timeouts:  # the step's timeout from the steps seen (as examples/train.py)
+        ft.calculate_and_set_section_timeouts(["step"], calc_out_of_section=False)
         if rank == 0:
             save_ft_state(ft, ft_state)
     ckpt.close()

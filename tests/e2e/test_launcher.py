@@ -105,14 +105,14 @@ def _assert_recovered(workdir: Path, proc: subprocess.Popen[str], reference) -> 
 
 
 @pytest.mark.parametrize(
-    ("fault", "cause", "kind", "resumed_at"),
+    ("fault", "where", "cause", "kind", "resumed_at"),
     [
-        ("hang_step", "section:step", "rank_hung", 4),
-        ("hang_checkpointing", "section:checkpointing", "rank_hung", 2),  # saving step 4
-        ("hang_out_of_section", "out_of_section", "rank_hung", 4),
-        ("kill", "signal SIGKILL", "rank_failed", 4),
-        ("raise", "exit 1", "rank_failed", 4),
-        ("exit3", "exit 3", "rank_failed", 4),
+        ("rank_hung", "step", "section:step", "rank_hung", 4),
+        ("rank_hung", "checkpointing", "section:checkpointing", "rank_hung", 2),  # saving 4
+        ("rank_hung", "out_of_section", "out_of_section", "rank_hung", 4),
+        ("rank_killed", "step", "signal SIGKILL", "rank_failed", 4),
+        ("exception", "step", "exit 1", "rank_failed", 4),
+        ("exit", "step", "exit 3", "rank_failed", 4),
     ],
 )
 def test_fault_is_detected_and_the_run_recovers_bit_exact(
@@ -120,16 +120,17 @@ def test_fault_is_detected_and_the_run_recovers_bit_exact(
     event_log: Path,
     reference,
     fault: str,
+    where: str,
     cause: str,
     kind: str,
     resumed_at: int,
 ):
     flags = (*TIMEOUTS, "--max-restarts=2")
-    if fault == "hang_out_of_section":
+    if where == "out_of_section":
         # the peer waits for the hung rank inside its next step: with a shorter step
         # timeout it would be the one caught first (a victim, not the culprit)
         flags = (*flags, "--ft-rank_out_of_section_timeout", "1.5")
-    proc = _launch(tmp_path, "--fault", fault, "--fault-step", "4", flags=flags)
+    proc = _launch(tmp_path, "--fault", fault, "--where", where, "--fault-step", "4", flags=flags)
     _assert_recovered(tmp_path, proc, reference)
     detected = [e for e in _events(event_log, kind) if e["cause"] == cause]
     # rank 1 has the fault; with a hang, rank 0 waits for it in a collective and times
@@ -169,7 +170,9 @@ def test_rank_without_a_first_heartbeat(tmp_path: Path, event_log: Path, referen
     proc = _launch(
         tmp_path,
         "--fault",
-        "no_heartbeat",
+        "rank_hung",
+        "--where",
+        "start",
         flags=(
             *TIMEOUTS,
             "--max-restarts=1",
@@ -187,11 +190,14 @@ def test_rank_without_a_first_heartbeat(tmp_path: Path, event_log: Path, referen
 def test_restarts_exhausted_exit_code(tmp_path: Path, event_log: Path):
     from steadfast.launcher import EXIT_RESTARTS_EXHAUSTED
 
-    proc = _launch(tmp_path, "--fault", "kill", flags=(*TIMEOUTS, "--max-restarts=0"))
+    proc = _launch(tmp_path, "--fault", "rank_killed", flags=(*TIMEOUTS, "--max-restarts=0"))
     assert proc.returncode == EXIT_RESTARTS_EXHAUSTED
-    # rank 1 was killed; rank 0 may be reported first (it exits on the broken connection)
+    # rank 1 was killed; rank 0 went down after it (its peer gone, or stopped by the
+    # agent): one fault, counted once
     failed = {e["rank"]: e["cause"] for e in _events(event_log, "rank_failed")}
-    assert failed[1] == "signal SIGKILL", failed
+    assert failed == {1: "signal SIGKILL"}, failed
+    stopped = _events(event_log, "rank_stopped")
+    assert [(e["rank"], e["first_failed_rank"]) for e in stopped] == [(0, 1)]
     assert not (tmp_path / "out.pt").exists()
 
 
@@ -223,7 +229,7 @@ def test_job_retry_requeues_the_slurm_job(
     proc = _launch(
         tmp_path / "run",
         "--fault",
-        "kill",
+        "rank_killed",
         flags=(*TIMEOUTS, "--max-restarts=0", "--ft-num_job_retries_on_failure", "2"),
     )
     if requeued:
@@ -240,7 +246,10 @@ def test_no_progress_across_restarts_exit_code(tmp_path: Path, event_log: Path):
     proc = _launch(
         tmp_path,
         "--fault",
-        "always_fail",
+        "exception",
+        "--where",
+        "setup",
+        "--every-generation",
         flags=(*TIMEOUTS, "--max-restarts=10", "--ft-param-max_no_progress_restarts=2"),
     )
     assert proc.returncode == EXIT_NO_PROGRESS, (tmp_path / "launcher.log").read_text()[-3000:]
@@ -287,7 +296,7 @@ def test_calculated_timeouts_are_saved_and_used_after_a_restart(tmp_path: Path, 
     proc = _launch(
         run,
         "--fault",
-        "hang_step",
+        "rank_hung",
         "--fault-step",
         "4",
         flags=("--ft-param-rank_section_timeouts=setup:60", "--max-restarts=1"),
@@ -324,7 +333,7 @@ def test_two_launchers_form_a_two_node_job_and_restart_together(
             _launch(
                 workdir / f"node{node}",
                 "--fault",
-                "hang_step",
+                "rank_hung",
                 "--fault-step",
                 "4",
                 flags=flags,
@@ -357,7 +366,7 @@ def test_rerun_exit_16_restarts_elsewhere_and_the_run_ends_bit_exact(
 
     monkeypatch.setenv(HARDWARE_ID_ENV, "node-a")
     flags = (*TIMEOUTS, "--max-restarts=3")
-    proc = _launch(tmp_path, "--rerun", "--fault", "nan_persistent", flags=flags)
+    proc = _launch(tmp_path, "--rerun", "--nan-on", "node-a", flags=flags)
     assert proc.returncode == EXIT_RESTART_ELSEWHERE, (tmp_path / "launcher.log").read_text()[
         -4000:
     ]
@@ -366,7 +375,7 @@ def test_rerun_exit_16_restarts_elsewhere_and_the_run_ends_bit_exact(
     assert [(e["rank"], e["step"]) for e in _events(event_log, "rerun_result_rejected")] == [(1, 5)]
     assert os.path.basename(os.readlink(tmp_path / "ckpt" / "latest")) == "step_5"
     monkeypatch.setenv(HARDWARE_ID_ENV, "node-b")
-    proc = _launch(tmp_path, "--rerun", "--fault", "nan_persistent", flags=flags)
+    proc = _launch(tmp_path, "--rerun", "--nan-on", "node-a", flags=flags)
     _assert_recovered(tmp_path, proc, reference)
     assert [e["cause"] for e in _events(event_log, "rerun_verdict")] == ["persistent"] * 2
     tracker = [json.loads(r) for r in (tmp_path / "ckpt" / "rerun_tracker.jsonl").open()]
@@ -383,7 +392,7 @@ def test_rerun_exit_17_is_not_restarted(tmp_path: Path, event_log: Path):
     from steadfast.launcher import EXIT_RESULT_VALIDATION_FAILED
 
     proc = _launch(
-        tmp_path, "--rerun", "--fault", "nan_transient", flags=(*TIMEOUTS, "--max-restarts=3")
+        tmp_path, "--rerun", "--fault", "nan_burst", flags=(*TIMEOUTS, "--max-restarts=3")
     )
     log = (tmp_path / "launcher.log").read_text()
     assert proc.returncode == EXIT_RESULT_VALIDATION_FAILED, log[-4000:]

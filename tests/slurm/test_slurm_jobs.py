@@ -83,6 +83,10 @@ def _assert_bit_exact(tmp_path: Path, reference: dict[str, torch.Tensor]) -> Non
     assert all(torch.equal(out[k], reference[k]) for k in reference)  # bit for bit
 
 
+#: rank 1 SIGKILLed at steps 8 and 17 (each once per run)
+KILLED_TWICE = ("--fault", "rank_killed:1:8", "--fault", "rank_killed:1:17")
+
+
 def _wait_event(tmp_path: Path, kind: str, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while not _events(tmp_path, kind):
@@ -95,7 +99,7 @@ def test_a_rank_killed_twice_restarts_in_job_twice_then_succeeds(
 ):
     # --submit: steadfast slurm writes the script and hands it to sbatch itself
     flags = ("--submit", "--job-name", "killed-twice")  # --max-restarts 3: the default
-    job = _steadfast_slurm(tmp_path, flags, ("--kill-at", "8,17"), env=slurm.env).strip()
+    job = _steadfast_slurm(tmp_path, flags, KILLED_TWICE, env=slurm.env).strip()
     slurm.jobs.append(job)
     assert (tmp_path / "killed-twice.sbatch").is_file()
     info = _finish(slurm, job, tmp_path)
@@ -114,7 +118,7 @@ def test_a_rank_killed_twice_restarts_in_job_twice_then_succeeds(
 def test_restarts_spent_the_job_requeues_itself_and_resumes(
     slurm: Cluster, tmp_path: Path, reference
 ):
-    script = _job_script(tmp_path, "--kill-at", "8,17", slurm_flags=("--max-restarts=1",))
+    script = _job_script(tmp_path, *KILLED_TWICE, slurm_flags=("--max-restarts=1",))
     job = slurm.sbatch(script)
     info = _finish(slurm, job, tmp_path)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", info

@@ -164,3 +164,89 @@ def test_many_processes_append_to_one_file(event_log: Path):
     parsed = [json.loads(line) for line in lines]  # every line is valid JSON
     for tag in ("a", "b", "c"):
         assert sorted(e["step"] for e in parsed if e["cause"] == tag) == list(range(n))
+
+
+# ---------------------------------------------------------------------- the schema is code
+def test_an_undeclared_field_is_a_clear_error(event_log: Path):
+    with pytest.raises(
+        events.EventLogError, match=r"'restart': undeclared field\(s\) \['restart_cnt'\]"
+    ):
+        events.emit("restart", restart_count=1, restart_cnt=1)
+    with pytest.raises(events.EventLogError, match="common fields"):
+        events.register_kind("unit_test_kind", "x", ["host"])
+    assert not event_log.exists()
+
+
+def test_reading_an_undeclared_field_is_a_clear_error():
+    e = events.parse_event('{"time": 1, "kind": "step_done", "seconds": 0.5, "pid": 3}')
+    assert e.get("seconds") == 0.5 and e.get("loss") is None and e.get("pid") == 3
+    with pytest.raises(events.EventLogError, match="'step_done' has no field 'second'"):
+        e.get("second")
+    newer = events.parse_event('{"time": 1, "kind": "from_a_newer_writer", "x": 1}')
+    assert newer.get("x") == 1  # a kind this version does not know is read as it is
+
+
+def _sample(name: str) -> object:
+    """A plausible value for a field, by its name."""
+    if name in ("relative", "individual", "scores", "details"):
+        return {"0": 1.0}
+    if name in ("resumed_from", "path", "section", "reason", "detail", "source", "action",
+                "signal", "verdict", "slurm_job", "fault", "causes"):  # fmt: skip
+        return "x" if name != "fault" else "rank_killed"
+    return 1
+
+
+def test_every_field_the_report_reads_is_declared_for_its_kind(tmp_path: Path):
+    """One event of every kind, every declared field filled, in two process generations,
+    through everything that reads a log (the report, its table, the timeline, the demo's
+    progress line): :meth:`Event.get` raises for a field its kind does not declare."""
+    from steadfast.demo import _Progress
+    from steadfast.report import compute_report, format_report, load_events
+
+    lines = []
+    for i, (kind, spec) in enumerate(sorted(events.EVENT_KINDS.items())):
+        for pid in (100, 200):
+            fields = {name: _sample(name) for name in spec.fields}
+            lines.append(json.dumps({"time": i + (pid // 100) * 100.0, "kind": kind, "rank": 0,
+                                     "step": i, "cause": "c", "host": "h", "pid": pid,
+                                     "restart": 0, "slurm_job_id": "7", "slurm_restart": 0,
+                                     **fields}))  # fmt: skip
+    log = tmp_path / "events.jsonl"
+    log.write_text("\n".join(lines) + "\n")
+    evs, problems = load_events(log)
+    report = compute_report(evs, problems)
+    assert report.faults and not problems
+    format_report(report)
+    progress = _Progress(log, tty=False)
+    progress.poll()
+    progress.draw(force=True)
+    try:
+        from steadfast.report import plot_timeline
+
+        plot_timeline(evs, tmp_path / "timeline.png")
+    except ImportError:  # matplotlib is an extra
+        pass
+
+
+def test_the_readers_only_name_declared_fields():
+    """Every field name the report and the demo read with ``.get("...")`` is declared by
+    some kind (or common): a typo there fails here, even on a path no log reaches."""
+    import ast
+
+    src = Path(events.__file__).parent
+    declared = set(events.COMMON_FIELDS) | set(events.SLURM_FIELDS)
+    for spec in events.EVENT_KINDS.values():
+        declared |= set(spec.fields)
+    read = set()
+    for path in [*sorted((src / "report").glob("*.py")), src / "demo.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and isinstance(node.func.value, ast.Name)  # an event (os.environ is not)
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                read.add(node.args[0].value)
+    assert read and read <= declared, sorted(read - declared)

@@ -69,3 +69,64 @@ def test_random_type_and_rank_are_chosen_and_validated(monkeypatch: pytest.Monke
         setup_simulated_fault(simulate_fault=True, simulated_fault_type="rank_sad")
     with pytest.raises(ConfigError, match="not a rank of this 4-rank job"):
         setup_simulated_fault(simulate_fault=True, simulated_fault_rank=4)
+
+
+# ---------------------------------------------------------------------- fail_at
+def test_fault_kinds_name_their_detecting_events():
+    from steadfast.events import EVENT_KINDS
+    from steadfast.faults import FaultKind
+
+    for kind in FaultKind:
+        assert kind.detected_by and set(kind.detected_by) <= set(EVENT_KINDS), kind
+        assert kind.recovery in ("restart", "in_place", "reported")
+
+
+def test_fail_at_fires_once_per_run_with_a_marker_dir(tmp_path: Path, event_log: Path):
+    from steadfast.faults import FaultKind, InjectedFaultError, fail_at
+
+    first = fail_at(1, 3, FaultKind.EXCEPTION, once_dir=tmp_path / "once")
+    assert not first.check(3, rank=0)  # another rank
+    assert not first.check(2, rank=1)  # another step
+    with pytest.raises(InjectedFaultError):
+        first.check(3, rank=1)
+    assert not first.check(3, rank=1)  # once in this process
+    again = fail_at(1, 3, "exception", once_dir=tmp_path / "once")  # a restarted process
+    assert not again.check(3, rank=1)
+    [event] = [json.loads(x) for x in event_log.read_text().splitlines()]
+    assert (event["kind"], event["fault"], event["rank"], event["step"]) == (
+        "fault_injected", "exception", 1, 3)  # fmt: skip
+
+
+def test_a_nan_burst_lasts_its_length_across_a_rollback():
+    from steadfast.faults import parse_fault
+
+    burst = parse_fault("nan_burst:0:5:3")
+    seen = [burst.check(step, rank=0) for step in (4, 5, 6, 2, 3, 5)]  # rolled back to 2
+    assert seen == [False, True, True, True, False, False]
+
+
+def test_process_faults_act(tmp_path: Path):
+    code = (
+        "import sys\nfrom steadfast.faults import fail_at\n"
+        "fail_at(0, 1, sys.argv[1]).check(1, rank=0)\nprint('survived')"
+    )
+    for kind, expected in (
+        ("rank_killed", -signal.SIGKILL),
+        ("exit", 3),
+        ("sigterm", -signal.SIGTERM),
+    ):
+        proc = subprocess.run([sys.executable, "-c", code, kind], capture_output=True, timeout=60)
+        assert proc.returncode == expected, (kind, proc.stderr)
+
+
+def test_bad_fault_specs_name_the_spec():
+    from steadfast.faults import parse_fault
+
+    for spec, match in (
+        ("rank_sad:1:2", "not a fault kind"),
+        ("rank_killed:1", "KIND:RANK:STEP"),
+        ("rank_killed:x:2", "integers"),
+        ("nan_burst:1:2:0", "length"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            parse_fault(spec)

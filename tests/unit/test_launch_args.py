@@ -56,3 +56,22 @@ def test_bad_ft_flag_is_one_clear_error(capsys: pytest.CaptureFixture[str]):
         _split(["--ft-param-step_timeout=3", "train.py"])
     assert main(["--nproc-per-node=1", "--ft-rank_heartbeat_timeout", "-5", "train.py"]) == 2
     assert "rank_heartbeat_timeout: must be > 0" in capsys.readouterr().err
+
+
+def test_event_log_flags_are_taken_and_resolved(tmp_path: Path):
+    from steadfast.launcher.args import resolve_events_path
+
+    split = _split(["--run-dir", "runs/a", "--nproc-per-node=2", "t.py", "--events", "x"])
+    assert split.run_dir == "runs/a" and split.events is None  # the script's own --events
+    assert split.torchrun_argv == ["--nproc-per-node=2", "t.py", "--events", "x"]
+    assert _split(["--events=e.jsonl", "t.py"]).events == "e.jsonl"
+    env = {"STEADFAST_EVENTS": "/inherited.jsonl"}
+    assert resolve_events_path("e.jsonl", None, env) == str(Path("e.jsonl").resolve())
+    assert resolve_events_path(None, "runs/a", env) == str(Path("runs/a/events.jsonl").resolve())
+    assert resolve_events_path(None, None, env) == "/inherited.jsonl"
+    assert resolve_events_path(None, None, {"STEADFAST_EVENTS": "off"}) == "off"
+    assert resolve_events_path(None, None, {}) == str(Path("steadfast_events.jsonl").resolve())
+    with pytest.raises(ConfigError, match="not both"):
+        resolve_events_path("a", "b", {})
+    with pytest.raises(ConfigError, match="--run-dir"):
+        _split(["--run-dir="])

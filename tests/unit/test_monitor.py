@@ -221,6 +221,17 @@ elif mode == "stopped":
     c.send_heartbeat()
     c.start_section("step")
     os.kill(os.getpid(), signal.SIGSTOP)
+elif mode == "lowered":  # a section open under a long timeout, then a short one loaded
+    c.send_heartbeat()
+    c.start_section("step")
+    time.sleep(0.3)  # the watcher has read the row and sleeps to a far deadline
+    c.load_state_dict({"rank_section_timeouts": {"step": 0.5}})
+    time.sleep(60)
+elif mode == "ignores_sigterm":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    c.send_heartbeat()
+    c.start_section("step")
+    time.sleep(60)
 elif mode == "clean":
     c.send_heartbeat()
     c.start_section("step"); c.end_section("step")
@@ -374,3 +385,81 @@ def test_watcher_does_not_act_on_a_worker_that_already_exited(event_log: Path):
         watcher.stop()
         tab.close()
     assert watcher.hangs == [] and not event_log.exists()
+
+
+def _start_workers(tab: HeartbeatTable, cfg: FaultToleranceConfig, *modes: str):
+    """One worker process per row of ``tab``, each past its ``ready`` line."""
+    procs = []
+    for row, mode in enumerate(modes):
+        env = dict(_worker_env(tab, cfg), LOCAL_RANK=str(row))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER, mode],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        procs.append(proc)
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return procs
+
+
+def _finish(procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def test_a_lowered_timeout_wakes_the_watcher(event_log: Path):
+    """The watcher read the row under a 60 s step timeout and sleeps to a far deadline
+    (workload_check_interval 30 s); the rank then loads a 0.5 s timeout: the hang is
+    seen when the new timeout ends, not 30 s later."""
+    cfg = FaultToleranceConfig(rank_section_timeouts={"step": 60}, workload_check_interval=30)
+    tab = _table_for(cfg)
+    [proc] = _start_workers(tab, cfg, "lowered")
+    watcher = Watcher(tab, cfg)
+    try:
+        watcher.start()
+        watcher.watch({0: proc.pid})
+        proc.wait(20)
+    finally:
+        watcher.stop()
+        _finish([proc])
+        tab.close()
+    [hang] = watcher.hangs
+    assert hang.timeout == 0.5 and hang.elapsed - hang.timeout < 5.0, hang
+
+
+def test_a_rank_ignoring_sigterm_is_killed_without_holding_up_the_others(event_log: Path):
+    """Rank 0 ignores the termination signal: SIGKILL follows after workers_stop_timeout
+    (2 s). Rank 1 hangs meanwhile and is still seen on its own timeout, not after rank
+    0's escalation; the watcher records the order in which they exited."""
+    cfg = FaultToleranceConfig(
+        rank_section_timeouts={"step": 0.5},
+        rank_termination_signal=signal.SIGTERM,
+        workers_stop_timeout=2.0,
+    )
+    tab = HeartbeatTable.create(rows=2)
+    for row in range(2):
+        tab.reset(row, cfg.rank_section_timeouts, None, None, None)
+    procs = _start_workers(tab, cfg, "ignores_sigterm", "hang_in_step")
+    watcher = Watcher(tab, cfg)
+    try:
+        watcher.start()
+        watcher.watch({row: p.pid for row, p in enumerate(procs)})
+        for proc in procs:
+            proc.wait(30)
+        exits = watcher.exit_times()
+    finally:
+        watcher.stop()
+        _finish(procs)
+        tab.close()
+    assert procs[0].returncode == -signal.SIGKILL  # it ignored SIGTERM
+    assert procs[1].returncode == -signal.SIGTERM
+    by_rank = {h.local_rank: h for h in watcher.hangs}
+    assert set(by_rank) == {0, 1}
+    assert by_rank[1].elapsed - by_rank[1].timeout < 1.5, by_rank  # not after rank 0's 2 s
+    assert set(exits) == {0, 1} and exits[1] < exits[0]

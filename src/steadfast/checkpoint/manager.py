@@ -436,8 +436,6 @@ class CheckpointManager:
         if self._rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp()
-        if not os.environ.get(events.EVENTS_ENV):
-            events.set_default_path(self.dir / "events.jsonl")
 
     # ------------------------------------------------------------------ public API
     def save(

@@ -7,6 +7,12 @@ comes from ``--ft-cfg-path FILE.yaml`` (a ``fault_tolerance:`` section), then
 :class:`~steadfast.launcher.agent.FTAgent`, torch's elastic agent plus the heartbeat
 table and watcher.
 
+The run's event log has one owner, the launcher: it decides the path once, before the
+agent starts (``--events PATH``; else ``--run-dir DIR``, ``DIR/events.jsonl``; else an
+inherited ``$STEADFAST_EVENTS``; else ``./steadfast_events.jsonl``, made absolute), and
+exports it as ``$STEADFAST_EVENTS`` to every worker of every restart, so the launcher's
+``rank_failed`` / ``restart`` and the ranks' ``step_done`` land in one file.
+
 Exit codes (for job scripts that decide whether to requeue):
 
 ==== ===================================================================================
@@ -77,12 +83,16 @@ def _launch(argv: list[str]) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+    from .. import events
     from .agent import FTAgent, NoProgressError, RerunExit
-    from .args import split_argv
+    from .args import resolve_events_path, split_argv
     from .template import discard_prestarted, keep_prestarted_if
 
     parser = torchrun.get_args_parser()
+    _add_help(parser)
     split = split_argv(argv, parser)
+    # one event log for the run: this process's events and every worker's (inherited)
+    os.environ[events.EVENTS_ENV] = resolve_events_path(split.events, split.run_dir)
     if not split.ft.worker_template:
         discard_prestarted()
     args = parser.parse_args(split.torchrun_argv)
@@ -169,6 +179,27 @@ def _launch(argv: list[str]) -> int:
     return EXIT_OK
 
 
+def _add_help(parser: Any) -> None:
+    """steadfast's own flags in ``steadfast launch --help`` (split_argv takes them out of
+    the command line before torchrun's parser reads it)."""
+    group = parser.add_argument_group("steadfast")
+    group.add_argument(
+        "--events",
+        metavar="PATH",
+        help="the run's event log, exported to every worker as $STEADFAST_EVENTS "
+        "(default: an inherited $STEADFAST_EVENTS, else ./steadfast_events.jsonl)",
+    )
+    group.add_argument(
+        "--run-dir", metavar="DIR", help="the run's folder: --events DIR/events.jsonl"
+    )
+    group.add_argument(
+        "--ft-cfg-path",
+        metavar="FILE",
+        help="FT config (YAML, a fault_tolerance: section); then --ft-param-<field>=VALUE "
+        "or --ft-<field> VALUE for any field",
+    )
+
+
 def _handle_signals_now(names: str) -> None:
     """Torch's agent installs its handlers (which stop the workers with the same signal)
     only when it first starts them; until then a signal it should handle, such as the
@@ -241,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = os.environ.get(PRESTART_ENV, "1") != "0"  # 0: the template after the agent
     if wanted and not {"-h", "--help"} & set(args):
         prestart()  # the worker template imports torch while this process does
+    events_before = os.environ.get("STEADFAST_EVENTS")
     try:
         return _launch(args)
     except ConfigError as exc:
@@ -248,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_CONFIG
     finally:
         discard_prestarted()
+        # the launcher set it for its run; a caller that runs main() in-process gets
+        # its own value back
+        if events_before is None:
+            os.environ.pop("STEADFAST_EVENTS", None)
+        else:
+            os.environ["STEADFAST_EVENTS"] = events_before
 
 
 def console_main() -> None:

@@ -8,7 +8,8 @@ On top of torch's behaviour:
 
 - workers are stopped with SIGTERM, then SIGKILL after ``workers_stop_timeout``, to the
   whole process group of each worker (torch starts each in its own session);
-- every failure and restart is an event (``rank_failed``, ``restart``);
+- every failure and restart is an event (``rank_failed`` for the rank that failed
+  first, ``rank_stopped`` for the ranks that went down after it, ``restart``);
 - the progress guard: when ``max_no_progress_restarts`` consecutive generations ended
   without any rank completing a ``step`` section, the agent stops with
   :class:`NoProgressError` instead of restarting again;
@@ -23,6 +24,8 @@ import json
 import logging
 import os
 import signal
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -37,7 +40,7 @@ from ..rerun.machine import (
 )
 from .template import Template, take_prestarted
 
-__all__ = ["FTAgent", "NoProgressError", "RerunExit", "rerun_exit_code"]
+__all__ = ["FTAgent", "NoProgressError", "RerunExit", "first_failures", "rerun_exit_code"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,21 @@ class RerunExit(RuntimeError):
     def __init__(self, code: int) -> None:
         super().__init__(f"a worker exited {code}")
         self.code = code
+
+
+def first_failures(failures: Mapping[int, Any], exits: Mapping[int, float]) -> set[int]:
+    """The global ranks of ``failures`` (torch's ``ProcessFailure`` by global rank) that
+    failed first: the earliest exit in ``exits`` (local rank -> monotonic time), else the
+    earliest of torch's timestamps. A rank killed by SIGKILL or SIGSEGV before anyone was
+    stopped is the usual first; the others then lost a peer or were stopped."""
+    timed = {r: exits[int(f.local_rank)] for r, f in failures.items() if int(f.local_rank) in exits}
+    if timed:
+        earliest = min(timed.values())
+        return {r for r, t in timed.items() if t == earliest}
+    if not failures:
+        return set()
+    stamp = min(int(f.timestamp) for f in failures.values())
+    return {r for r, f in failures.items() if int(f.timestamp) == stamp}
 
 
 def rerun_exit_code(exit_codes: set[int]) -> int | None:
@@ -145,27 +163,56 @@ class FTAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result: RunResult = super()._monitor_workers(worker_group)
+        failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+        if failed:
+            self._record_failures(result.failures)
         if result.state != WorkerState.HEALTHY:  # the group ended: no more hangs to watch
             self.watcher.unwatch()
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            for rank, failure in result.failures.items():
-                code = int(failure.exitcode)
-                name = _signal_name(-code) if code < 0 else None
-                events.emit(
-                    "rank_failed",
-                    cause=f"signal {name}" if name else f"exit {code}",
-                    rank=int(rank),
-                    exit_code=code,
-                    signal=name,
-                    local_rank=int(failure.local_rank),
-                    worker_pid=int(failure.pid),
-                )
+        if failed:
             # whether or not restarts remain: the same hardware would give the same answer
             rerun_code = rerun_exit_code({int(f.exitcode) for f in result.failures.values()})
             if rerun_code is not None:
                 self._stop_workers(worker_group)
                 raise RerunExit(rerun_code)
         return result
+
+    def _record_failures(self, failures: Mapping[int, Any]) -> None:
+        """``rank_failed`` for the rank(s) that failed first, ``rank_stopped`` for the
+        ranks that went down after them: torch's agent reports every worker of a failed
+        group as failed, the survivors it stopped (and those that ended on their own
+        when a collective lost its peer) included, but the fault is counted once.
+
+        The order is the watcher's (a pidfd per worker, ms resolution); without pidfds,
+        torch's failure timestamps (1 s resolution) decide, and ties count as failed."""
+        exits = self.watcher.exit_times()
+        deadline = time.monotonic() + 0.5  # the watcher thread records an exit within ms
+        while any(int(f.local_rank) not in exits for f in failures.values()):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+            exits = self.watcher.exit_times()
+        first = first_failures(failures, exits)
+        culprit = min(first) if first else None
+        for rank, failure in sorted(failures.items()):
+            code = int(failure.exitcode)
+            name = _signal_name(-code) if code < 0 else None
+            how = f"signal {name}" if name else f"exit {code}"
+            fields: dict[str, Any] = dict(
+                exit_code=code,
+                signal=name,
+                local_rank=int(failure.local_rank),
+                worker_pid=int(failure.pid),
+            )
+            if rank in first:
+                events.emit("rank_failed", cause=how, rank=int(rank), **fields)
+            else:
+                events.emit(
+                    "rank_stopped",
+                    cause=f"after rank {culprit} failed",
+                    rank=int(rank),
+                    first_failed_rank=culprit,
+                    **fields,
+                )
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         failed = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)

@@ -184,6 +184,8 @@ class RankMonitorClient:
         timeout = self._calc["rank_section_timeouts"].get(name)
         index = self._table.add_section(self._row, name, timeout)
         self._index[name] = index
+        if timeout is not None:  # a new name with a calculated timeout (once per name)
+            self._table.wake_watcher()
         return index
 
     # ------------------------------------------------------------------ timeouts
@@ -258,6 +260,12 @@ class RankMonitorClient:
             if index is None:
                 index = self._register(name)
             self._slots[t.TIMEOUTS + index] = float(value)
+        if (
+            any(v is not None for k, v in calc.items() if k != "rank_section_timeouts")
+            or (calc["rank_section_timeouts"])
+        ):
+            # the watcher may sleep until a deadline of the old (longer) timeouts
+            self._table.wake_watcher()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -12,15 +12,23 @@ bracket every update with a sequence counter (odd while writing, a seqlock), so 
 reader never acts on a half-written row. ``time.monotonic()`` is CLOCK_MONOTONIC,
 shared by all processes of the node, so the watcher can compare its own clock with the
 timestamps the ranks wrote.
+
+Beside the table lies its *wake channel*, a FIFO (``steadfast-hbwake-...``) that the
+watcher waits on. A rank writes one byte to it only when it *lowers* a timeout (a
+calculated or loaded timeout, a handful of times per run), so that the watcher, which
+may be asleep until a deadline computed from the old timeouts, looks again at once. The
+hot path (heartbeats and sections) never touches it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import math
 import mmap
 import os
 import secrets
+import stat
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -59,14 +67,24 @@ _NAMES_OFFSET = SLOTS * 8
 assert _NAMES_OFFSET + MAX_SECTIONS * NAME_BYTES <= ROW_BYTES
 
 
+_TABLE_PREFIX = "steadfast-hb-"
+_WAKE_PREFIX = "steadfast-hbwake-"
+
+
+def wake_path(table: str | os.PathLike[str]) -> Path:
+    """The wake channel (a FIFO) of the table at ``table``."""
+    path = Path(table)
+    return path.with_name(_WAKE_PREFIX + path.name.removeprefix(_TABLE_PREFIX))
+
+
 def _remove_orphans(base: Path) -> None:
     """Remove tables left by launchers that died without cleaning up (SIGKILL, OOM).
     A live launcher holds an exclusive ``flock`` on its table for its whole life, so a
     table that can be locked has no owner; this holds across pid namespaces that share
     ``/dev/shm``, where a pid check would not."""
-    for entry in base.glob("steadfast-hb-*"):
+    for entry in base.glob(_TABLE_PREFIX + "*"):
         try:
-            fd = os.open(entry, os.O_RDONLY)
+            fd = os.open(entry, os.O_RDONLY | os.O_NONBLOCK)
         except OSError:
             continue
         try:
@@ -76,6 +94,10 @@ def _remove_orphans(base: Path) -> None:
         finally:
             os.close(fd)
         entry.unlink(missing_ok=True)
+    for fifo in base.glob(_WAKE_PREFIX + "*"):  # a wake channel whose table is gone
+        table = fifo.with_name(_TABLE_PREFIX + fifo.name.removeprefix(_WAKE_PREFIX))
+        if not table.exists():
+            fifo.unlink(missing_ok=True)
 
 
 _MAX_SPINS = 10_000  # a live writer finishes in well under a microsecond
@@ -142,13 +164,19 @@ class HeartbeatTable:
         if not base.is_dir():
             base = Path(tempfile.gettempdir())
         _remove_orphans(base)
-        path = base / f"steadfast-hb-{os.getpid()}-{secrets.token_hex(4)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        path = base / f"{_TABLE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        os.mkfifo(wake_path(path), 0o600)
         try:
-            os.ftruncate(fd, rows * ROW_BYTES)
-        finally:
-            os.close(fd)
-        return cls(path, rows, owner=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, rows * ROW_BYTES)
+            finally:
+                os.close(fd)
+            return cls(path, rows, owner=True)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            wake_path(path).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def attach(cls, path: str | os.PathLike[str], row: int) -> HeartbeatTable:
@@ -171,9 +199,35 @@ class HeartbeatTable:
         self._map.close()
         if self.owner:
             self.path.unlink(missing_ok=True)
+            wake_path(self.path).unlink(missing_ok=True)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    # ------------------------------------------------------------------ wake channel
+    def open_wake_reader(self) -> int:
+        """A non-blocking descriptor on the wake channel for the watcher to poll (the
+        caller closes it). Opened read-write, so that it never reads end-of-file when no
+        rank has it open."""
+        fd = os.open(wake_path(self.path), os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ConfigError(f"{wake_path(self.path)}: the wake channel is not a FIFO")
+        return fd
+
+    def wake_watcher(self) -> None:
+        """Make the watcher read the rows now (a rank calls it after it lowered a
+        timeout). Never blocks; a channel that is full already wakes the watcher, and
+        one with no watcher (a table without one, in tests) is ignored."""
+        try:
+            fd = os.open(wake_path(self.path), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # ENXIO: no reader; ENOENT: an older table, or gone
+            return
+        try:
+            with contextlib.suppress(OSError):  # EAGAIN: full, a wake is pending anyway
+                os.write(fd, b"w")
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ writers
     def slots(self, row: int) -> Any:

@@ -2,9 +2,23 @@
 
 Instead of polling every ``workload_check_interval`` (the original's 5 s, so a hang is
 seen up to 5 s late), the watcher computes each rank's nearest deadline from its row and
-sleeps until then (at most ``workload_check_interval``), then re-reads the row: a rank
-that made progress meanwhile moved its deadline; one that did not is hung. Detection
-lags the timeout only by the thread's wake-up latency.
+sleeps until then, then re-reads the row: a rank that made progress meanwhile moved its
+deadline; one that did not is hung. Detection lags the timeout only by the thread's
+wake-up latency, whatever the phase of the watcher's reads:
+
+- A deadline that *starts* after a read (a section opened, a heartbeat sent, a section
+  left) ends no sooner than the read plus the row's shortest timeout, so the watcher
+  never sleeps longer than that (:func:`shortest_timeout`), nor longer than
+  ``workload_check_interval``. Without this bound a read that found no open section
+  (between two steps) slept the whole interval, and a hang in the next section was seen
+  up to that late (1.2 s on average with 5 s and a 3 s timeout).
+- A rank that *lowers* a timeout (calculated or loaded timeouts) wakes the watcher
+  through the table's wake channel, so a deadline computed from the old timeouts is not
+  slept through. Heartbeats and sections (the hot path) make no system call.
+
+The watcher also holds a pidfd of each worker, so it learns the moment each one exits:
+the agent uses the order to tell the rank that failed first from the ranks that went
+down after it (:meth:`Watcher.exit_times`).
 
 On a hang: a ``rank_hung`` event (rank, what timed out, elapsed, timeout), the rank's
 Python stacks (:data:`~steadfast.monitor.client.STACK_DUMP_SIGNAL`, registered by the
@@ -18,6 +32,7 @@ import contextlib
 import logging
 import math
 import os
+import select
 import signal
 import threading
 import time
@@ -29,12 +44,24 @@ from ..config import FaultToleranceConfig
 from .client import STACK_DUMP_SIGNAL
 from .table import HeartbeatTable, RowSnapshot
 
-__all__ = ["Hang", "Watcher", "next_deadline"]
+__all__ = ["Hang", "Watcher", "next_deadline", "shortest_timeout"]
 
 logger = logging.getLogger(__name__)
 
 #: How long a hung rank gets to write its stacks before it is terminated.
 STACK_DUMP_GRACE = 0.1
+
+
+@dataclass
+class _Ending:
+    """A hung rank on its way out: its stacks asked for (``stage`` ``dump``), then the
+    termination signal sent (``term``), SIGKILL once ``due`` passes if it still runs."""
+
+    hang: Hang
+    pid: int
+    rank: int
+    stage: str
+    due: float
 
 
 @dataclass(frozen=True)
@@ -52,7 +79,9 @@ def next_deadline(
     snap: RowSnapshot, started: float, warmup_iterations: int
 ) -> tuple[float, str, float, float]:
     """The row's nearest deadline: ``(deadline, what, since, timeout)``; the deadline is
-    ``inf`` when nothing can time out. ``started`` is when the worker was started."""
+    ``inf`` when nothing can time out. ``started`` is when the worker was started; the
+    first heartbeat is due ``initial_heartbeat_timeout`` after it, or after the rank
+    attached once it has."""
     best = (math.inf, "", 0.0, math.inf)
 
     def consider(since: float, timeout: float, what: str) -> None:
@@ -61,7 +90,11 @@ def next_deadline(
             best = (since + timeout, what, since, timeout)
 
     if snap.last_heartbeat == 0:
-        consider(started, snap.initial_heartbeat_timeout, "initial_heartbeat")
+        # from the worker's start until it attaches (stuck in an import, say); then from
+        # its attach, which is what a calculated initial timeout measured (the client's
+        # init_workload_monitoring to its first heartbeat)
+        since = snap.attached if snap.attached > 0 else started
+        consider(since, snap.initial_heartbeat_timeout, "initial_heartbeat")
     else:
         consider(snap.last_heartbeat, snap.heartbeat_timeout, "heartbeat")
     if snap.section is not None:
@@ -73,6 +106,29 @@ def next_deadline(
     elif snap.out_of_section_start > 0:  # not before the first step section
         consider(snap.out_of_section_start, snap.out_of_section_timeout, "out_of_section")
     return best
+
+
+def shortest_timeout(snap: RowSnapshot) -> float:
+    """The shortest finite timeout of the row (``inf`` if none): no deadline that starts
+    after a read of the row can end sooner than the read plus this."""
+    candidates = [
+        snap.heartbeat_timeout,
+        snap.out_of_section_timeout,
+        *snap.section_timeouts.values(),
+    ]
+    return min((t for t in candidates if math.isfinite(t) and t > 0), default=math.inf)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid`` (readable once it exits), None where the kernel has none or
+    the process is already gone."""
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return None
+    try:
+        return int(opener(pid))
+    except OSError:
+        return None
 
 
 def _running(pid: int) -> bool:
@@ -115,43 +171,77 @@ class Watcher:
         self.cfg = cfg
         self.global_rank = global_rank
         self.on_hang = on_hang
+        self._lock = threading.Lock()
         self._pids: dict[int, int] = {}
+        self._generation = 0
         self._started = 0.0
         self._handled: set[int] = set()
-        self._wake = threading.Condition()
+        self._exits: dict[int, float] = {}  # local rank -> monotonic time it exited
+        self._pidfds: dict[int, int] = {}  # pidfd -> local rank (the watcher thread's)
+        self._ending: list[_Ending] = []  # hung ranks being terminated (the thread's)
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._poll: select.poll | None = None
+        self._ctl_r = self._ctl_w = self._wake_fd = -1
         self.hangs: list[Hang] = []
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
         """Start the watcher thread."""
+        self._ctl_r, self._ctl_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_fd = self.table.open_wake_reader()
+        self._poll = select.poll()
+        for fd in (self._ctl_r, self._wake_fd):
+            self._poll.register(fd, select.POLLIN)
         self._thread = threading.Thread(target=self._run, name="steadfast-watcher", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the watcher thread and wait for it."""
-        with self._wake:
+        """Stop the watcher thread, wait for it, and close its descriptors."""
+        with self._lock:
             self._stop = True
-            self._wake.notify_all()
+        self._kick()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        for fd in (*self._pidfds, self._ctl_r, self._ctl_w, self._wake_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._pidfds = {}
+        self._ctl_r = self._ctl_w = self._wake_fd = -1
+        self._poll = None
+
+    def _kick(self) -> None:
+        """Wake the watcher thread (a new generation, unwatch, stop)."""
+        if self._ctl_w >= 0:
+            with contextlib.suppress(OSError):  # full: a wake is pending anyway
+                os.write(self._ctl_w, b"k")
 
     def watch(self, pids: Mapping[int, int]) -> None:
         """Start watching a new generation of workers (``local_rank -> pid``); their rows
         must have been reset."""
-        with self._wake:
+        with self._lock:
             self._pids = dict(pids)
+            self._generation += 1
             self._started = time.monotonic()
             self._handled = set()
-            self._wake.notify_all()
+            self._exits = {}
+        self._kick()
 
     def unwatch(self) -> None:
         """Stop watching (the workers are being stopped)."""
-        with self._wake:
+        with self._lock:
             self._pids = {}
-            self._wake.notify_all()
+            self._generation += 1
+        self._kick()
+
+    def exit_times(self) -> dict[int, float]:
+        """When each worker of the current generation that has ended exited
+        (``local_rank -> time.monotonic()``), as seen through its pidfd; empty where
+        the kernel has no pidfds."""
+        with self._lock:
+            return dict(self._exits)
 
     def progress(self) -> int:
         """Progress of the current generation: ``step`` sections completed, or for a
@@ -168,11 +258,16 @@ class Watcher:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
+        generation = -1
         while True:
-            with self._wake:
+            with self._lock:
                 if self._stop:
                     return
                 pids, started, handled = dict(self._pids), self._started, set(self._handled)
+                new_generation = generation != self._generation
+                generation = self._generation
+            if new_generation:
+                self._follow(pids)
             now = time.monotonic()
             soonest = now + self.cfg.workload_check_interval
             for local, pid in pids.items():
@@ -185,17 +280,52 @@ class Watcher:
                     snap, started, self.cfg.num_warmup_iterations
                 )
                 if deadline <= now:
-                    self._handle(Hang(local, what, now - since, timeout), pid, snap.pid == pid)
-                else:
-                    soonest = min(soonest, deadline)
-            with self._wake:
-                if self._stop:
-                    return
-                if self._pids == pids:  # no new generation meanwhile: sleep to the deadline
-                    self._wake.wait(max(0.0, soonest - time.monotonic()) + 0.001)
+                    self._detect(Hang(local, what, now - since, timeout), pid, snap.pid == pid)
+                    continue
+                # a deadline that starts after this read ends no sooner than this
+                soonest = min(soonest, deadline, now + shortest_timeout(snap))
+            soonest = min(soonest, self._terminate(time.monotonic()))
+            self._sleep(soonest - time.monotonic() + 0.0005)
 
-    def _handle(self, hang: Hang, pid: int, dumps_stacks: bool) -> None:
-        with self._wake:
+    def _follow(self, pids: Mapping[int, int]) -> None:
+        """Hold a pidfd of each worker of a new generation (closing the old ones)."""
+        assert self._poll is not None
+        for old in self._pidfds:
+            self._poll.unregister(old)
+            os.close(old)
+        self._pidfds = {}
+        for local, pid in pids.items():
+            fd = _pidfd(pid)
+            if fd is None:
+                if not _running(pid):  # already gone before we looked
+                    self._exited(local)
+                continue
+            self._pidfds[fd] = local
+            self._poll.register(fd, select.POLLIN)
+
+    def _exited(self, local: int) -> None:
+        with self._lock:
+            self._exits.setdefault(local, time.monotonic())
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for a control message, a rank's wake-up, or a worker's
+        exit (recorded), whichever comes first."""
+        assert self._poll is not None
+        ready = self._poll.poll(max(0, math.ceil(seconds * 1000)))
+        for fd, _ in ready:
+            if fd in (self._ctl_r, self._wake_fd):
+                with contextlib.suppress(OSError):
+                    while os.read(fd, 512):
+                        pass
+            elif fd in self._pidfds:
+                self._exited(self._pidfds.pop(fd))
+                self._poll.unregister(fd)
+                os.close(fd)
+
+    def _detect(self, hang: Hang, pid: int, dumps_stacks: bool) -> None:
+        """A hang: the event, then the rank's stacks asked for; :meth:`_terminate` ends
+        it, without holding up the other ranks' checks meanwhile."""
+        with self._lock:
             if self._pids.get(hang.local_rank) != pid:
                 return  # that generation is gone already
             self._handled.add(hang.local_rank)
@@ -221,23 +351,47 @@ class Watcher:
             timeout=hang.timeout,
             worker_pid=pid,
         )
+        self.hangs.append(hang)
+        now = time.monotonic()
         if dumps_stacks:  # only a rank whose client registered the handler: else it kills
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, STACK_DUMP_SIGNAL)
                 os.kill(pid, signal.SIGCONT)  # a stopped rank (SIGSTOP) must run to dump
-                time.sleep(STACK_DUMP_GRACE)
-        sig = self.cfg.rank_termination_signal
-        _signal_group(pid, sig)
-        if sig != signal.SIGKILL:  # a rank stuck in C may never run its handler
-            deadline = time.monotonic() + self.cfg.workers_stop_timeout
-            while _running(pid) and time.monotonic() < deadline:
-                with self._wake:
-                    if self._stop or self._pids.get(hang.local_rank) != pid:
-                        break
-                    self._wake.wait(0.05)
-            if _running(pid):
-                logger.error("rank %d ignored %s; sending SIGKILL", rank, sig.name)
-                _signal_group(pid, signal.SIGKILL)
-        self.hangs.append(hang)
-        if self.on_hang is not None:
-            self.on_hang(hang)
+            self._ending.append(_Ending(hang, pid, rank, "dump", now + STACK_DUMP_GRACE))
+        else:
+            self._ending.append(_Ending(hang, pid, rank, "dump", now))
+        self._terminate(now)
+
+    def _terminate(self, now: float) -> float:
+        """Move each hung rank's termination on (the termination signal once its stacks
+        had their grace, SIGKILL after ``workers_stop_timeout`` if it ignored it); the
+        time the next step is due (``inf``: none)."""
+        soonest = math.inf
+        for ending in list(self._ending):
+            if not _running(ending.pid):  # it is gone: nothing more to do
+                self._ending.remove(ending)
+                continue
+            # a rank of a generation the agent is stopping is ended now, not later
+            if ending.due > now and self._current(ending.hang.local_rank, ending.pid):
+                soonest = min(soonest, ending.due)
+                continue
+            if ending.stage == "dump":
+                sig = self.cfg.rank_termination_signal
+                _signal_group(ending.pid, sig)
+                if self.on_hang is not None:
+                    self.on_hang(ending.hang)
+                if sig == signal.SIGKILL:
+                    self._ending.remove(ending)
+                    continue
+                ending.stage, ending.due = "term", now + self.cfg.workers_stop_timeout
+                soonest = min(soonest, ending.due)
+            else:  # a rank stuck in C may never run its handler
+                name = signal.Signals(self.cfg.rank_termination_signal).name
+                logger.error("rank %d ignored %s; sending SIGKILL", ending.rank, name)
+                _signal_group(ending.pid, signal.SIGKILL)
+                self._ending.remove(ending)
+        return soonest
+
+    def _current(self, local: int, pid: int) -> bool:
+        with self._lock:
+            return not self._stop and self._pids.get(local) == pid

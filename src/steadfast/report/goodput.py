@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import events as ev
+from ..faults import FaultKind
 
 __all__ = [
     "BADPUT_CAUSES",
@@ -60,18 +61,10 @@ BADPUT_CAUSES = (
     "other",
 )
 
-#: Which events detect which injected fault (``fault_injected``'s ``fault`` field).
-DETECTION_KINDS: dict[str, tuple[str, ...]] = {
-    "rank_hung": ("rank_hung",),
-    "rank_killed": ("rank_failed",),
-    "nan_loss": ("nan_detected",),
-    "nan_burst": ("nan_detected",),
-    "slow_rank": ("straggler_detected",),
-    "sigterm": ("shutdown_requested", "preemption_signal"),
-}
+#: Which events detect which injected fault (``fault_injected``'s ``fault`` field): the
+#: table of :class:`steadfast.faults.FaultKind`, the one vocabulary of faults.
+DETECTION_KINDS: dict[str, tuple[str, ...]] = {k.value: k.detected_by for k in FaultKind}
 _ANY_DETECTION = tuple(sorted({k for kinds in DETECTION_KINDS.values() for k in kinds}))
-#: Faults whose recovery is a new process generation (restart or resume).
-_RECOVER_BY_NEW_PROCESS = {"rank_hung", "rank_killed", "sigterm"}
 
 
 @dataclass
@@ -125,15 +118,23 @@ class GoodputReport:
         return out
 
 
+def _is_event_log(name: str) -> bool:
+    """``events*.jsonl`` (a run folder's) or ``steadfast_events*.jsonl`` (the default)."""
+    return name.startswith(("events", Path(ev.DEFAULT_EVENTS_FILE).stem))
+
+
 def load_events(source: str | os.PathLike[str]) -> tuple[list[ev.Event], list[str]]:
-    """The events of a run directory (every ``events*.jsonl`` below it) or of one file,
+    """The events of a run directory (every ``events*.jsonl`` and
+    ``steadfast_events*.jsonl`` below it) or of one file,
     sorted by time, and the problems met reading them (malformed lines, unknown kinds).
     Raises :class:`~steadfast.events.EventLogError` when there is nothing to read."""
     path = Path(source)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*.jsonl") if p.name.startswith("events"))
+        files = sorted(p for p in path.rglob("*.jsonl") if _is_event_log(p.name))
         if not files:
-            raise ev.EventLogError(f"{path}: no events*.jsonl file in this directory")
+            raise ev.EventLogError(
+                f"{path}: no events*.jsonl or {ev.DEFAULT_EVENTS_FILE} file in this directory"
+            )
     elif path.is_file():
         files = [path]
     else:
@@ -271,30 +272,46 @@ def _generation_gaps(mine: list[ev.Event], starts: list[ev.Event]) -> list[tuple
 def _faults(evs: list[ev.Event], steps: list[ev.Event]) -> list[FaultRecord]:
     out = []
     for inj in (e for e in evs if e.kind == "fault_injected"):
-        kind = str(inj.get("fault") or inj.cause or "unknown")
-        rec = FaultRecord(fault=kind, rank=inj.rank, step=inj.step, time=inj.time)
-        wanted = DETECTION_KINDS.get(kind, _ANY_DETECTION)
+        name = str(inj.get("fault") or inj.cause or "unknown")
+        rec = FaultRecord(fault=name, rank=inj.rank, step=inj.step, time=inj.time)
+        kind = FaultKind(name) if name in DETECTION_KINDS else None
+        wanted = kind.detected_by if kind is not None else _ANY_DETECTION
         det = next((e for e in evs if e.kind in wanted and e.time >= inj.time), None)
         if det is not None:
             rec.detected_by = det.kind
             rec.detection_latency = det.time - inj.time
-            if kind == "slow_rank":  # reported; the slowdown itself is the straggler's
+            recovery = kind.recovery if kind is not None else "restart"
+            if recovery == "reported":  # the slowdown itself is the straggler's
                 rec.recovered = True
             else:
-                rec.recovery_time, rec.recovered = _recovery(kind, inj, det, evs, steps)
+                rec.recovery_time, rec.recovered = _recovery(recovery, det, evs, steps)
         out.append(rec)
     return out
 
 
 def _recovery(
-    kind: str, inj: ev.Event, det: ev.Event, evs: list[ev.Event], steps: list[ev.Event]
+    recovery: str, det: ev.Event, evs: list[ev.Event], steps: list[ev.Event]
 ) -> tuple[float | None, bool]:
-    """Detection -> the first step completed after the recovery action."""
-    after = det.time
-    if kind in _RECOVER_BY_NEW_PROCESS:
+    """Detection -> the first step completed after the recovery action: for a restart,
+    a step of a new process or one after an in-process restart; in place, a step after
+    the rollback (if any) or the next one."""
+    nxt: ev.Event | None
+    if recovery == "restart":
         old_pids = {e.get("pid") for e in steps if e.time <= det.time}
-        nxt = next((e for e in steps if e.time > after and e.get("pid") not in old_pids), None)
+        restarted = next(
+            (e.time for e in evs if e.kind == "inprocess_restart" and e.time >= det.time), None
+        )
+        nxt = next(
+            (
+                e
+                for e in steps
+                if e.time > det.time
+                and (e.get("pid") not in old_pids or (restarted is not None and e.time > restarted))
+            ),
+            None,
+        )
     else:
+        after = det.time
         rollback = next((e for e in evs if e.kind == "rollback" and e.time >= after), None)
         if rollback is not None:
             after = rollback.time

@@ -30,10 +30,8 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
         raise ImportError("the timeline needs matplotlib: pip install 'steadfast[report]'") from exc
     if not events:
         raise ValueError("no events to draw")
-    t0 = min(
-        [events[0].time]
-        + [float(e.get("process_start")) for e in events if e.get("process_start") is not None]
-    )
+    starts = [e.get("process_start") for e in events if e.kind == "job_start"]
+    t0 = min([events[0].time] + [float(s) for s in starts if s is not None])
     ranks = sorted({e.rank for e in events if e.rank is not None})
     lane = {r: i for i, r in enumerate(ranks)}
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.9 * max(1, len(ranks))))
