@@ -20,7 +20,7 @@ STAMP   = $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' 
 SLURM_SCRIPT = scripts/slurm-localhost.sh
 DEBIAN       = scripts/debian-packages.sh
 SHELL_SCRIPTS = $(wildcard scripts/*.sh) .ci/run
-IS_CI := $(filter 1 true yes,$(CI))
+IS_CI := $(filter 1 true yes,$(shell printf '%s' '$(CI)' | tr A-Z a-z))
 # $(call optional,WHAT): after a failed install, fail in CI, else warn and go on
 optional = { if [ -n "$(IS_CI)" ]; then echo "CI: $(1) must be installed here" >&2; exit 1; fi; \
              echo "warning: $(1) not installed: what needs it is skipped" >&2; }

@@ -17,6 +17,8 @@ set -euo pipefail
 
 die() { echo "debian-packages: $*" >&2; exit 1; }
 
+POLICY=/usr/sbin/policy-rc.d
+
 missing() {  # the packages of "$@" that dpkg does not have installed
     local pkg status
     for pkg in "$@"; do
@@ -40,15 +42,18 @@ ensure() {
     set -- $want
     echo "debian-packages: installing $*" >&2
     export DEBIAN_FRONTEND=noninteractive
-    local policy=/usr/sbin/policy-rc.d added="" rc=0
-    if [ ! -e "$policy" ]; then
-        printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && added=1
+    local rc=0
+    if [ ! -e "$POLICY" ]; then
+        # removed again however this script ends (an interrupted install included): left
+        # behind, it would keep every later package's service from starting
+        trap 'rm -f "$POLICY"' EXIT INT TERM
+        printf '#!/bin/sh\nexit 101\n' >"$POLICY" && chmod 755 "$POLICY"
     fi
+    local apt=(apt-get -q -o DPkg::Lock::Timeout=120)
     # the package lists of a fresh machine may be missing or stale: update on failure
-    apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 || {
-        apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends "$@" >/dev/null
+    "${apt[@]}" install -y --no-install-recommends "$@" >/dev/null 2>&1 || {
+        "${apt[@]}" update >/dev/null && "${apt[@]}" install -y --no-install-recommends "$@" >/dev/null
     } || rc=$?
-    [ -z "$added" ] || rm -f "$policy"
     [ "$rc" = 0 ] || die "apt-get install $* failed (exit $rc)"
     want=$(missing "$@")
     [ -z "$want" ] || die "apt-get ran but $(echo "$want" | tr '\n' ' ')are still not installed"

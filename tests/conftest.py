@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sfharness import (
+    SPAWNED,
     children,
     shm_entries,
     shm_leaks,
@@ -48,7 +49,7 @@ def no_leaks(rank_template: int | None) -> Iterator[None]:
             kids |= children(rank_template)
         threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
         sockets = socket_count() - sockets_before
-        shm = shm_leaks(shm_before, own | kids)
+        shm = shm_leaks(shm_before, own | kids | SPAWNED)
         if not (kids or threads or sockets > 0 or shm) or time.monotonic() > deadline:
             break
         time.sleep(0.05)

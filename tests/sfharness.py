@@ -76,6 +76,11 @@ def children(pid: int, zombies: bool = False) -> set[int]:
 STEADFAST_SHM_PREFIX = "steadfast-"
 
 
+#: Every rank process the harness started in this session: the leak check attributes a
+#: /dev/shm entry named after one of them to the test, after the rank is gone too.
+SPAWNED: set[int] = set()
+
+
 def shm_entries() -> set[str]:
     """The names in ``/dev/shm`` now."""
     try:
@@ -86,9 +91,12 @@ def shm_entries() -> set[str]:
 
 def shm_leaks(before: set[str], pids: set[int]) -> set[str]:
     """The ``/dev/shm`` entries made since ``before`` that this test's processes made:
-    steadfast's own names, and names that embed one of ``pids`` as a number (torch's
-    ``torch_<pid>_<n>``). Entries of other programs on a busy machine (multiprocessing's
-    ``sem.mp-*`` of an unrelated job) are not the test's, and do not fail it."""
+    steadfast's own names (``steadfast-*``, whoever made them), and names that embed one
+    of ``pids`` as a number (torch's ``torch_<pid>_<n>``; the caller passes the test's
+    process, its live children and the harness's ranks, :data:`SPAWNED`). Entries of
+    other programs on a busy machine (multiprocessing's ``sem.mp-*`` of an unrelated job)
+    are not the test's, and do not fail it. A launcher's workers are not known by pid:
+    only steadfast's own names of theirs count."""
     mine = {str(p) for p in pids}
     return {
         name
@@ -210,6 +218,7 @@ class Ranks:
             else subprocess.Popen([sys.executable, *argv, str(r), str(world_size)], env=child_env)
             for r in range(world_size)
         ]
+        SPAWNED.update(p.pid for p in self.procs)
 
     def pid(self, rank: int, timeout: float = 30.0) -> int:
         path = self.workdir / f"pid_{rank}"

@@ -142,7 +142,9 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "check": "'gpu' or 'collective'", "ok": "the result", "details": "what was measured",
     }),
     # shutdown / signals
-    ("shutdown_requested", "a shutdown signal arrived", {"signal": "its name"}),
+    ("shutdown_requested", "a shutdown signal arrived (cause: its name)", {
+        "signal": "its number",
+    }),
     ("shutdown_agreed", "ranks agreed to stop after this step", {
         "ranks_signalled": "how many ranks had the signal",
     }),
@@ -150,9 +152,11 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "timeout_sec": "the timeout", "exit_code": "the forced exit code",
     }),
     ("shutdown_complete", "graceful shutdown finished (handler.finish())", {}),
-    ("preemption_signal", "this rank received the preemption signal", {"signal": "its name"}),
+    ("preemption_signal", "this rank received the preemption signal (cause: its name)", {
+        "signal": "its number",
+    }),
     ("preemption_exit", "all ranks stop for preemption after this step", {
-        "ranks_signalled": "how many ranks had the signal",
+        "ranks_signalled": "the ranks that had the signal",
     }),
     # checkpoints
     ("checkpoint_saved", "a checkpoint is complete and visible", {
@@ -231,8 +235,9 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "seconds": "the report's cost",
     }),
     ("straggler_detected", "scores below the thresholds", {
-        "ranks": "the stragglers", "relative": "{rank: score}", "individual": "{rank: score}",
-        "scores": "the scores per section",
+        "ranks": "the stragglers", "relative": "the ranks below the relative threshold",
+        "individual": "the ranks below the individual threshold",
+        "scores": "{rank: relative score}",
     }),
 )  # fmt: skip
 

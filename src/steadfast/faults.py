@@ -158,6 +158,14 @@ class InjectedFault:
         self.length = require_number("fail_at.length", length, minimum=1, integer=True)
         self.seconds = float(require_number("fail_at.seconds", seconds, minimum=0))
         self.exit_code = require_number("fail_at.exit_code", exit_code, minimum=1, integer=True)
+        if self.exit_code > 255:
+            raise ConfigError(f"fail_at.exit_code: {exit_code} is not an exit status (1..255)")
+        if self.length != 1 and self.kind not in (FaultKind.NAN_BURST, FaultKind.SLOW_RANK):
+            raise ConfigError(f"fail_at.length: a {self.kind.value} fault has no length")
+        if freeze and self.kind is not FaultKind.RANK_HUNG:
+            raise ConfigError(
+                f"fail_at.freeze: only a rank_hung fault freezes, not {self.kind.value}"
+            )
         self.once_dir = Path(once_dir) if once_dir is not None else None
         self.fired = False
         self._left = 0
@@ -241,7 +249,10 @@ def parse_fault(spec: str, **options: Any) -> InjectedFault:
         raise ConfigError(f"fault {spec!r}: RANK, STEP and LENGTH must be integers") from None
     if rest:
         options = {**options, "length": rest[0]}
-    return fail_at(rank, step, kind, **options)
+    try:
+        return fail_at(rank, step, kind, **options)
+    except ConfigError as exc:
+        raise ConfigError(f"fault {spec!r}: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,16 @@ def test_bad_fault_specs_name_the_spec():
         ("rank_killed:1", "KIND:RANK:STEP"),
         ("rank_killed:x:2", "integers"),
         ("nan_burst:1:2:0", "length"),
+        ("rank_killed:1:2:3", "has no length"),
     ):
         with pytest.raises(ConfigError, match=match):
             parse_fault(spec)
+
+
+def test_bad_fault_options_name_the_option():
+    from steadfast.faults import fail_at
+
+    with pytest.raises(ConfigError, match="exit_code"):
+        fail_at(0, 1, "exit", exit_code=256)  # would exit 0
+    with pytest.raises(ConfigError, match="freeze"):
+        fail_at(0, 1, "exception", freeze=True)

@@ -3,6 +3,7 @@ FT config, and nothing after the training script is taken by the launcher."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -66,12 +67,39 @@ def test_event_log_flags_are_taken_and_resolved(tmp_path: Path):
     assert split.torchrun_argv == ["--nproc-per-node=2", "t.py", "--events", "x"]
     assert _split(["--events=e.jsonl", "t.py"]).events == "e.jsonl"
     env = {"STEADFAST_EVENTS": "/inherited.jsonl"}
-    assert resolve_events_path("e.jsonl", None, env) == str(Path("e.jsonl").resolve())
-    assert resolve_events_path(None, "runs/a", env) == str(Path("runs/a/events.jsonl").resolve())
+    assert resolve_events_path("e.jsonl", None, env) == os.path.abspath("e.jsonl")
+    assert resolve_events_path(None, "runs/a", env) == os.path.abspath("runs/a/events.jsonl")
     assert resolve_events_path(None, None, env) == "/inherited.jsonl"
     assert resolve_events_path(None, None, {"STEADFAST_EVENTS": "off"}) == "off"
-    assert resolve_events_path(None, None, {}) == str(Path("steadfast_events.jsonl").resolve())
+    assert resolve_events_path(None, None, {}) == os.path.abspath("steadfast_events.jsonl")
     with pytest.raises(ConfigError, match="not both"):
         resolve_events_path("a", "b", {})
     with pytest.raises(ConfigError, match="--run-dir"):
         _split(["--run-dir="])
+
+
+def test_an_abbreviated_steadfast_flag_is_an_error_not_ignored(capsys):
+    assert main(["--run-d", "x", "--nproc-per-node=1", "t.py"]) == 2
+    assert "--run-dir: give it in full" in capsys.readouterr().err
+    assert _split(["--run_dir", "r", "t.py"]).run_dir == "r"  # torchrun's _ spelling too
+
+
+def test_the_rank_that_exited_first_is_the_failure():
+    from types import SimpleNamespace as F
+
+    from steadfast.launcher.agent import first_failures
+
+    killed = F(local_rank=1, exitcode=-9, timestamp=100)
+    lost_peer = F(local_rank=0, exitcode=1, timestamp=100)
+    failures = {0: lost_peer, 1: killed}
+    assert first_failures(failures, {1: 5.0, 0: 5.2}) == {1}  # the watcher's order
+    assert first_failures(failures, {1: 5.2, 0: 5.0}) == {0}
+    # seen in one wake-up: the rank killed by a signal is the fault, not the one that exited
+    assert first_failures(failures, {1: 5.0, 0: 5.0}) == {1}
+    both_exited = {
+        0: F(local_rank=0, exitcode=1, timestamp=7),
+        1: F(local_rank=1, exitcode=3, timestamp=7),
+    }
+    assert first_failures(both_exited, {0: 5.0, 1: 5.0}) == {0, 1}  # no way to tell: both
+    assert first_failures(both_exited, {}) == {0, 1}  # no pidfds: torch's 1 s timestamps
+    assert first_failures({}, {}) == set()

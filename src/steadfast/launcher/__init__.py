@@ -96,6 +96,10 @@ def _launch(argv: list[str]) -> int:
     if not split.ft.worker_template:
         discard_prestarted()
     args = parser.parse_args(split.torchrun_argv)
+    for name in ("events", "run_dir", "ft_cfg_path"):  # _add_help's: only an abbreviation
+        if getattr(args, name, None) is not None:  # of them gets here, which would be lost
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag}: give it in full (an abbreviation of it was given)")
     single_node_default = (
         args.rdzv_backend == "static"
         and not args.rdzv_endpoint

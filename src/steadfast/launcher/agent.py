@@ -69,16 +69,23 @@ class RerunExit(RuntimeError):
 def first_failures(failures: Mapping[int, Any], exits: Mapping[int, float]) -> set[int]:
     """The global ranks of ``failures`` (torch's ``ProcessFailure`` by global rank) that
     failed first: the earliest exit in ``exits`` (local rank -> monotonic time), else the
-    earliest of torch's timestamps. A rank killed by SIGKILL or SIGSEGV before anyone was
-    stopped is the usual first; the others then lost a peer or were stopped."""
+    earliest of torch's timestamps (1 s resolution).
+
+    Exits the watcher saw in one wake-up share one time: among such a tie, a rank killed
+    by a signal (SIGKILL, SIGSEGV, SIGABRT: the fault itself) is taken over one that
+    exited with a code (which is how a rank ends when a collective lost its peer); a tie
+    that this cannot break counts every tied rank as failed."""
     timed = {r: exits[int(f.local_rank)] for r, f in failures.items() if int(f.local_rank) in exits}
     if timed:
         earliest = min(timed.values())
-        return {r for r, t in timed.items() if t == earliest}
-    if not failures:
+        tied = {r for r, t in timed.items() if t == earliest}
+    elif failures:
+        stamp = min(int(f.timestamp) for f in failures.values())
+        tied = {r for r, f in failures.items() if int(f.timestamp) == stamp}
+    else:
         return set()
-    stamp = min(int(f.timestamp) for f in failures.values())
-    return {r for r, f in failures.items() if int(f.timestamp) == stamp}
+    killed = {r for r in tied if 0 > int(failures[r].exitcode) != -signal.SIGTERM}
+    return killed if killed and killed != tied else tied
 
 
 def rerun_exit_code(exit_codes: set[int]) -> int | None:
@@ -180,7 +187,8 @@ class FTAgent(LocalElasticAgent):
         """``rank_failed`` for the rank(s) that failed first, ``rank_stopped`` for the
         ranks that went down after them: torch's agent reports every worker of a failed
         group as failed, the survivors it stopped (and those that ended on their own
-        when a collective lost its peer) included, but the fault is counted once.
+        when a collective lost its peer) included, but the fault is counted once. This
+        is per node: each node's agent names the first exit among its own workers.
 
         The order is the watcher's (a pidfd per worker, ms resolution); without pidfds,
         torch's failure timestamps (1 s resolution) decide, and ties count as failed."""

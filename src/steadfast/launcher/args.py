@@ -88,6 +88,7 @@ def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> LaunchArgs:
             torchrun.extend(argv[i:])
             break
         flag, eq, value = token.partition("=")
+        flag = flag.replace("_", "-") if flag.startswith("--") else flag  # as torchrun's
         if flag in _EVENT_FLAGS:
             if not eq:
                 if i + 1 >= len(argv):

@@ -14,10 +14,10 @@ shared by all processes of the node, so the watcher can compare its own clock wi
 timestamps the ranks wrote.
 
 Beside the table lies its *wake channel*, a FIFO (``steadfast-hbwake-...``) that the
-watcher waits on. A rank writes one byte to it only when it *lowers* a timeout (a
-calculated or loaded timeout, a handful of times per run), so that the watcher, which
-may be asleep until a deadline computed from the old timeouts, looks again at once. The
-hot path (heartbeats and sections) never touches it.
+watcher waits on. A rank writes one byte to it only when it sets calculated or loaded
+timeouts (a handful of times per run), which may be shorter than the ones the watcher,
+asleep until a deadline computed from the old timeouts, last read; it looks again at
+once. The hot path (heartbeats and sections) never touches it.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import os
 import secrets
 import stat
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -68,6 +69,8 @@ assert _NAMES_OFFSET + MAX_SECTIONS * NAME_BYTES <= ROW_BYTES
 
 
 _TABLE_PREFIX = "steadfast-hb-"
+#: A wake channel without its table is removed only when older than this (seconds).
+_ORPHAN_AGE = 60.0
 _WAKE_PREFIX = "steadfast-hbwake-"
 
 
@@ -96,8 +99,9 @@ def _remove_orphans(base: Path) -> None:
         entry.unlink(missing_ok=True)
     for fifo in base.glob(_WAKE_PREFIX + "*"):  # a wake channel whose table is gone
         table = fifo.with_name(_TABLE_PREFIX + fifo.name.removeprefix(_WAKE_PREFIX))
-        if not table.exists():
-            fifo.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            if not table.exists() and time.time() - fifo.lstat().st_mtime > _ORPHAN_AGE:
+                fifo.unlink()
 
 
 _MAX_SPINS = 10_000  # a live writer finishes in well under a microsecond
@@ -165,18 +169,18 @@ class HeartbeatTable:
             base = Path(tempfile.gettempdir())
         _remove_orphans(base)
         path = base / f"{_TABLE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        os.mkfifo(wake_path(path), 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, rows * ROW_BYTES)
-            finally:
-                os.close(fd)
-            return cls(path, rows, owner=True)
+            os.ftruncate(fd, rows * ROW_BYTES)
+        finally:
+            os.close(fd)
+        table = cls(path, rows, owner=True)  # locked: another launcher's sweep spares it
+        try:
+            os.mkfifo(wake_path(path), 0o600)  # its table exists first, for the same reason
         except BaseException:
-            path.unlink(missing_ok=True)
-            wake_path(path).unlink(missing_ok=True)
+            table.close()
             raise
+        return table
 
     @classmethod
     def attach(cls, path: str | os.PathLike[str], row: int) -> HeartbeatTable:

@@ -177,7 +177,8 @@ class Watcher:
         self._started = 0.0
         self._handled: set[int] = set()
         self._exits: dict[int, float] = {}  # local rank -> monotonic time it exited
-        self._pidfds: dict[int, int] = {}  # pidfd -> local rank (the watcher thread's)
+        # pidfd -> (local rank, generation), the watcher thread's
+        self._pidfds: dict[int, tuple[int, int]] = {}
         self._ending: list[_Ending] = []  # hung ranks being terminated (the thread's)
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -188,8 +189,8 @@ class Watcher:
     # ------------------------------------------------------------------ control
     def start(self) -> None:
         """Start the watcher thread."""
-        self._ctl_r, self._ctl_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._wake_fd = self.table.open_wake_reader()
+        self._ctl_r, self._ctl_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._poll = select.poll()
         for fd in (self._ctl_r, self._wake_fd):
             self._poll.register(fd, select.POLLIN)
@@ -204,13 +205,18 @@ class Watcher:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        for fd in (*self._pidfds, self._ctl_r, self._ctl_w, self._wake_fd):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        for ending in self._ending:  # hung ranks not yet gone: as a stopped watcher would
+            if _running(ending.pid):
+                _signal_group(ending.pid, signal.SIGKILL)
+        self._ending = []
+        fds = (*self._pidfds, self._ctl_r, self._ctl_w, self._wake_fd)
         self._pidfds = {}
         self._ctl_r = self._ctl_w = self._wake_fd = -1
         self._poll = None
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def _kick(self) -> None:
         """Wake the watcher thread (a new generation, unwatch, stop)."""
@@ -267,7 +273,7 @@ class Watcher:
                 new_generation = generation != self._generation
                 generation = self._generation
             if new_generation:
-                self._follow(pids)
+                self._follow(pids, generation)
             now = time.monotonic()
             soonest = now + self.cfg.workload_check_interval
             for local, pid in pids.items():
@@ -287,40 +293,53 @@ class Watcher:
             soonest = min(soonest, self._terminate(time.monotonic()))
             self._sleep(soonest - time.monotonic() + 0.0005)
 
-    def _follow(self, pids: Mapping[int, int]) -> None:
+    def _follow(self, pids: Mapping[int, int], generation: int) -> None:
         """Hold a pidfd of each worker of a new generation (closing the old ones)."""
         assert self._poll is not None
         for old in self._pidfds:
             self._poll.unregister(old)
             os.close(old)
         self._pidfds = {}
+        gone = []
         for local, pid in pids.items():
             fd = _pidfd(pid)
             if fd is None:
                 if not _running(pid):  # already gone before we looked
-                    self._exited(local)
+                    gone.append(local)
                 continue
-            self._pidfds[fd] = local
+            self._pidfds[fd] = (local, generation)
             self._poll.register(fd, select.POLLIN)
+        self._exited(gone, generation, time.monotonic())
 
-    def _exited(self, local: int) -> None:
+    def _exited(self, locals_: list[int], generation: int, when: float) -> None:
+        """Record that ``locals_`` exited at ``when``: one time for all the exits seen in
+        one wake-up, whose order the watcher cannot tell (ties, for the agent)."""
         with self._lock:
-            self._exits.setdefault(local, time.monotonic())
+            if generation != self._generation:  # a worker of a generation gone already
+                return
+            for local in locals_:
+                self._exits.setdefault(local, when)
 
     def _sleep(self, seconds: float) -> None:
         """Wait up to ``seconds`` for a control message, a rank's wake-up, or a worker's
         exit (recorded), whichever comes first."""
         assert self._poll is not None
-        ready = self._poll.poll(max(0, math.ceil(seconds * 1000)))
+        # poll() takes milliseconds as a C int; an hour is as good as any longer sleep
+        ready = self._poll.poll(max(0, math.ceil(min(seconds, 3600.0) * 1000)))
+        when = time.monotonic()
+        exited: dict[int, list[int]] = {}
         for fd, _ in ready:
             if fd in (self._ctl_r, self._wake_fd):
                 with contextlib.suppress(OSError):
                     while os.read(fd, 512):
                         pass
             elif fd in self._pidfds:
-                self._exited(self._pidfds.pop(fd))
+                local, generation = self._pidfds.pop(fd)
+                exited.setdefault(generation, []).append(local)
                 self._poll.unregister(fd)
                 os.close(fd)
+        for generation, locals_ in exited.items():
+            self._exited(locals_, generation, when)
 
     def _detect(self, hang: Hang, pid: int, dumps_stacks: bool) -> None:
         """A hang: the event, then the rank's stacks asked for; :meth:`_terminate` ends

@@ -64,6 +64,8 @@ BADPUT_CAUSES = (
 #: Which events detect which injected fault (``fault_injected``'s ``fault`` field): the
 #: table of :class:`steadfast.faults.FaultKind`, the one vocabulary of faults.
 DETECTION_KINDS: dict[str, tuple[str, ...]] = {k.value: k.detected_by for k in FaultKind}
+#: Names earlier versions wrote for the same faults (their logs are still read).
+_FORMER_NAMES = {"nan_loss": FaultKind.NAN_BURST, "slow": FaultKind.SLOW_RANK}
 _ANY_DETECTION = tuple(sorted({k for kinds in DETECTION_KINDS.values() for k in kinds}))
 
 
@@ -274,13 +276,13 @@ def _faults(evs: list[ev.Event], steps: list[ev.Event]) -> list[FaultRecord]:
     for inj in (e for e in evs if e.kind == "fault_injected"):
         name = str(inj.get("fault") or inj.cause or "unknown")
         rec = FaultRecord(fault=name, rank=inj.rank, step=inj.step, time=inj.time)
-        kind = FaultKind(name) if name in DETECTION_KINDS else None
+        kind = FaultKind(name) if name in DETECTION_KINDS else _FORMER_NAMES.get(name)
         wanted = kind.detected_by if kind is not None else _ANY_DETECTION
         det = next((e for e in evs if e.kind in wanted and e.time >= inj.time), None)
         if det is not None:
             rec.detected_by = det.kind
             rec.detection_latency = det.time - inj.time
-            recovery = kind.recovery if kind is not None else "restart"
+            recovery = kind.recovery if kind is not None else "in_place"  # any next step
             if recovery == "reported":  # the slowdown itself is the straggler's
                 rec.recovered = True
             else:
