@@ -399,3 +399,37 @@ def test_rerun_exit_17_is_not_restarted(tmp_path: Path, event_log: Path):
     assert "failed result validation (exit 17); not restarting" in log
     assert not _events(event_log, "restart") and not (tmp_path / "out.pt").exists()
     assert [e["cause"] for e in _events(event_log, "rerun_verdict")] == ["transient"] * 2
+
+
+_SIGNALS_PARENT = """
+import os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+rank = os.environ["RANK"]
+got = []
+signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+(out / f"ready_{rank}").write_text("")
+if rank == "0":
+    while not (out / "ready_1").exists():
+        time.sleep(0.01)
+    os.kill(os.getppid(), signal.SIGTERM)  # as NVRx's test_launcher_sigterm_graceful_exit
+deadline = time.monotonic() + 60
+while not got and time.monotonic() < deadline:
+    time.sleep(0.01)
+(out / f"stopped_{rank}").write_text("SIGTERM" if got else "timed out")
+"""
+
+
+def test_a_worker_signalling_its_parent_stops_the_launcher(tmp_path: Path, event_log: Path):
+    """Under the default worker template a worker's parent is the template, which
+    ignores the signals srun sends the whole step: one sent by a worker must reach the
+    launcher, which stops every worker with it and exits 128+N (the job ends)."""
+    script = tmp_path / "signals_parent.py"
+    script.write_text(_SIGNALS_PARENT)
+    cmd = [
+        sys.executable, "-m", "steadfast.cli", "launch", "--nproc-per-node=2",
+        "--monitor-interval=0.1", str(script), str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert [(tmp_path / f"stopped_{r}").read_text() for r in (0, 1)] == ["SIGTERM"] * 2

@@ -188,12 +188,13 @@ def test_no_rank_left_is_a_clear_abort() -> None:
 def test_retry_controller_limits_iterations_and_world_size() -> None:
     st = State.first(0, 4)
     ctl = RetryController(max_iterations=2, min_world_size=3)
-    ctl(st.replace(iteration=2))
-    with pytest.raises(RestartAbort, match="retry limit reached: iteration 3 > max_iterations 2"):
-        ctl(st.replace(iteration=3))
-    with pytest.raises(RestartAbort, match="min_world_size 3"):
+    assert ctl(st.replace(iteration=1)) == st.replace(iteration=1)  # hooks return the state
+    # NVRx: max_iterations=N runs N iterations (0..N-1); iteration N is refused
+    with pytest.raises(RestartAbort, match="retry limit reached: iteration=2 max_iterations=2"):
+        ctl(st.replace(iteration=2))
+    with pytest.raises(RestartAbort, match="min_world_size=3"):
         ctl(st.replace(iteration=1, world_size=2))
-    with pytest.raises(RestartAbort, match="min_active_world_size 2"):
+    with pytest.raises(RestartAbort, match="min_active_world_size=2"):
         RetryController(min_active_world_size=2)(st.replace(active_world_size=1))
 
 
@@ -204,3 +205,55 @@ def test_fault_counter_counts_only_this_ranks_own_faults() -> None:
     fc(st.replace(fn_exception=ValueError("x")))  # first own fault
     with pytest.raises(HealthCheckError, match="rank 3 faulted 2 times"):
         fc(st.replace(fn_exception=ValueError("y")))
+
+
+# -- Compose (NVRx: function composition, right to left) ----------------------------------
+def test_compose_is_function_composition_right_to_left() -> None:
+    from steadfast.inprocess import Compose
+
+    calls: list[str] = []
+
+    def hook(name: str):
+        def f(x: int) -> int:
+            calls.append(name)
+            return x * 10 + len(calls)
+
+        return f
+
+    assert Compose(hook("a"), hook("b"), hook("c"))(0) == 123  # a(b(c(0)))
+    assert calls == ["c", "b", "a"]
+
+
+def test_composed_hooks_chain_the_state_and_keep_their_kind() -> None:
+    from steadfast.inprocess import Abort, AbortTorchDistributed, Compose, HealthCheck
+
+    st = State.first(0, 2).replace(fn_exception=ValueError("mine"))
+    twice = Compose(FaultCounter(3), FaultCounter(3))
+    assert twice(st) == st  # was AttributeError: a hook's None fed to the next
+    assert isinstance(twice, HealthCheck) and isinstance(twice, Compose)
+    aborts = Compose(AbortTorchDistributed(), AbortTorchDistributed())
+    assert isinstance(aborts, Abort) and aborts(st) == st
+    assert isinstance(Compose(ShiftRanks(), FaultCounter()), Compose)  # no common hook kind
+
+
+def test_a_hook_that_returns_none_passes_its_argument_on() -> None:
+    from steadfast.inprocess import Compose
+
+    with pytest.warns(UserWarning, match="returned None"):
+        assert Compose(lambda x: x + 1, lambda x: None)(1) == 2
+
+
+def test_pipe_runs_left_to_right() -> None:
+    order: list[str] = []
+
+    class Note(FaultCounter):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def __call__(self, state: State) -> State:
+            order.append(self.name)
+            return state
+
+    (Note("a") | Note("b"))(State.first(0, 1))
+    assert order == ["a", "b"]

@@ -42,6 +42,17 @@ def test_identify_stragglers_and_format():
     assert found["straggler_gpus_relative"] == {StragglerId(1, "n1")}
     assert found["straggler_gpus_individual"] == {StragglerId(0, "n0")}
     assert found["straggler_sections_relative"] == {"step": {StragglerId(1, "n1")}}
+    assert found["straggler_sections_individual"] == {}
+    healthy = Report(
+        gpu_relative_perf_scores={0: 1.0, 1: 0.74},  # NVRx's default threshold is 0.75
+        gpu_individual_perf_scores={0: 1.0, 1: 1.0},
+        section_relative_perf_scores={"section00": {0: 1.0, 1: 1.0}},
+        section_individual_perf_scores={"section00": {0: 1.0, 1: 1.0}},
+    )
+    assert healthy.identify_stragglers()["straggler_gpus_relative"] == {StragglerId(1, "?")}
+    nothing = healthy.identify_stragglers(gpu_rel_threshold=0.7)
+    # nothing straggles: every value is empty, so `if found[...]` sees no straggler
+    assert not any(nothing.values()), nothing
     text = report.format_scores("GPU relative performance", report.gpu_relative_perf_scores, 2)
     assert text.splitlines() == [
         "GPU relative performance:",

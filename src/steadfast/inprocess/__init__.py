@@ -3,6 +3,7 @@ ranks inside the same processes. See :class:`Wrapper`."""
 
 from __future__ import annotations
 
+from .compose import Compose
 from .hooks import (
     Abort,
     AbortTorchDistributed,
@@ -16,7 +17,6 @@ from .hooks import (
 from .rank_assignment import (
     ActivateAllRanks,
     ActiveWorldSizeDivisibleBy,
-    Compose,
     FillGaps,
     MaxActiveWorldSize,
     RankAssignment,

@@ -1,7 +1,9 @@
 """The Wrapper's rank-local hooks: abort, initialize, finalize and health checks.
 
-Each hook is a small class with ``__call__(state)``; hooks of one kind compose with ``|``
-(run left to right). Where they run:
+Each hook is a small class with ``__call__(state) -> state``: it gets this iteration's
+state (frozen) and returns it, as NVRx's hooks do, so hooks of any kind compose with
+:class:`~steadfast.inprocess.Compose` (``Compose(a, b)(s) == a(b(s))``), or with ``a | b``
+(``a`` then ``b``). Where they run:
 
 - ``initialize(state)``: at the start of every iteration, before the function. Raising
   :class:`RestartAbort` (e.g. from :class:`RetryController`) ends the run on every rank.
@@ -37,22 +39,16 @@ logger = logging.getLogger("steadfast.inprocess")
 
 
 class _Hook:
-    """``__call__(state)``; ``a | b`` runs ``a`` then ``b``."""
+    """``__call__(state) -> state``; ``a | b`` runs ``a`` then ``b``."""
 
-    def __call__(self, state: State) -> None:
+    def __call__(self, state: State) -> State:
         raise NotImplementedError
 
-    def __or__(self, other: _Hook) -> _Chain:
-        return _Chain(self, other)
+    def __or__(self, other: _Hook) -> _Hook:
+        from .compose import Compose
 
-
-class _Chain(_Hook):
-    def __init__(self, *hooks: _Hook) -> None:
-        self.hooks = hooks
-
-    def __call__(self, state: State) -> None:
-        for hook in self.hooks:
-            hook(state)
+        chained: _Hook = Compose(other, self)  # type: ignore[assignment]  # right to left
+        return chained
 
 
 class Abort(_Hook):
@@ -83,11 +79,11 @@ class AbortTorchDistributed(Abort):
     destroys before the restart), so no group is torn down under a running collective.
     """
 
-    def __call__(self, state: State) -> None:
+    def __call__(self, state: State) -> State:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
-            return
+            return state
         from torch.distributed import distributed_c10d as c10d
 
         if threading.current_thread() is threading.main_thread():
@@ -97,7 +93,7 @@ class AbortTorchDistributed(Abort):
                 c10d._abort_process_group()
             except Exception as exc:
                 logger.debug("abort of the process groups failed: %s", exc)
-            return
+            return state
         # Monitor thread: abort only (newest group first); the registry stays for the
         # main thread, which may still be inside a collective.
         groups: list[Any] = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g])
@@ -106,15 +102,18 @@ class AbortTorchDistributed(Abort):
                 group.abort()
             except Exception as exc:
                 logger.debug("abort of %s failed: %s", group, exc)
+        return state
 
 
 class RetryController(Initialize):
     """End the run with :class:`RestartAbort` once restarting is no longer worth it.
 
-    ``max_iterations``: the largest iteration allowed to start (``None``: no limit), so
-    ``max_iterations=3`` allows three restarts; ``min_world_size`` /
-    ``min_active_world_size``: the fewest ranks / active ranks to carry on with. Every
-    rank sees the same state, so every rank raises the same error at the same iteration.
+    ``max_iterations``: how many iterations may run in all (``None``: no limit), as in
+    NVRx: iteration ``max_iterations`` is refused, so ``max_iterations=3`` runs the
+    function at most three times (the first call and two restarts);
+    ``min_world_size`` / ``min_active_world_size``: the fewest ranks / active ranks to
+    carry on with. Every rank sees the same state, so every rank raises the same error at
+    the same iteration.
     """
 
     def __init__(
@@ -129,21 +128,23 @@ class RetryController(Initialize):
         self.min_world_size = min_world_size
         self.min_active_world_size = min_active_world_size
 
-    def __call__(self, state: State) -> None:
-        if self.max_iterations is not None and state.iteration > self.max_iterations:
-            raise RestartAbort(
-                f"retry limit reached: iteration {state.iteration} > max_iterations "
-                f"{self.max_iterations}"
-            )
+    def __call__(self, state: State) -> State:
+        reasons = []
+        if self.max_iterations is not None and state.iteration >= self.max_iterations:
+            reasons.append("retry limit reached")
         if state.world_size < self.min_world_size:
-            raise RestartAbort(
-                f"world size {state.world_size} fell below min_world_size {self.min_world_size}"
-            )
+            reasons.append("world size fell below min_world_size")
         if state.active_world_size < self.min_active_world_size:
+            reasons.append("active world size fell below min_active_world_size")
+        if reasons:
             raise RestartAbort(
-                f"active world size {state.active_world_size} fell below "
-                f"min_active_world_size {self.min_active_world_size}"
+                f"{'; '.join(reasons)}: iteration={state.iteration} "
+                f"max_iterations={self.max_iterations} world_size={state.world_size} "
+                f"min_world_size={self.min_world_size} "
+                f"active_world_size={state.active_world_size} "
+                f"min_active_world_size={self.min_active_world_size}"
             )
+        return state
 
 
 class FaultCounter(HealthCheck):
@@ -157,7 +158,7 @@ class FaultCounter(HealthCheck):
         self.max_rank_faults = max_rank_faults
         self.faults = 0
 
-    def __call__(self, state: State) -> None:
+    def __call__(self, state: State) -> State:
         exc = state.fn_exception
         if exc is not None and not isinstance(exc, InterruptedIteration):
             self.faults += 1
@@ -166,6 +167,7 @@ class FaultCounter(HealthCheck):
                 f"rank {state.initial_rank} faulted {self.faults} times "
                 f"(max_rank_faults={self.max_rank_faults})"
             )
+        return state
 
 
 class CudaHealthCheck(HealthCheck):
@@ -176,11 +178,11 @@ class CudaHealthCheck(HealthCheck):
     def __init__(self, timeout: timedelta = timedelta(seconds=30)) -> None:
         self.timeout = timeout
 
-    def __call__(self, state: State) -> None:
+    def __call__(self, state: State) -> State:
         import torch
 
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
-            return
+            return state
         error: list[BaseException] = []
 
         def sync() -> None:
@@ -198,3 +200,4 @@ class CudaHealthCheck(HealthCheck):
             )
         if error:
             raise HealthCheckError(f"CUDA device unhealthy: {error[0]}") from error[0]
+        return state

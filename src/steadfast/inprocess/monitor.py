@@ -19,10 +19,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
 import os
+import pickle
 import select
 import signal
 import struct
@@ -203,16 +205,38 @@ def start_monitor_process(cfg: MonitorProcessConfig, shared: SharedProgress) -> 
     os.close(ready_w)
     try:
         ok = os.read(ready_r, 1)
+        failure = b"".join(iter(lambda: os.read(ready_r, 65536), b"")) if ok != b"1" else b""
     finally:
         os.close(ready_r)
     if ok != b"1":
         os.close(stop_w)
         os.waitpid(pid, 0)
+        error = _unpickled_exception(failure)
+        if error is not None:  # what store_factory raised, unchanged, as in NVRx
+            note = getattr(error, "add_note", None)  # Python 3.11+
+            if note is not None:
+                note(
+                    f"raised in the in-process restart monitor of rank {cfg.initial_rank} "
+                    f"(store_factory({cfg.store_kwargs}))"
+                )
+            raise error
         raise RuntimeError(
             f"the in-process restart monitor of rank {cfg.initial_rank} failed to start "
             f"(store {cfg.store_kwargs.get('host_name')}:{cfg.store_kwargs.get('port')})"
         )
     return pid, stop_w
+
+
+def _unpickled_exception(data: bytes) -> BaseException | None:
+    """The exception the monitor process sent back (None if it sent none, or one that
+    does not unpickle here)."""
+    if not data:
+        return None
+    try:
+        error = pickle.loads(data)
+    except Exception:
+        return None
+    return error if isinstance(error, BaseException) else None
 
 
 class _Monitor:
@@ -253,7 +277,16 @@ class _Monitor:
             pidfd = os.pidfd_open(cfg.rank_pid)
         except Exception as exc:
             self.log.error("monitor of rank %d cannot start: %s", self.rank, exc)
+            try:
+                data = pickle.dumps(exc)
+            except Exception:  # an exception that does not pickle: described instead
+                data = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
             os.write(self.ready_fd, b"0")
+            with contextlib.suppress(OSError):
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self.ready_fd, view) :]
+            os.close(self.ready_fd)
             return 1
         os.write(self.ready_fd, b"1")
         os.close(self.ready_fd)

@@ -5,7 +5,8 @@ were terminated since (``state.terminated``, initial ranks), to the ranks and wo
 of the next one. A :class:`RankFilter` then decides which of those ranks are *active*
 (call the wrapped function); inactive ranks wait as spares. Every rank runs the same
 deterministic computation on the same inputs, so all agree without communicating.
-Hooks compose with :class:`Compose` (or ``a | b``), applied left to right.
+Hooks compose with :class:`~steadfast.inprocess.Compose` (``Compose(a, b)(s) ==
+a(b(s))``, as in NVRx) or ``a | b`` (``a`` first, then ``b``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from .state import RestartAbort, State
 __all__ = [
     "ActivateAllRanks",
     "ActiveWorldSizeDivisibleBy",
-    "Compose",
     "FillGaps",
     "MaxActiveWorldSize",
     "RankAssignment",
@@ -30,20 +30,11 @@ class RankAssignment:
     def __call__(self, state: State) -> State:
         raise NotImplementedError
 
-    def __or__(self, other: RankAssignment) -> Compose:
-        return Compose(self, other)
+    def __or__(self, other: RankAssignment) -> RankAssignment:
+        from .compose import Compose
 
-
-class Compose(RankAssignment):
-    """Apply several rank assignments / filters in order, each on the previous result."""
-
-    def __init__(self, *hooks: RankAssignment) -> None:
-        self.hooks = hooks
-
-    def __call__(self, state: State) -> State:
-        for hook in self.hooks:
-            state = hook(state)
-        return state
+        chained: RankAssignment = Compose(other, self)  # type: ignore[assignment]
+        return chained
 
 
 def _alive_by_rank(state: State) -> list[int]:

@@ -369,16 +369,19 @@ class CallWrapper:
             )
 
     def _store_kwargs(self) -> dict[str, Any]:
+        """The restart store's address: ``store_kwargs``' ``host_name`` and ``port``, else
+        ``MASTER_ADDR`` and ``MASTER_PORT + 1`` (the process group may use MASTER_PORT
+        itself); only a value that ``store_kwargs`` lacks is read from the environment."""
         kwargs = dict(self.wrapper.store_kwargs)
-        if "host_name" not in kwargs:
-            for key in ("MASTER_ADDR", "MASTER_PORT"):
-                if key not in os.environ:
-                    raise ConfigError(
-                        f"Wrapper: environment variable {key} not set and store_kwargs "
-                        "has no host_name/port for the restart store"
-                    )
-            kwargs["host_name"] = os.environ["MASTER_ADDR"]
-            kwargs.setdefault("port", int(os.environ["MASTER_PORT"]) + 1)
+        for key, env in (("host_name", "MASTER_ADDR"), ("port", "MASTER_PORT")):
+            if key in kwargs:
+                continue
+            if env not in os.environ:
+                raise ConfigError(
+                    f"Wrapper: environment variable {env} not set and store_kwargs has no "
+                    f"{key!r} for the restart store"
+                )
+            kwargs[key] = os.environ[env] if key == "host_name" else int(os.environ[env]) + 1
         kwargs.setdefault("timeout", self.wrapper.barrier_timeout)
         return kwargs
 

@@ -94,6 +94,7 @@ def _run_child(request: dict[str, Any]) -> int:
     _die_with_parent()
     for sig in (signal.SIGCHLD, *IGNORED_SIGNALS):
         signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, IGNORED_SIGNALS)  # the template blocks them
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as in any Python process
     os.environ.clear()
@@ -167,10 +168,12 @@ def _die_with_parent() -> None:
         pass
 
 
-#: Signals the template ignores (its workers get the default actions back): a signal
-#: forwarded by srun reaches every process of the step, the template too, and the
-#: launcher decides what it means for the workers. The template itself ends when the
-#: launcher closes its socket, or by SIGKILL when the launcher dies (PR_SET_PDEATHSIG).
+#: Signals the template does not act on (its workers get the default actions back): a
+#: signal forwarded by srun reaches every process of the step, the template too, and the
+#: launcher decides what it means for the workers. One sent by a *worker* to its parent
+#: (the template) is passed on to the launcher, the parent it would have under torchrun.
+#: The template itself ends when the launcher closes its socket, or by SIGKILL when the
+#: launcher dies (PR_SET_PDEATHSIG).
 IGNORED_SIGNALS = frozenset(
     getattr(signal, name)
     for name in (
@@ -199,6 +202,11 @@ def serve(fd: int) -> None:
     with contextlib.suppress(Exception):
         importlib.import_module("torch._dynamo")
 
+    # From here on the signals are blocked and read with sigtimedwait (an ignored one is
+    # discarded before anyone can see who sent it): a worker's is passed to the launcher
+    signal.pthread_sigmask(signal.SIG_BLOCK, IGNORED_SIGNALS)
+    for sig in IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)  # never delivered while blocked
     sock = socket.socket(fileno=fd)
     if sys.path and sys.path[0] in ("", os.getcwd()):
         sys.path.pop(0)  # `python -m` put the launcher's cwd first; a script does not have it
@@ -216,7 +224,7 @@ def serve(fd: int) -> None:
         return
     try:
         while True:
-            for key, _ in sel.select():
+            for key, _ in sel.select(_SIGNAL_POLL):
                 if key.fileobj == wake_r:
                     os.read(wake_r, 512)
                     _reap(sock, children)
@@ -239,6 +247,7 @@ def serve(fd: int) -> None:
                 children.add(pid)
                 _send(sock, {"spawned": pid, "id": request["id"]})
             _reap(sock, children)
+            _pass_on_workers_signals(children)
     finally:
         for pid in children:
             with contextlib.suppress(OSError):
@@ -249,6 +258,23 @@ def serve(fd: int) -> None:
             with contextlib.suppress(ChildProcessError):
                 pid, _ = os.wait()
                 children.discard(pid)
+
+
+#: How often the template looks for a signal a worker sent it (seconds).
+_SIGNAL_POLL = 0.05
+
+
+def _pass_on_workers_signals(children: set[int]) -> None:
+    """Pass each pending signal that one of ``children`` (a worker) sent to the launcher
+    (this process's parent); drop the others (srun's, sent to the whole step: the
+    launcher got its own)."""
+    while True:
+        info = signal.sigtimedwait(IGNORED_SIGNALS, 0)
+        if info is None:
+            return
+        if info.si_pid in children:
+            with contextlib.suppress(OSError):
+                os.kill(os.getppid(), info.si_signo)
 
 
 def _reap(sock: socket.socket, children: set[int]) -> None:

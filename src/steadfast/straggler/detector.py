@@ -48,12 +48,14 @@ class Report:
 
     def identify_stragglers(
         self,
-        gpu_rel_threshold: float = 0.7,
-        section_rel_threshold: float = 0.7,
-        gpu_indiv_threshold: float = 0.7,
-        section_indiv_threshold: float = 0.7,
+        gpu_rel_threshold: float = 0.75,
+        section_rel_threshold: float = 0.75,
+        gpu_indiv_threshold: float = 0.75,
+        section_indiv_threshold: float = 0.75,
     ) -> dict[str, Any]:
-        """Ranks whose scores are below the thresholds (NVRx's keys)."""
+        """Ranks whose scores are below the thresholds, under NVRx's keys and defaults
+        (0.75; Megatron Bridge's manager passes its own 0.7). A section appears only
+        when some rank straggles in it, so an empty result is falsy all the way down."""
 
         def below(scores: dict[int, float], threshold: float) -> set[StragglerId]:
             return {
@@ -62,19 +64,21 @@ class Report:
                 if score < threshold
             }
 
+        def sections(table: dict[str, dict[int, float]], threshold: float) -> dict[str, Any]:
+            found = {name: below(scores, threshold) for name, scores in table.items()}
+            return {name: ranks for name, ranks in found.items() if ranks}
+
         return {
             "straggler_gpus_relative": below(self.gpu_relative_perf_scores, gpu_rel_threshold),
             "straggler_gpus_individual": below(
                 self.gpu_individual_perf_scores, gpu_indiv_threshold
             ),
-            "straggler_sections_relative": {
-                name: below(scores, section_rel_threshold)
-                for name, scores in self.section_relative_perf_scores.items()
-            },
-            "straggler_sections_individual": {
-                name: below(scores, section_indiv_threshold)
-                for name, scores in self.section_individual_perf_scores.items()
-            },
+            "straggler_sections_relative": sections(
+                self.section_relative_perf_scores, section_rel_threshold
+            ),
+            "straggler_sections_individual": sections(
+                self.section_individual_perf_scores, section_indiv_threshold
+            ),
         }
 
     def format_scores(self, title: str, scores: dict[int, float], num: int) -> str:
