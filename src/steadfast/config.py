@@ -7,6 +7,8 @@ validation in steadfast raises :class:`ConfigError` through the helpers here.
 
 from __future__ import annotations
 
+import argparse
+import logging
 import math
 import os
 import signal
@@ -16,6 +18,8 @@ from typing import Any
 
 __all__ = ["ConfigError", "FaultToleranceConfig", "require_choice", "require_number"]
 
+logger = logging.getLogger("steadfast.config")
+
 
 class ConfigError(ValueError):
     """A configuration value, flag, or state file is invalid; the message names it.
@@ -23,6 +27,14 @@ class ConfigError(ValueError):
     Subclasses ``ValueError`` so callers that caught the original libraries' ValueError
     keep working.
     """
+
+    #: True when a config file was read but has no ``fault_tolerance:`` section (which
+    #: NVRx's launcher accepts when flags give the config)
+    missing_section: bool = False
+
+
+class _MissingSection(ConfigError):
+    missing_section = True
 
 
 def require_choice(field: str, value: Any, choices: Collection[str]) -> str:
@@ -95,9 +107,12 @@ class FaultToleranceConfig:
     """Settings of the rank monitors and the launcher's restart policy.
 
     The fields and defaults of NVIDIA Resiliency Extension's ``FaultToleranceConfig``
-    (seed 002), plus the launcher's stop grace period and progress guard. A timeout of
-    ``None`` (YAML ``null``) is infinite: it never fires, so it must be calculated from
-    observed intervals (``calculate_and_set_*_timeouts``) to be useful.
+    (seed 002; NVRx 0.4.1's defaults: a first heartbeat within an hour, then one every 45
+    minutes), its loaders (:meth:`from_kwargs`, :meth:`from_yaml_file`,
+    :meth:`from_args`, :meth:`to_yaml_file`), plus the launcher's stop grace period and
+    progress guard. A timeout of ``None`` (YAML ``null``) is infinite: it never fires,
+    so it must be calculated from observed intervals (``calculate_and_set_*_timeouts``)
+    to be useful.
 
     Attributes:
         workload_check_interval: Longest the launcher's watcher sleeps between looks at
@@ -111,7 +126,8 @@ class FaultToleranceConfig:
             first ``step`` section on).
         safety_factor: Calculated timeout = safety_factor x max observed interval.
         rank_termination_signal: How a hung rank is terminated.
-        log_level: Log level of the monitors and launcher.
+        log_level: Log level of the monitors and launcher: a ``logging`` level number,
+            as NVRx stores it (``"INFO"``, ``"warn"``... are accepted and converted).
         num_warmup_iterations: Iterations that use the ``warmup`` timeout.
         workers_stop_timeout: Grace period between SIGTERM and SIGKILL when the workers
             are stopped for a restart or a shutdown.
@@ -126,13 +142,13 @@ class FaultToleranceConfig:
     """
 
     workload_check_interval: float = 5.0
-    initial_rank_heartbeat_timeout: float | None = None
-    rank_heartbeat_timeout: float | None = None
+    initial_rank_heartbeat_timeout: float | None = 60.0 * 60.0
+    rank_heartbeat_timeout: float | None = 45.0 * 60.0
     rank_section_timeouts: dict[str, float | None] = field(default_factory=dict)
     rank_out_of_section_timeout: float | None = None
     safety_factor: float = 5.0
     rank_termination_signal: signal.Signals = signal.SIGKILL
-    log_level: str = "INFO"
+    log_level: int = logging.INFO
     num_warmup_iterations: int = 5
     workers_stop_timeout: float = 15.0
     max_no_progress_restarts: int = 3
@@ -176,9 +192,7 @@ class FaultToleranceConfig:
         self.rank_termination_signal = _signal(
             p + "rank_termination_signal", self.rank_termination_signal
         )
-        level = str(self.log_level).upper()
-        require_choice(p + "log_level", level, _LOG_LEVELS)
-        self.log_level = level
+        self.log_level = _log_level(p + "log_level", self.log_level)
         self.num_warmup_iterations = require_number(
             p + "num_warmup_iterations", self.num_warmup_iterations, minimum=0, integer=True
         )
@@ -210,32 +224,100 @@ class FaultToleranceConfig:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_mapping(
-        cls, values: Mapping[str, Any], source: str = "config"
+        cls,
+        values: Mapping[str, Any],
+        source: str = "config",
+        ignore_not_recognized: bool = False,
     ) -> FaultToleranceConfig:
-        """Build from a mapping (a YAML section); an unknown key is an error naming it."""
+        """Build from a mapping (a YAML section). An unknown key is an error naming it,
+        or, with ``ignore_not_recognized``, a warning naming it (NVRx's loaders ignore
+        them silently: a misspelt timeout then has no effect without a word)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
-        if unknown:
+        if unknown and not ignore_not_recognized:
             raise ConfigError(
                 f"{source}: unknown fault_tolerance field(s) {unknown}; known: {sorted(known)}"
             )
-        return cls(**dict(values))
+        if unknown:
+            logger.warning(
+                "%s: fault_tolerance field(s) %s not recognized: ignored", source, unknown
+            )
+        return cls(**{k: v for k, v in values.items() if k in known})
 
     @classmethod
-    def from_yaml_file(cls, path: str | os.PathLike[str]) -> FaultToleranceConfig:
-        """Read the ``fault_tolerance:`` section of a YAML file."""
+    def from_kwargs(cls, ignore_not_recognized: bool = True, **kwargs: Any) -> FaultToleranceConfig:
+        """NVRx's constructor from keyword arguments: unknown ones are ignored (with a
+        warning naming them) unless ``ignore_not_recognized=False``, which raises."""
+        return cls.from_mapping(kwargs, "FaultToleranceConfig.from_kwargs", ignore_not_recognized)
+
+    @classmethod
+    def from_yaml_file(
+        cls, cfg_path: str | os.PathLike[str], ignore_not_recognized: bool = True
+    ) -> FaultToleranceConfig:
+        """Read the ``fault_tolerance:`` section of a YAML file, found at any depth (so a
+        whole training config with the section somewhere inside works, as in NVRx).
+        Unknown fields are ignored with a warning (``ignore_not_recognized=False``: an
+        error naming them)."""
         import yaml
 
         try:
-            with open(path) as fh:
+            with open(cfg_path) as fh:
                 doc = yaml.safe_load(fh)
         except OSError as exc:
-            raise ConfigError(f"{path}: cannot read the FT config ({exc})") from exc
+            raise ConfigError(f"{cfg_path}: cannot read the FT config ({exc})") from exc
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
-        if not isinstance(doc, Mapping) or not isinstance(doc.get("fault_tolerance"), Mapping):
-            raise ConfigError(f"{path}: no 'fault_tolerance:' section")
-        return cls.from_mapping(doc["fault_tolerance"], source=str(path))
+            raise ConfigError(f"{cfg_path}: not valid YAML ({exc})") from exc
+        section = _find_section(doc, "fault_tolerance")
+        if section is None:
+            raise _MissingSection(f"{cfg_path}: no 'fault_tolerance:' section")
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{cfg_path}: the 'fault_tolerance:' section is not a mapping")
+        return cls.from_mapping(section, str(cfg_path), ignore_not_recognized)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FaultToleranceConfig:
+        """NVRx's ``from_args``: the defaults, then the YAML file of ``args.ft_cfg_path``
+        (if it has a ``fault_tolerance`` section), then every ``args.ft_<field>`` that is
+        not None (``rank_section_timeouts`` may be the flag's ``name:secs,...`` string).
+        With neither a file section nor any ``ft_*`` value it is an error, as in NVRx,
+        unless ``args.ft_ignore_missing_cfg``."""
+        base = cls()
+        from_file = False
+        path = getattr(args, "ft_cfg_path", None)
+        if path is not None:
+            try:
+                base = cls.from_yaml_file(path)
+                from_file = True
+            except ConfigError as exc:
+                if not exc.missing_section:
+                    raise
+        values = {f.name: getattr(base, f.name) for f in fields(base)}
+        given: dict[str, Any] = {}
+        for f in fields(cls):
+            value = getattr(args, f"ft_{f.name}", None)
+            if f.name == "workers_stop_timeout" and value is None:  # NVRx's launcher flag
+                value = getattr(args, "workers_stop_timeout", None)
+            if value is None:
+                continue
+            if isinstance(value, str):  # the flag's text (steadfast's get_args_parser)
+                value = _parse_flag(f"--ft-{f.name.replace('_', '-')}", f.name, value)
+            given[f.name] = value
+        if not (from_file or given or getattr(args, "ft_ignore_missing_cfg", False)):
+            raise ConfigError(
+                "no fault tolerance configuration: give --ft-cfg-path FILE (with a "
+                "fault_tolerance: section) or --ft-* flags"
+            )
+        return cls(**{**values, **given})
+
+    def to_yaml_file(self, cfg_path: str | os.PathLike[str]) -> None:
+        """Write this config as a YAML file with a ``fault_tolerance:`` section (the
+        signal by name, the log level as a number), which :meth:`from_yaml_file` reads
+        back equal."""
+        import yaml
+
+        out = self.to_dict()
+        with open(cfg_path, "w") as fh:
+            yaml.safe_dump({"fault_tolerance": out}, fh, sort_keys=False)
 
     def with_overrides(self, overrides: Mapping[str, str]) -> FaultToleranceConfig:
         """A copy with fields set from command-line strings (``--ft-param-<field>=VALUE``):
@@ -257,7 +339,54 @@ class FaultToleranceConfig:
         return out
 
 
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_LOG_LEVELS = {
+    "DEBUG": logging.DEBUG,
+    "DBG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARNING": logging.WARNING,
+    "WARN": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
+    "FATAL": logging.CRITICAL,
+}
+
+
+def _log_level(field: str, value: Any) -> int:
+    """A ``logging`` level number from a number or a name (NVRx stores the number)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if logging.DEBUG <= value <= logging.CRITICAL:
+            return value
+        raise ConfigError(
+            f"{field}: {value} is not a log level ({logging.DEBUG} DEBUG .. "
+            f"{logging.CRITICAL} CRITICAL)"
+        )
+    if isinstance(value, str):
+        text = value.strip().upper()
+        if text.isdigit():
+            return _log_level(field, int(text))
+        if text in _LOG_LEVELS:
+            return _LOG_LEVELS[text]
+    raise ConfigError(
+        f"{field}: {value!r} is not a log level; expected one of "
+        f"{', '.join(n for n in _LOG_LEVELS if n not in ('DBG', 'WARN', 'FATAL'))} or a number"
+    )
+
+
+def _find_section(doc: Any, name: str) -> Any:
+    """The first ``name:`` entry at any depth of a YAML document (depth first)."""
+    if isinstance(doc, Mapping):
+        if name in doc:
+            return doc[name]
+        for value in doc.values():
+            found = _find_section(value, name)
+            if found is not None:
+                return found
+    elif isinstance(doc, list):
+        for item in doc:
+            found = _find_section(item, name)
+            if found is not None:
+                return found
+    return None
 
 
 def _scalar(raw: str) -> Any:

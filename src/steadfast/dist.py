@@ -9,8 +9,10 @@ the "agreement" of one rank is its own value.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -19,6 +21,8 @@ import torch.distributed as dist
 __all__ = [
     "WorldInfo",
     "agree_any",
+    "barrier_with_timeout",
+    "set_nccl_env",
     "backend_device",
     "count_true",
     "gather_flags",
@@ -28,6 +32,8 @@ __all__ = [
 ]
 
 ProcessGroup = Any  # torch's ProcessGroup type is not stable across versions
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -129,3 +135,45 @@ def gather_flags(flag: bool, group: ProcessGroup | None = None) -> list[bool]:
     out = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(size)]
     dist.all_gather(out, mine, group=group)
     return [bool(v) for v in torch.cat(out).tolist()]
+
+
+def barrier_with_timeout(
+    timeout_sec: float, reason: str = "barrier", group: ProcessGroup | None = None
+) -> None:
+    """A barrier that fails after ``timeout_sec`` seconds, not the process group's own
+    timeout (often 30 minutes, sized for large reductions): init-path and coordination
+    points should surface a wedged or misconfigured peer fast (KempnerForge's
+    per-operation timeouts). Raises ``RuntimeError`` naming ``reason`` and the timeout;
+    after it the group has a pending collective and must be aborted or destroyed."""
+    from .config import require_number
+
+    require_number("barrier_with_timeout.timeout_sec", timeout_sec, exclusive_minimum=0)
+    if not is_distributed():
+        return
+    work = dist.barrier(async_op=True) if group is None else dist.barrier(group, async_op=True)
+    try:
+        done = work is None or work.wait(timeout=timedelta(seconds=timeout_sec)) is not False
+    except RuntimeError as exc:
+        raise RuntimeError(f"{reason}: barrier timed out after {timeout_sec}s ({exc})") from exc
+    if not done:
+        raise RuntimeError(f"{reason}: barrier timed out after {timeout_sec}s")
+
+
+#: The NCCL setting that turns a collective stuck past its timeout into an error (and a
+#: dead peer into an abort) instead of a hang.
+NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def set_nccl_env() -> None:
+    """Make NCCL report stuck collectives: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` when
+    unset. An explicit ``0`` is the user's choice and kept, with a warning: with it, a
+    collective past its timeout hangs the rank instead of failing it."""
+    value = os.environ.get(NCCL_ASYNC_ERROR_HANDLING)
+    if value is None or value == "":
+        os.environ[NCCL_ASYNC_ERROR_HANDLING] = "1"
+    elif value == "0":
+        logger.warning(
+            "%s=0: a collective past its timeout will hang this rank instead of failing "
+            "it (hang detection must then catch it); unset it or set 1",
+            f"{NCCL_ASYNC_ERROR_HANDLING}=0",
+        )

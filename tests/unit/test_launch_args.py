@@ -103,3 +103,22 @@ def test_the_rank_that_exited_first_is_the_failure():
     assert first_failures(both_exited, {0: 5.0, 1: 5.0}) == {0, 1}  # no way to tell: both
     assert first_failures(both_exited, {}) == {0, 1}  # no pidfds: torch's 1 s timestamps
     assert first_failures({}, {}) == set()
+
+
+def test_nvrx_launcher_flags(tmp_path: Path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    split = _split([
+        "--fault-tol-cfg-path", str(empty), "--ft-safety-factor=3", "--term-timeout", "60",
+        "--workers_stop_timeout", "9", "--ft-restart-policy", "any-failed",
+        "--ignore-missing-fault-tol-cfg", "--nproc-per-node=2", "t.py",
+    ])  # fmt: skip
+    assert split.torchrun_argv == ["--nproc-per-node=2", "t.py"]
+    assert split.ft.safety_factor == 3 and split.ft.workers_stop_timeout == 9
+    assert split.term_timeout == 60 and split.restart_policy == "any-failed"
+    with pytest.raises(ConfigError, match="min-healthy: not supported"):
+        _split(["--ft-restart-policy=min-healthy", "t.py"])
+    with pytest.raises(ConfigError, match="no 'fault_tolerance:' section"):
+        _split(["--ft-cfg-path", str(empty), "t.py"])  # nothing else gives a config
+    with pytest.raises(ConfigError, match="--term-timeout: expected seconds"):
+        _split(["--term-timeout", "soon", "t.py"])

@@ -4,6 +4,7 @@ terminating real hung processes."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -32,9 +33,10 @@ from steadfast.monitor.watcher import next_deadline
 def test_config_defaults_are_the_originals():
     cfg = FaultToleranceConfig()
     assert cfg.workload_check_interval == 5.0 and cfg.safety_factor == 5.0
-    assert cfg.initial_rank_heartbeat_timeout is None and cfg.rank_heartbeat_timeout is None
+    # NVRx 0.4.1: a first heartbeat within an hour, then one every 45 minutes
+    assert cfg.initial_rank_heartbeat_timeout == 3600 and cfg.rank_heartbeat_timeout == 2700
     assert cfg.rank_section_timeouts == {} and cfg.rank_out_of_section_timeout is None
-    assert cfg.rank_termination_signal == signal.SIGKILL and cfg.log_level == "INFO"
+    assert cfg.rank_termination_signal == signal.SIGKILL and cfg.log_level == logging.INFO
     assert cfg.num_warmup_iterations == 5
 
 
@@ -56,7 +58,7 @@ def test_config_from_yaml_and_flags(tmp_path: Path):
     )
     cfg = FaultToleranceConfig.from_yaml_file(f)
     assert cfg.rank_section_timeouts == {"init": 20.0, "step": 10.0, "checkpoint": 30.0}
-    assert cfg.rank_termination_signal == signal.SIGTERM and cfg.log_level == "DEBUG"
+    assert cfg.rank_termination_signal == signal.SIGTERM and cfg.log_level == logging.DEBUG
     cfg = cfg.with_overrides(
         {
             "rank_section_timeouts": "setup:600,step:180,checkpointing:null",
@@ -463,3 +465,41 @@ def test_a_rank_ignoring_sigterm_is_killed_without_holding_up_the_others(event_l
     assert set(by_rank) == {0, 1}
     assert by_rank[1].elapsed - by_rank[1].timeout < 1.5, by_rank  # not after rank 0's 2 s
     assert set(exits) == {0, 1} and exits[1] < exits[0]
+
+
+# ---------------------------------------------------------------------- NVRx's loaders
+def test_nvrx_config_loaders(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    cfg = FaultToleranceConfig.from_kwargs(safety_factor=3, not_a_field=1, log_level="warn")
+    assert cfg.safety_factor == 3 and cfg.log_level == logging.WARNING
+    assert "not_a_field" in caplog.text  # ignored, as NVRx does, but named
+    with pytest.raises(ConfigError, match="not_a_field"):
+        FaultToleranceConfig.from_kwargs(ignore_not_recognized=False, not_a_field=1)
+    # the section at any depth of a whole training config, and a round trip
+    whole = tmp_path / "train.yaml"
+    whole.write_text(
+        "model: {layers: 2}\ntrainer:\n  - x\n  - fault_tolerance:\n      safety_factor: 7\n"
+    )
+    assert FaultToleranceConfig.from_yaml_file(whole).safety_factor == 7
+    out = tmp_path / "out.yaml"
+    cfg.to_yaml_file(out)
+    assert FaultToleranceConfig.from_yaml_file(out) == cfg
+    assert FaultToleranceConfig(log_level=10).log_level == logging.DEBUG
+
+
+def test_from_args_with_the_launchers_parser(tmp_path: Path):
+    from steadfast.launcher.args import get_args_parser
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    parser = get_args_parser()
+    args = parser.parse_args(
+        ["--ft-cfg-path", str(empty), "--ft-rank-section-timeouts", "step:5,setup:null",
+         "--workers-stop-timeout", "7", "train.py"]
+    )  # fmt: skip
+    cfg = FaultToleranceConfig.from_args(args)  # an empty file plus flags is valid
+    assert cfg.rank_section_timeouts == {"step": 5.0, "setup": None}
+    assert cfg.workers_stop_timeout == 7
+    with pytest.raises(ConfigError, match="no fault tolerance configuration"):
+        FaultToleranceConfig.from_args(parser.parse_args(["--ft-cfg-path", str(empty), "t.py"]))
+    args = parser.parse_args(["--ignore-missing-fault-tol-cfg", "t.py"])
+    assert FaultToleranceConfig.from_args(args) == FaultToleranceConfig()

@@ -32,7 +32,7 @@ def test_defaults_match_the_seed():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"action": "ignore"}, "NaNDetector.action: 'ignore' is not valid"),
+        ({"action": "ignore"}, "NaNDetector.action: Invalid NaN action: 'ignore'"),
         ({"max_consecutive": -1}, "NaNDetector.max_consecutive: must be >= 1"),
         ({"max_consecutive": 0}, "NaNDetector.max_consecutive: must be >= 1"),
         ({"max_consecutive": True}, "NaNDetector.max_consecutive: expected an integer"),

@@ -85,19 +85,19 @@ def _launch(argv: list[str]) -> int:
 
     from .. import events
     from .agent import FTAgent, NoProgressError, RerunExit
-    from .args import resolve_events_path, split_argv
+    from .args import STEADFAST_DESTS, get_args_parser, resolve_events_path, split_argv
     from .template import discard_prestarted, keep_prestarted_if
 
-    parser = torchrun.get_args_parser()
-    _add_help(parser)
+    parser = get_args_parser()
     split = split_argv(argv, parser)
+    logging.getLogger("steadfast").setLevel(split.ft.log_level)  # the FT config's level
     # one event log for the run: this process's events and every worker's (inherited)
     os.environ[events.EVENTS_ENV] = resolve_events_path(split.events, split.run_dir)
     if not split.ft.worker_template:
         discard_prestarted()
     args = parser.parse_args(split.torchrun_argv)
-    for name in ("events", "run_dir", "ft_cfg_path"):  # _add_help's: only an abbreviation
-        if getattr(args, name, None) is not None:  # of them gets here, which would be lost
+    for name, default in STEADFAST_DESTS.items():  # split_argv took them all; only an
+        if getattr(args, name, default) != default:  # abbreviation gets here, then lost
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag}: give it in full (an abbreviation of it was given)")
     single_node_default = (
@@ -155,6 +155,7 @@ def _launch(argv: list[str]) -> int:
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         ft=split.ft,
+        term_timeout=split.term_timeout,
     )
     shutdown_rdzv = True
     try:
@@ -181,27 +182,6 @@ def _launch(argv: list[str]) -> int:
         logger.error("steadfast launch: workers failed and in-job restarts are spent")
         return _job_retry(split.ft.num_job_retries_on_failure)
     return EXIT_OK
-
-
-def _add_help(parser: Any) -> None:
-    """steadfast's own flags in ``steadfast launch --help`` (split_argv takes them out of
-    the command line before torchrun's parser reads it)."""
-    group = parser.add_argument_group("steadfast")
-    group.add_argument(
-        "--events",
-        metavar="PATH",
-        help="the run's event log, exported to every worker as $STEADFAST_EVENTS "
-        "(default: an inherited $STEADFAST_EVENTS, else ./steadfast_events.jsonl)",
-    )
-    group.add_argument(
-        "--run-dir", metavar="DIR", help="the run's folder: --events DIR/events.jsonl"
-    )
-    group.add_argument(
-        "--ft-cfg-path",
-        metavar="FILE",
-        help="FT config (YAML, a fault_tolerance: section); then --ft-param-<field>=VALUE "
-        "or --ft-<field> VALUE for any field",
-    )
 
 
 def _handle_signals_now(names: str) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -100,8 +101,17 @@ def rerun_exit_code(exit_codes: set[int]) -> int | None:
 class FTAgent(LocalElasticAgent):
     """``LocalElasticAgent`` with the heartbeat table, watcher and restart policy."""
 
-    def __init__(self, *args: Any, ft: FaultToleranceConfig, **kwargs: Any) -> None:
-        kwargs.setdefault("shutdown_timeout", max(1, round(ft.workers_stop_timeout)))
+    def __init__(
+        self,
+        *args: Any,
+        ft: FaultToleranceConfig,
+        term_timeout: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # torch's agent stops the workers with this on a signal it got (NVRx's
+        # term_timeout); a stop for a restart uses workers_stop_timeout (_stop_workers)
+        term = ft.workers_stop_timeout if term_timeout is None else term_timeout
+        kwargs.setdefault("shutdown_timeout", max(1, math.ceil(term)))
         super().__init__(*args, **kwargs)
         self.ft = ft
         spec = self._worker_group.spec
@@ -166,7 +176,7 @@ class FTAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self.watcher.unwatch()
-        self._shutdown(signal.SIGTERM, timeout=self._shutdown_timeout)
+        self._shutdown(signal.SIGTERM, timeout=max(1, math.ceil(self.ft.workers_stop_timeout)))
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result: RunResult = super()._monitor_workers(worker_group)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import logging
 import math
 import os
 import signal
@@ -101,6 +102,7 @@ class RankMonitorClient:
             )
         except ValueError as exc:
             raise ConfigError(f"${FT_CONFIG_ENV}: {exc}") from exc
+        logging.getLogger("steadfast").setLevel(self.cfg.log_level)  # the FT config's level
         self._table = t.HeartbeatTable.attach(path, row)
         self._row = row
         self._slots = self._table.slots(row)
