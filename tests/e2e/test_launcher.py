@@ -288,7 +288,7 @@ def test_calculated_timeouts_are_saved_and_used_after_a_restart(tmp_path: Path, 
     first = _launch(tmp_path / "learn", "--calc-timeouts", flags=tuple(TIMEOUTS))
     assert first.returncode == 0, (tmp_path / "learn" / "launcher.log").read_text()[-3000:]
     state = json.loads((tmp_path / "learn" / "ckpt" / "ft_state.json").read_text())
-    learned = state["rank_section_timeouts"]["step"]
+    learned = state["current_timeouts"]["section"]["section"]["step"]  # NVRx's form
     assert 0 < learned < 2  # 5 x the slowest step seen (ms), not a configured value
     run = tmp_path / "use"
     (run / "ckpt").mkdir(parents=True)

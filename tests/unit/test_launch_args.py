@@ -79,9 +79,26 @@ def test_event_log_flags_are_taken_and_resolved(tmp_path: Path):
 
 
 def test_an_abbreviated_steadfast_flag_is_an_error_not_ignored(capsys):
-    assert main(["--run-d", "x", "--nproc-per-node=1", "t.py"]) == 2
-    assert "--run-dir: give it in full" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--run-d", "x", "--nproc-per-node=1", "t.py"])
+    assert exit_.value.code == 2
+    assert "unrecognized arguments: --run-d" in capsys.readouterr().err
     assert _split(["--run_dir", "r", "t.py"]).run_dir == "r"  # torchrun's _ spelling too
+
+
+def test_script_flags_that_look_like_steadfasts_are_the_scripts(capsys):
+    """A script's own --fault (a prefix of --fault-tol-cfg-path) or --events reaches it."""
+    split = _split(["--nproc-per-node=1", "t.py", "--fault", "x", "--events", "e"])
+    assert split.torchrun_argv == ["--nproc-per-node=1", "t.py", "--fault", "x", "--events", "e"]
+    assert split.events is None
+    args = torchrun.get_args_parser().parse_args(split.torchrun_argv)
+    assert args.training_script_args == ["--fault", "x", "--events", "e"]
+
+
+def test_help_lists_steadfasts_flags(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--ft-cfg-path" in out and "--term-timeout" in out and "--nproc-per-node" in out
 
 
 def test_the_rank_that_exited_first_is_the_failure():

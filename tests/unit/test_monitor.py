@@ -21,7 +21,9 @@ from steadfast.monitor import (
     FT_CONFIG_ENV,
     HB_TABLE_ENV,
     HeartbeatTable,
+    HeartbeatTimeouts,
     RankMonitorClient,
+    RankMonitorClientError,
     Watcher,
     load_ft_state,
     save_ft_state,
@@ -117,30 +119,53 @@ def table(monkeypatch: pytest.MonkeyPatch):
 
 def test_client_writes_its_row(table: HeartbeatTable):
     client = RankMonitorClient()
+    with pytest.raises(RankMonitorClientError, match="not initialized"):
+        client.send_heartbeat()
     client.init_workload_monitoring()
+    with pytest.raises(RankMonitorClientError, match="already initialized"):
+        client.init_workload_monitoring()
     snap = table.snapshot(0)
-    assert snap.pid == os.getpid() and snap.last_heartbeat == 0 and snap.section is None
+    assert snap.pid == os.getpid() and snap.last_heartbeat == 0 and snap.open_sections == {}
     client.send_heartbeat()
-    client.start_section("setup")  # a name the launcher did not know
+    client.start_section(section="setup")  # a name the launcher did not know; NVRx's keyword
     snap = table.snapshot(0)
-    assert snap.section == "setup" and snap.last_heartbeat > 0
+    assert list(snap.open_sections) == ["setup"] and snap.last_heartbeat > 0
     assert snap.section_timeouts == {"step": 10.0, "setup": math.inf}
-    with pytest.raises(RuntimeError, match="'step' started while 'setup' is open"):
+    client.start_section("step")  # nested, as NVRx allows
+    assert set(table.snapshot(0).open_sections) == {"setup", "step"}
+    with pytest.raises(RankMonitorClientError, match="'step' is already open"):
         client.start_section("step")
-    client.end_section("setup")
-    assert table.snapshot(0).out_of_section_start == 0  # not before the first step
-    client.start_section("step")
+    client.end_section("setup")  # overlapping: the outer one closes first
     client.end_section("step")
+    with pytest.raises(RankMonitorClientError, match=r"'step'.*not open"):
+        client.end_section("step")
     snap = table.snapshot(0)
-    assert snap.steps == 1 and snap.out_of_section_start > 0 and snap.section is None
+    assert snap.steps == 1 and snap.out_of_section_start > 0 and snap.open_sections == {}
+    client.start_section("setup")
+    client.start_section("step")
+    client.end_all_sections()
+    assert table.snapshot(0).open_sections == {} and table.snapshot(0).steps == 2
     assert table.snapshot(1).pid == 0  # other rows untouched
     client.shutdown_workload_monitoring()
     assert table.snapshot(0).closed
 
 
+def test_out_of_section_is_not_watched_before_the_first_step(table: HeartbeatTable):
+    client = RankMonitorClient()
+    client.init_workload_monitoring()
+    client.start_section("setup")
+    client.end_section("setup")
+    assert table.snapshot(0).out_of_section_start == 0
+    client.shutdown_workload_monitoring()
+
+
 def test_calculated_timeouts_and_ft_state(table: HeartbeatTable, tmp_path: Path):
     client = RankMonitorClient()
     client.init_workload_monitoring()
+    assert client.hb_timeouts == HeartbeatTimeouts(3600.0, 2700.0, False)  # the defaults
+    with pytest.raises(RankMonitorClientError, match="Not enough data"):
+        client.calculate_and_set_hb_timeouts()  # no heartbeat yet
+    assert client.calculate_and_set_section_timeouts(["step"], skip_if_not_ready=True) is False
     for _ in range(3):
         client.send_heartbeat()
         client.start_section("step")
@@ -148,27 +173,32 @@ def test_calculated_timeouts_and_ft_state(table: HeartbeatTable, tmp_path: Path)
         client.end_section("step")
     assert client.calculate_and_set_hb_timeouts()
     assert client.calculate_and_set_section_timeouts()
-    state = client.state_dict()
-    step_timeout = state["rank_section_timeouts"]["step"]
-    assert 2 * 0.01 <= step_timeout < 2 * 5  # safety_factor x max observed
+    hb, sections = client.hb_timeouts, client.section_timeouts
+    assert hb is not None and hb.were_calculated and hb.are_valid
+    assert sections is not None and sections.calculated_sections == {"step"}
+    step_timeout = sections.section["step"]
+    assert step_timeout is not None and 2 * 0.01 <= step_timeout < 2 * 5  # safety x max seen
     assert table.snapshot(0).section_timeouts["step"] == step_timeout  # the watcher sees it
-    assert table.snapshot(0).heartbeat_timeout == state["rank_heartbeat_timeout"]
+    assert table.snapshot(0).heartbeat_timeout == hb.subsequent
+    state = client.state_dict()  # NVRx's form
+    assert set(state["current_timeouts"]) == {"heartbeat", "section"}
+    assert state["current_timeouts"]["section"]["calculated_sections"] == ["step"]
     client.calculate_and_set_section_timeouts()  # merged: 0.5 new + 0.5 current
     path = tmp_path / "ft_state.json"
     save_ft_state(client, path)
     client.shutdown_workload_monitoring()
     table.reset(0, {"step": 10.0}, None, None, None)  # a restart
     fresh = RankMonitorClient()
+    assert load_ft_state(fresh, path)  # before init, as NVRx allows
     fresh.init_workload_monitoring()
-    assert load_ft_state(fresh, path)
     assert fresh.state_dict() == json.loads(path.read_text())
-    assert (
-        table.snapshot(0).section_timeouts["step"]
-        == fresh.state_dict()["rank_section_timeouts"]["step"]
-    )
-    path.write_text('{"rank_heartbeat_timeout": -3}')
+    saved = fresh.state_dict()["current_timeouts"]["section"]["section"]["step"]
+    assert table.snapshot(0).section_timeouts["step"] == saved
+    path.write_text('{"rank_heartbeat_timeout": -3}')  # steadfast's earlier flat form
     with pytest.raises(ConfigError, match=r"ft_state\.json: ft state\.rank_heartbeat_timeout"):
         load_ft_state(fresh, path)
+    path.write_text('{"rank_section_timeouts": {"step": 4.0}}')
+    assert load_ft_state(fresh, path) and table.snapshot(0).section_timeouts["step"] == 4.0
     assert not load_ft_state(fresh, tmp_path / "missing.json")
     fresh.shutdown_workload_monitoring()
 
@@ -180,21 +210,27 @@ def test_client_outside_the_launcher_is_a_clear_error(monkeypatch: pytest.Monkey
 
 
 def test_deadlines():
+    from steadfast.monitor import table as t
+
     tab = HeartbeatTable.create(rows=1)
     try:
         tab.reset(0, {"step": 2.0, "warmup": 9.0}, 30.0, 5.0, 4.0)
         s = tab.slots(0)
         snap = tab.snapshot(0)
         assert next_deadline(snap, 100.0, 2)[:2] == (130.0, "initial_heartbeat")
-        s[3] = 200.0  # a heartbeat at t=200
-        s[4], s[5] = 1.0, 201.0  # in "warmup"-timed step (index 1 is "warmup"; 0 is step)
-        s[4] = 0.0
+        s[t.ATTACHED] = 110.0  # once attached, the first heartbeat is due from its attach
+        assert next_deadline(tab.snapshot(0), 100.0, 2)[:2] == (140.0, "initial_heartbeat")
+        s[t.LAST_HB] = 200.0  # a heartbeat at t=200
+        s[t.OPENED + 0], s[t.OPEN] = 201.0, 1.0  # in a step (index 0): the warm-up timeout
         assert next_deadline(tab.snapshot(0), 100.0, 2)[:2] == (205.0, "heartbeat")
-        s[7] = 5.0  # past warm-up: the step timeout applies
+        s[t.STEPS] = 5.0  # past warm-up: the step timeout applies
         assert next_deadline(tab.snapshot(0), 100.0, 2)[:2] == (203.0, "section:step")
-        s[4], s[6] = -1.0, 210.0  # out of section since t=210
+        s[t.OPENED + 1], s[t.OPEN] = 200.5, 2.0  # "warmup" opened around it: nested
+        assert next_deadline(tab.snapshot(0), 100.0, 2)[:2] == (203.0, "section:step")
+        s[t.OPENED + 0] = s[t.OPENED + 1] = s[t.OPEN] = 0.0
+        s[t.OOS_START] = 210.0  # out of section since t=210
         assert next_deadline(tab.snapshot(0), 100.0, 2)[:2] == (205.0, "heartbeat")
-        s[9] = math.inf
+        s[t.HB_TIMEOUT] = math.inf
         assert next_deadline(tab.snapshot(0), 100.0, 2)[:2] == (214.0, "out_of_section")
     finally:
         tab.close()

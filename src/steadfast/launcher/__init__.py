@@ -85,21 +85,20 @@ def _launch(argv: list[str]) -> int:
 
     from .. import events
     from .agent import FTAgent, NoProgressError, RerunExit
-    from .args import STEADFAST_DESTS, get_args_parser, resolve_events_path, split_argv
+    from .args import get_args_parser, resolve_events_path, split_argv
     from .template import discard_prestarted, keep_prestarted_if
 
-    parser = get_args_parser()
+    parser = torchrun.get_args_parser()
     split = split_argv(argv, parser)
+    if {"-h", "--help"} & set(split.launcher_flags):  # torchrun's flags and steadfast's
+        get_args_parser().print_help()
+        return EXIT_OK
     logging.getLogger("steadfast").setLevel(split.ft.log_level)  # the FT config's level
     # one event log for the run: this process's events and every worker's (inherited)
     os.environ[events.EVENTS_ENV] = resolve_events_path(split.events, split.run_dir)
     if not split.ft.worker_template:
         discard_prestarted()
     args = parser.parse_args(split.torchrun_argv)
-    for name, default in STEADFAST_DESTS.items():  # split_argv took them all; only an
-        if getattr(args, name, default) != default:  # abbreviation gets here, then lost
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag}: give it in full (an abbreviation of it was given)")
     single_node_default = (
         args.rdzv_backend == "static"
         and not args.rdzv_endpoint

@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from ..config import ConfigError, FaultToleranceConfig
 
 __all__ = [
     "DEFAULT_EVENTS_NAME",
     "RESTART_POLICIES",
-    "STEADFAST_DESTS",
     "LaunchArgs",
     "get_args_parser",
     "resolve_events_path",
@@ -63,9 +62,6 @@ _VALUE_FLAGS = {
 }
 #: steadfast's flags without a value
 _SWITCHES = {"--ignore-missing-fault-tol-cfg": "ignore_missing_cfg"}
-#: The attributes get_args_parser declares for steadfast's flags, with their defaults
-#: (the launcher checks that an abbreviation did not set one: split_argv took them all)
-STEADFAST_DESTS: dict[str, object] = {}
 
 
 @dataclass
@@ -82,6 +78,8 @@ class LaunchArgs:
     term_timeout: float | None = None
     #: ``--ft-restart-policy``
     restart_policy: str = "any-failed"
+    #: torchrun's flags before the training script (where ``-h`` asks for help)
+    launcher_flags: list[str] = field(default_factory=list)
 
 
 def resolve_events_path(
@@ -136,6 +134,7 @@ def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> LaunchArgs:
     part of ``argv``; build the :class:`FaultToleranceConfig` (the YAML file first, then
     the flags). A bad flag or value is one :class:`ConfigError` naming it."""
     torchrun: list[str] = []
+    before: list[str] | None = None  # torchrun's flags before the script
     overrides: dict[str, str] = {}
     taken: dict[str, str] = {}
     i = 0
@@ -173,6 +172,7 @@ def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> LaunchArgs:
                 taken[target] = value
             continue
         if not token.startswith("-") or token in ("-m", "--module", "--no-python", "--no_python"):
+            before = list(torchrun)
             if token.startswith("-"):  # a flag without a value, then the script
                 torchrun.append(token)
                 i += 1
@@ -209,6 +209,7 @@ def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> LaunchArgs:
         run_dir=taken.get("run_dir"),
         term_timeout=_seconds("--term-timeout", term) if term is not None else None,
         restart_policy=policy,
+        launcher_flags=before if before is not None else list(torchrun),
     )
 
 
@@ -219,7 +220,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     None), ``term_timeout``, ``workers_stop_timeout``, ``ft_restart_policy``,
     ``ft_ignore_missing_cfg``, ``events`` and ``run_dir``; ``FaultToleranceConfig.
     from_args(args)`` builds the config from them. (``steadfast launch`` itself reads
-    its flags with :func:`split_argv`, which gives one clear error per bad flag.)"""
+    its flags with :func:`split_argv`, which gives one clear error per bad flag, and
+    torchrun's own parser: with these declared, a script flag that abbreviates one of
+    them, such as ``--fault``, would be "ambiguous" to argparse.)"""
     from torch.distributed import run as torchrun
 
     parser = torchrun.get_args_parser()
@@ -288,6 +291,4 @@ def get_args_parser() -> argparse.ArgumentParser:
     group.add_argument(
         *spellings("--run-dir"), dest="run_dir", metavar="DIR", help="--events DIR/events.jsonl"
     )
-    for action in group._group_actions:  # argparse's list of the group's options
-        STEADFAST_DESTS[action.dest] = action.default
     return parser

@@ -7,8 +7,15 @@ launcher's side).
 
 from __future__ import annotations
 
-from .client import FT_CONFIG_ENV, RankMonitorClient, load_ft_state, save_ft_state
+from .client import (
+    FT_CONFIG_ENV,
+    RankMonitorClient,
+    RankMonitorClientError,
+    load_ft_state,
+    save_ft_state,
+)
 from .table import HB_TABLE_ENV, HeartbeatTable
+from .timeouts import HeartbeatTimeouts, SectionTimeouts
 from .watcher import Hang, Watcher
 
 __all__ = [
@@ -16,7 +23,10 @@ __all__ = [
     "HB_TABLE_ENV",
     "Hang",
     "HeartbeatTable",
+    "HeartbeatTimeouts",
     "RankMonitorClient",
+    "RankMonitorClientError",
+    "SectionTimeouts",
     "Watcher",
     "load_ft_state",
     "save_ft_state",

@@ -7,11 +7,14 @@ rank's row of the node's shared-memory heartbeat table (see
 rank that overstays a timeout. Timeouts come from the launcher's
 :class:`~steadfast.FaultToleranceConfig`, or are calculated from the intervals observed
 on all ranks (``safety_factor`` x the max, merged half-and-half with an earlier
-calculated value) and persisted with :meth:`state_dict` / :func:`save_ft_state`.
+calculated value) and persisted with :meth:`state_dict` / :func:`save_ft_state`, in
+NVRx's ``{"current_timeouts": ...}`` form (either library's ``ft_state.json`` loads in
+the other). Sections may nest or overlap, as in NVRx.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import logging
@@ -26,11 +29,14 @@ from typing import Any
 
 from ..config import ConfigError, FaultToleranceConfig
 from . import table as t
+from .timeouts import HeartbeatTimeouts, SectionTimeouts, merge
+from .timeouts import current as current_section_timeouts
 
 __all__ = [
     "FT_CONFIG_ENV",
     "STACK_DUMP_SIGNAL",
     "RankMonitorClient",
+    "RankMonitorClientError",
     "load_ft_state",
     "save_ft_state",
 ]
@@ -61,19 +67,40 @@ def _max_over_ranks(values: list[float]) -> list[float]:
     return [float(v) for v in tensor.tolist()]
 
 
+class RankMonitorClientError(RuntimeError):
+    """The client was used wrongly (not initialised, a section opened twice or closed
+    without being open), or there is not enough data to calculate timeouts (NVRx's
+    ``RankMonitorClientError``)."""
+
+
+class _NotUnderLauncher(RankMonitorClientError, ConfigError):
+    """``init_workload_monitoring`` outside ``steadfast launch``: both kinds of error."""
+
+
 class RankMonitorClient:
-    """Reports this rank's heartbeats and sections to the launcher's watcher."""
+    """Reports this rank's heartbeats and sections to the launcher's watcher.
+
+    NVRx's client, with its names: ``hb_timeouts`` / ``section_timeouts`` hold the
+    timeouts in force (configured, replaced by calculated ones); ``state_dict()`` is
+    ``{"current_timeouts": {"heartbeat": ..., "section": ...}}`` with only calculated
+    values, the same on every rank. Sections may nest or overlap; the same name cannot
+    be open twice. Unlike NVRx, a section need not be named in the config first (it has
+    no timeout until one is calculated), and the calculations work without
+    torch.distributed (one rank's maxima).
+    """
+
+    CURRENT_TIMEOUTS_STATE_KEY = "current_timeouts"
 
     def __init__(self) -> None:
         self.cfg: FaultToleranceConfig | None = None
+        self.is_initialized = False
         self._table: t.HeartbeatTable | None = None
         self._row = 0
         self._slots: Any = None
         self._index: dict[str, int] = {}
-        self._open: str | None = None
-        self._open_start = 0.0
+        self._open: dict[str, float] = {}  # open section -> when
         self._first_step_seen = False
-        self._oos_start = 0.0
+        self._oos_since = 0.0  # since when no section is open (attach, or the last close)
         self._attached = 0.0
         self._last_hb = 0.0
         # observed maxima, for calculated timeouts
@@ -81,16 +108,18 @@ class RankMonitorClient:
         self._max_hb = 0.0
         self._max_section: dict[str, float] = {}
         self._max_oos = 0.0
-        # calculated timeouts (None: not calculated; the configured value applies)
+        # calculated timeouts (absent: not calculated; the configured value applies)
         self._calc: dict[str, Any] = {"rank_section_timeouts": {}}
 
     # ------------------------------------------------------------------ life cycle
     def init_workload_monitoring(self) -> None:
         """Attach to this node's heartbeat table (``$STEADFAST_HB_TABLE``, row
         ``$LOCAL_RANK``) and register the stack-dump signal. Needs ``steadfast launch``."""
+        if self.is_initialized:
+            raise RankMonitorClientError("RankMonitorClient is already initialized")
         path = os.environ.get(t.HB_TABLE_ENV)
         if not path:
-            raise ConfigError(
+            raise _NotUnderLauncher(
                 f"RankMonitorClient needs `steadfast launch` (or ft_launcher): "
                 f"${t.HB_TABLE_ENV} is not set"
             )
@@ -107,11 +136,12 @@ class RankMonitorClient:
         self._row = row
         self._slots = self._table.slots(row)
         self._index = {name: i for i, name in enumerate(self._table.names(row))}
-        self._attached = time.monotonic()
+        self._attached = self._oos_since = time.monotonic()
         with self._table.writing(row) as s:
             s[t.PID] = float(os.getpid())
             s[t.ATTACHED] = self._attached
         faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+        self.is_initialized = True
         self._apply_calculated()
 
     def shutdown_workload_monitoring(self) -> None:
@@ -123,10 +153,14 @@ class RankMonitorClient:
         self._slots = None
         self._table.close()
         self._table = None
+        self.is_initialized = False
 
     # ------------------------------------------------------------------ hot path
     def send_heartbeat(self) -> None:
         """This rank is alive (one clock read and a few stores)."""
+        s = self._slots
+        if s is None:
+            raise RankMonitorClientError("RankMonitorClient is not initialized")
         now = time.monotonic()
         last = self._last_hb
         if last:
@@ -135,51 +169,57 @@ class RankMonitorClient:
         elif now - self._attached > self._max_first_hb:
             self._max_first_hb = now - self._attached
         self._last_hb = now
-        s = self._slots
         s[t.LAST_HB] = now
         s[t.HEARTBEATS] += 1
 
-    def start_section(self, name: str) -> None:
-        """Enter section ``name``; its timeout runs until :meth:`end_section`."""
+    def start_section(self, section: str) -> None:
+        """Open ``section``; its timeout runs until :meth:`end_section`. Sections may
+        nest or overlap; opening one that is open already is an error."""
         now = time.monotonic()
-        if self._open is not None:
-            raise RuntimeError(f"section {name!r} started while {self._open!r} is open")
-        index = self._index.get(name)
-        if index is None:
-            index = self._register(name)
-        if self._first_step_seen and now - self._oos_start > self._max_oos:
-            self._max_oos = now - self._oos_start
-        self._open, self._open_start = name, now
         s = self._slots
+        if s is None:
+            raise RankMonitorClientError("RankMonitorClient is not initialized")
+        if section in self._open:
+            raise RankMonitorClientError(
+                f"section {section!r} is already open; close it with end_section first"
+            )
+        index = self._index.get(section)
+        if index is None:
+            index = self._register(section)
+        if not self._open and now - self._oos_since > self._max_oos:
+            self._max_oos = now - self._oos_since
+        self._open[section] = now
         s[t.SEQ] += 1  # this rank is its row's only writer: even on entry
-        s[t.SECTION] = index
-        s[t.SECTION_START] = now
+        s[t.OPENED + index] = now
+        s[t.OPEN] += 1
         s[t.SEQ] += 1
 
-    def end_section(self, name: str) -> None:
-        """Leave section ``name`` (the one open)."""
+    def end_section(self, section: str) -> None:
+        """Close ``section`` (it must be open)."""
         now = time.monotonic()
-        if self._open != name:
-            raise RuntimeError(f"end_section({name!r}) but the open section is {self._open!r}")
-        took = now - self._open_start
-        if took > self._max_section.get(name, 0.0):
-            self._max_section[name] = took
-        self._open = None
+        opened = self._open.pop(section, None)
+        if opened is None:
+            raise RankMonitorClientError(f"end_section({section!r}): that section is not open")
+        took = now - opened
+        if took > self._max_section.get(section, 0.0):
+            self._max_section[section] = took
         s = self._slots
         s[t.SEQ] += 1  # this rank is its row's only writer: even on entry
-        s[t.SECTION] = -1.0
-        if name == "step":
+        s[t.OPENED + self._index[section]] = 0.0
+        s[t.OPEN] -= 1
+        if section == "step":
             self._first_step_seen = True
             s[t.STEPS] += 1
-        if self._first_step_seen:
-            self._oos_start = now
-            s[t.OOS_START] = now
+        if not self._open:
+            self._oos_since = now
+            if self._first_step_seen:  # out of section is watched from the first step on
+                s[t.OOS_START] = now
         s[t.SEQ] += 1
 
     def end_all_sections(self) -> None:
-        """Leave the open section, if any."""
-        if self._open is not None:
-            self.end_section(self._open)
+        """Close every open section (nothing when none is open)."""
+        for section in list(self._open):
+            self.end_section(section)
 
     def _register(self, name: str) -> int:
         assert self._table is not None, "init_workload_monitoring() first"
@@ -191,18 +231,51 @@ class RankMonitorClient:
         return index
 
     # ------------------------------------------------------------------ timeouts
+    @property
+    def hb_timeouts(self) -> HeartbeatTimeouts | None:
+        """The heartbeat timeouts in force (None before ``init_workload_monitoring``)."""
+        if self.cfg is None:
+            return None
+        calc = self._calc
+        calculated = calc.get("rank_heartbeat_timeout") is not None
+        return HeartbeatTimeouts(
+            initial=calc.get("initial_rank_heartbeat_timeout")
+            or self.cfg.initial_rank_heartbeat_timeout,
+            subsequent=calc.get("rank_heartbeat_timeout") or self.cfg.rank_heartbeat_timeout,
+            were_calculated=calculated,
+        )
+
+    @property
+    def section_timeouts(self) -> SectionTimeouts | None:
+        """The section timeouts in force (None before ``init_workload_monitoring``)."""
+        if self.cfg is None:
+            return None
+        return current_section_timeouts(
+            self.cfg.rank_section_timeouts,
+            self.cfg.rank_out_of_section_timeout,
+            self._calc["rank_section_timeouts"],
+            self._calc.get("rank_out_of_section_timeout"),
+            seen=self._index,
+        )
+
     def _merge(self, current: float | None, observed: float) -> float:
         assert self.cfg is not None
-        new = self.cfg.safety_factor * observed
-        return new if current is None else 0.5 * new + 0.5 * current
+        return merge(self.cfg.safety_factor * observed, current)
 
-    def calculate_and_set_hb_timeouts(self) -> bool:
+    def _not_ready(self, skip_if_not_ready: bool) -> bool:
+        if skip_if_not_ready:
+            return False
+        raise RankMonitorClientError("Not enough data to compute timeouts.")
+
+    def calculate_and_set_hb_timeouts(self, skip_if_not_ready: bool = False) -> bool:
         """Set the heartbeat timeouts from the intervals seen on all ranks; collective
-        under torch.distributed. False (nothing set) if no rank saw two heartbeats."""
+        under torch.distributed (every rank calls it). Without a first and a later
+        heartbeat seen on some rank there is not enough data: RankMonitorClientError,
+        or False with ``skip_if_not_ready``. True when set."""
         self._require()
         first, sub = _max_over_ranks([self._max_first_hb, self._max_hb])
-        if sub <= 0:
-            return False
+        if first <= 0 or sub <= 0:
+            return self._not_ready(skip_if_not_ready)
         self._calc["initial_rank_heartbeat_timeout"] = self._merge(
             self._calc.get("initial_rank_heartbeat_timeout"), first
         )
@@ -213,35 +286,42 @@ class RankMonitorClient:
         return True
 
     def calculate_and_set_section_timeouts(
-        self, selected_sections: Iterable[str] | None = None, calc_out_of_section: bool = True
+        self,
+        selected_sections: Iterable[str] | None = None,
+        calc_out_of_section: bool = True,
+        skip_if_not_ready: bool = False,
     ) -> bool:
         """Set the timeouts of ``selected_sections`` (default: every configured or seen
-        section) and of out-of-section time from the intervals seen on all ranks;
-        collective under torch.distributed (every rank must pass the same arguments)."""
+        section) and, with ``calc_out_of_section``, of the time outside any section,
+        from the intervals seen on all ranks; collective under torch.distributed (every
+        rank passes the same arguments). A selected section never completed on any rank
+        (or no out-of-section time seen) is not enough data: RankMonitorClientError, or
+        False with ``skip_if_not_ready``. True when set."""
         cfg = self._require()
+        now = time.monotonic()
+        if not self._open and now - self._oos_since > self._max_oos:  # the time since the
+            self._max_oos = now - self._oos_since  # last section may be the longest one
         names = sorted(
             set(selected_sections)
             if selected_sections is not None
             else set(cfg.rank_section_timeouts) | set(self._max_section)
         )
         observed = _max_over_ranks([self._max_section.get(n, 0.0) for n in names] + [self._max_oos])
+        if any(v <= 0 for v in observed[:-1]) or (calc_out_of_section and observed[-1] <= 0):
+            return self._not_ready(skip_if_not_ready)
         calc = self._calc["rank_section_timeouts"]
-        changed = False
         for name, value in zip(names, observed[:-1], strict=True):
-            if value > 0:
-                calc[name] = self._merge(calc.get(name), value)
-                changed = True
-        if calc_out_of_section and observed[-1] > 0:
+            calc[name] = self._merge(calc.get(name), value)
+        if calc_out_of_section:
             self._calc["rank_out_of_section_timeout"] = self._merge(
                 self._calc.get("rank_out_of_section_timeout"), observed[-1]
             )
-            changed = True
         self._apply_calculated()
-        return changed
+        return True
 
     def _require(self) -> FaultToleranceConfig:
         if self.cfg is None or self._table is None:
-            raise RuntimeError("RankMonitorClient: call init_workload_monitoring() first")
+            raise RankMonitorClientError("RankMonitorClient is not initialized")
         return self.cfg
 
     def _apply_calculated(self) -> None:
@@ -271,31 +351,93 @@ class RankMonitorClient:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The calculated timeouts (the same on every rank), e.g. for ``ft_state.json``."""
-        copy: dict[str, Any] = json.loads(json.dumps(self._calc))  # a deep copy
+        """The calculated timeouts (the same on every rank), in NVRx's form, e.g. for
+        ``ft_state.json``: ``{"current_timeouts": {"heartbeat": {...}, "section":
+        {...}}}``, each part present only when something in it was calculated."""
+        out: dict[str, Any] = {}
+        hb = self.hb_timeouts
+        if hb is not None and hb.were_calculated and hb.are_valid:
+            out["heartbeat"] = dataclasses.asdict(hb)
+        sections = self.section_timeouts
+        if sections is not None and (
+            sections.calculated_sections or sections.is_out_of_section_calculated
+        ):
+            part = dataclasses.asdict(sections)
+            part["calculated_sections"] = sorted(sections.calculated_sections)
+            out["section"] = part
+        copy: dict[str, Any] = json.loads(json.dumps({self.CURRENT_TIMEOUTS_STATE_KEY: out}))
         return copy
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Use calculated timeouts saved by :meth:`state_dict` (e.g. after a restart)."""
+        """Use calculated timeouts saved by :meth:`state_dict` (NVRx's form, or the
+        flat form earlier steadfast versions wrote); before or after
+        ``init_workload_monitoring``. Only the calculated values are taken: a timeout
+        that was configured comes from this run's config."""
         if not isinstance(state, Mapping):
             raise ConfigError(f"ft state: expected a mapping, got {type(state).__name__}")
-        unknown = sorted(set(state) - set(_STATE_KEYS))
-        if unknown:
-            raise ConfigError(f"ft state: unknown keys {unknown}; known: {list(_STATE_KEYS)}")
-        calc: dict[str, Any] = {"rank_section_timeouts": {}}
-        for key in _STATE_KEYS[:2] + _STATE_KEYS[3:]:
-            value = state.get(key)
-            if value is not None:
-                calc[key] = _positive(f"ft state.{key}", value)
-        sections = state.get("rank_section_timeouts") or {}
-        if not isinstance(sections, Mapping):
-            raise ConfigError("ft state.rank_section_timeouts: expected a mapping")
-        for name, value in sections.items():
-            calc["rank_section_timeouts"][str(name)] = _positive(
-                f"ft state.rank_section_timeouts.{name}", value
-            )
+        if self.CURRENT_TIMEOUTS_STATE_KEY in state:
+            calc = _calculated_from_nvrx(state[self.CURRENT_TIMEOUTS_STATE_KEY])
+        else:
+            calc = _calculated_from_flat(state)
         self._calc = calc
         self._apply_calculated()
+
+
+def _calculated_from_nvrx(current: Any) -> dict[str, Any]:
+    """The calculated timeouts of a ``current_timeouts`` state (NVRx's form)."""
+    where = "ft state.current_timeouts"
+    if not isinstance(current, Mapping):
+        raise ConfigError(f"{where}: expected a mapping")
+    unknown = sorted(set(current) - {"heartbeat", "section"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown}; known: ['heartbeat', 'section']")
+    calc: dict[str, Any] = {"rank_section_timeouts": {}}
+    hb = current.get("heartbeat")
+    if hb is not None:
+        if not isinstance(hb, Mapping):
+            raise ConfigError(f"{where}.heartbeat: expected a mapping")
+        if hb.get("were_calculated"):
+            for key, name in (
+                ("initial", "initial_rank_heartbeat_timeout"),
+                ("subsequent", "rank_heartbeat_timeout"),
+            ):
+                calc[name] = _positive(f"{where}.heartbeat.{key}", hb.get(key))
+    sec = current.get("section")
+    if sec is not None:
+        if not isinstance(sec, Mapping) or not isinstance(sec.get("section", {}), Mapping):
+            raise ConfigError(f"{where}.section: expected a mapping with a 'section' mapping")
+        values = sec.get("section", {})
+        for name in sec.get("calculated_sections") or []:
+            if name not in values:
+                raise ConfigError(f"{where}.section: calculated section {name!r} has no value")
+            calc["rank_section_timeouts"][str(name)] = _positive(
+                f"{where}.section.section.{name}", values[name]
+            )
+        if sec.get("is_out_of_section_calculated"):
+            calc["rank_out_of_section_timeout"] = _positive(
+                f"{where}.section.out_of_section", sec.get("out_of_section")
+            )
+    return calc
+
+
+def _calculated_from_flat(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The calculated timeouts of steadfast's earlier flat form."""
+    unknown = sorted(set(state) - set(_STATE_KEYS))
+    if unknown:
+        raise ConfigError(f"ft state: unknown keys {unknown}; known: {list(_STATE_KEYS)}")
+    calc: dict[str, Any] = {"rank_section_timeouts": {}}
+    for key in _STATE_KEYS[:2] + _STATE_KEYS[3:]:
+        value = state.get(key)
+        if value is not None:
+            calc[key] = _positive(f"ft state.{key}", value)
+    sections = state.get("rank_section_timeouts") or {}
+    if not isinstance(sections, Mapping):
+        raise ConfigError("ft state.rank_section_timeouts: expected a mapping")
+    for name, value in sections.items():
+        calc["rank_section_timeouts"][str(name)] = _positive(
+            f"ft state.rank_section_timeouts.{name}", value
+        )
+    return calc
 
 
 def _positive(field: str, value: Any) -> float:

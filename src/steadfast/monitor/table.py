@@ -48,9 +48,8 @@ SEQ = 0  # seqlock: odd while the row is being written
 PID = 1  # the rank's pid once attached (0 = not yet)
 ATTACHED = 2  # monotonic time of init_workload_monitoring
 LAST_HB = 3  # monotonic time of the last heartbeat (0 = none yet)
-SECTION = 4  # index of the open section (-1 = none)
-SECTION_START = 5  # monotonic time the open section began
-OOS_START = 6  # monotonic time the rank left its last section (0 = before the first step)
+OPEN = 4  # how many sections are open now (sections may nest or overlap, as in NVRx)
+OOS_START = 6  # monotonic time the rank left its last open section (0: before the first step)
 STEPS = 7  # completed "step" sections
 HB_INITIAL_TIMEOUT = 8
 HB_TIMEOUT = 9
@@ -60,7 +59,8 @@ CLOSED = 12  # 1 once shutdown_workload_monitoring ran
 HEARTBEATS = 13  # heartbeats sent
 TIMEOUTS = 16  # TIMEOUTS + i: the timeout of section i (inf = none)
 MAX_SECTIONS = 32
-SLOTS = TIMEOUTS + MAX_SECTIONS
+OPENED = TIMEOUTS + MAX_SECTIONS  # OPENED + i: when section i was opened (0 = closed)
+SLOTS = OPENED + MAX_SECTIONS
 NAME_BYTES = 48
 ROW_BYTES = 4096  # slots + names, one page per row: no false sharing between ranks
 _NAMES_OFFSET = SLOTS * 8
@@ -118,8 +118,8 @@ class RowSnapshot:
     pid: int
     attached: float
     last_heartbeat: float
-    section: str | None
-    section_start: float
+    #: the open sections: name -> monotonic time it was opened
+    open_sections: dict[str, float]
     out_of_section_start: float
     steps: int
     heartbeats: int
@@ -261,7 +261,6 @@ class HeartbeatTable:
         with self.writing(row) as s:
             for i in range(1, SLOTS):
                 s[i] = 0.0
-            s[SECTION] = -1.0
             s[HB_INITIAL_TIMEOUT] = _inf(initial_hb)
             s[HB_TIMEOUT] = _inf(hb)
             s[OOS_TIMEOUT] = _inf(oos)
@@ -316,13 +315,13 @@ class HeartbeatTable:
             if s[SEQ] == before or spins >= _MAX_SPINS:
                 break
             spins += 1
-        section = int(values[SECTION])
         return RowSnapshot(
             pid=int(values[PID]),
             attached=values[ATTACHED],
             last_heartbeat=values[LAST_HB],
-            section=names[section] if 0 <= section < len(names) else None,
-            section_start=values[SECTION_START],
+            open_sections={
+                n: values[OPENED + i] for i, n in enumerate(names) if values[OPENED + i] > 0
+            },
             out_of_section_start=values[OOS_START],
             steps=int(values[STEPS]),
             heartbeats=int(values[HEARTBEATS]),

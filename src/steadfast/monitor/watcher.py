@@ -97,13 +97,13 @@ def next_deadline(
         consider(since, snap.initial_heartbeat_timeout, "initial_heartbeat")
     else:
         consider(snap.last_heartbeat, snap.heartbeat_timeout, "heartbeat")
-    if snap.section is not None:
-        timeout = snap.section_timeouts.get(snap.section, math.inf)
+    for name, opened in snap.open_sections.items():  # nested or overlapping: each its own
+        timeout = snap.section_timeouts.get(name, math.inf)
         warmup = snap.section_timeouts.get("warmup")
-        if snap.section == "step" and warmup is not None and snap.steps < warmup_iterations:
+        if name == "step" and warmup is not None and snap.steps < warmup_iterations:
             timeout = warmup
-        consider(snap.section_start, timeout, f"section:{snap.section}")
-    elif snap.out_of_section_start > 0:  # not before the first step section
+        consider(opened, timeout, f"section:{name}")
+    if not snap.open_sections and snap.out_of_section_start > 0:  # not before the first step
         consider(snap.out_of_section_start, snap.out_of_section_timeout, "out_of_section")
     return best
 
