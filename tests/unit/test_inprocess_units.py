@@ -156,8 +156,9 @@ def test_fill_gaps_moves_only_the_highest_ranks() -> None:
     # rank 5 moves into the hole at 1; ranks 0, 2, 3, 4 keep theirs
     assert [st.rank for st in states] == [0, -1, 2, 3, 4, 1]
     states = [FillGaps()(st) for st in _after(6, {0, 2})]
-    # the highest (5) fills the lowest hole (0), then 4 fills 2
-    assert [st.rank for st in states] == [-1, 1, -1, 3, 2, 0]
+    # the ranks past the new world size (4, 5) fill the holes (0, 2) in order, as NVRx
+    # documents FillGaps
+    assert [st.rank for st in states] == [-1, 1, -1, 3, 0, 2]
 
 
 def test_shift_ranks_composes_over_previous_assignments() -> None:
@@ -236,11 +237,15 @@ def test_composed_hooks_chain_the_state_and_keep_their_kind() -> None:
     assert isinstance(Compose(ShiftRanks(), FaultCounter()), Compose)  # no common hook kind
 
 
-def test_a_hook_that_returns_none_passes_its_argument_on() -> None:
+def test_compose_calling_convention_is_nvrxs() -> None:
     from steadfast.inprocess import Compose
 
-    with pytest.warns(UserWarning, match="returned None"):
-        assert Compose(lambda x: x + 1, lambda x: None)(1) == 2
+    with pytest.warns(UserWarning, match="returned None"):  # the chain is broken: None on
+        assert Compose(lambda x: x, lambda x: None)(1) is None
+    assert Compose(lambda a, b: (a + 1, b + 1), lambda a, b: (a * 2, b * 2))(1, 2) == (3, 5)
+    calls: list[int] = []
+    Compose(lambda: calls.append(1), lambda: calls.append(2))()  # hooks of no arguments
+    assert calls == [2, 1]
 
 
 def test_pipe_runs_left_to_right() -> None:

@@ -1,22 +1,32 @@
 """``Compose``: function composition of the Wrapper's hooks (NVRx ``inprocess.Compose``).
 
 ``Compose(a, b, c)(x)`` is ``a(b(c(x)))``: the hooks run right to left, each one given
-what the one before returned. Every hook of steadfast returns the state it was given
-(or a new one, for rank assignments), so hooks of any kind compose, as in NVRx's docs:
-``abort=Compose(AbortTransformerEngine(), AbortTorchDistributed())``. A hook that returns
-``None`` passes its argument on (with a warning, as the original warns). The composed
-object is an instance of the most derived class that all its hooks share, so a
-``Compose`` of aborts is an :class:`~steadfast.inprocess.Abort` and is accepted where
-one is.
+what the one before returned (a tuple is unpacked into several arguments; hooks of no
+arguments compose too). Every hook of steadfast returns the state it was given (or a
+new one, for rank assignments), so hooks of any kind compose, as in NVRx's docs:
+``abort=Compose(AbortTransformerEngine(), AbortTorchDistributed())``. A hook that gets
+arguments and returns ``None`` breaks the chain: the next hook gets ``None``, with a
+``UserWarning`` naming the hook, as in NVRx. The composed object is an instance of the
+most derived class that all its hooks share, so a ``Compose`` of aborts is an
+:class:`~steadfast.inprocess.Abort` and is accepted where one is.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Compose"]
+
+
+def _takes_arguments(hook: Callable[..., Any]) -> bool:
+    """Whether ``hook`` takes any argument (a hook of none is called with none)."""
+    try:
+        return bool(inspect.signature(hook).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return True
 
 
 def _common_base(hooks: tuple[Callable[..., Any], ...]) -> type:
@@ -64,19 +74,24 @@ class Compose:
     def __init__(self, *hooks: Callable[..., Any]) -> None:
         pass  # __new__ did it; the hooks' own __init__ must not run again
 
-    def __call__(self, value: Any = None) -> Any:
+    def __call__(self, *args: Any) -> Any:
+        result = None
         for hook in reversed(self.hooks):
-            result = hook(value)
-            if result is None:
-                if value is not None:
-                    warnings.warn(
-                        f"Compose: {type(hook).__name__} returned None; its argument is "
-                        "passed on to the next hook",
-                        stacklevel=2,
-                    )
-                result = value
-            value = result
-        return value
+            result = hook(*args)
+            if result is None and args and args != (None,):
+                warnings.warn(
+                    f"Compose: {type(hook).__name__} returned None: it did not pass on "
+                    f"its arguments {args!r}",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            if isinstance(result, tuple):
+                args = result  # a tuple is the next hook's arguments
+            elif result is None and not _takes_arguments(hook):
+                args = ()
+            else:
+                args = (result,)
+        return result
 
     def __repr__(self) -> str:
         return f"Compose({', '.join(repr(h) for h in self.hooks)})"

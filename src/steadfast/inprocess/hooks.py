@@ -134,7 +134,8 @@ class RetryController(Initialize):
             reasons.append("retry limit reached")
         if state.world_size < self.min_world_size:
             reasons.append("world size fell below min_world_size")
-        if state.active_world_size < self.min_active_world_size:
+        active = state.world_size if state.active_world_size is None else state.active_world_size
+        if active < self.min_active_world_size:
             reasons.append("active world size fell below min_active_world_size")
         if reasons:
             raise RestartAbort(

@@ -38,7 +38,7 @@ from datetime import timedelta
 from typing import Any
 
 from .. import events
-from .store import StoreMixin
+from .store import StoreMixin, make_store
 
 __all__ = [
     "EXITED",
@@ -271,8 +271,8 @@ class _Monitor:
         server = None
         try:
             if cfg.serve_store:
-                server = cfg.store_factory(**cfg.store_kwargs, is_master=True)
-            store = cfg.store_factory(**cfg.store_kwargs, is_master=False)
+                server = make_store(cfg.store_factory, cfg.store_kwargs, is_master=True)
+            store = make_store(cfg.store_factory, cfg.store_kwargs, is_master=False)
             store.heartbeat(self.rank)
             pidfd = os.pidfd_open(cfg.rank_pid)
         except Exception as exc:
@@ -290,7 +290,7 @@ class _Monitor:
             return 1
         os.write(self.ready_fd, b"1")
         os.close(self.ready_fd)
-        self.log.info("monitor of rank %d (pid %d) started", self.rank, cfg.rank_pid)
+        self.log.info("monitor_process of rank %d started: target_pid=%d", self.rank, cfg.rank_pid)
         self.store = store
         self._hb_seen: dict[int, tuple[int, float]] = {}
         self._lost: set[int] = set()

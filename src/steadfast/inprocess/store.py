@@ -20,11 +20,12 @@ iteration can never be mistaken for a new one. Keys:
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["StoreMixin", "TCPStore"]
+__all__ = ["StoreMixin", "TCPStore", "default_address", "make_store"]
 
 INTERRUPTED = b"interrupted"
 COMPLETED = b"completed"
@@ -35,13 +36,19 @@ def _parse_ranks(raw: bytes) -> frozenset[int]:
 
 
 class StoreMixin:
-    """The restart protocol over any torch ``Store`` held as ``self.store``."""
+    """The restart protocol over a torch ``Store``: ``self.store`` where the object
+    holds one (steadfast's :class:`TCPStore`), else the object itself (NVRx's stores
+    derive from a torch Store and this mixin: ``class S(torch.distributed.TCPStore,
+    StoreMixin)``)."""
 
-    store: Any
+    @property
+    def kv(self) -> Any:
+        """The torch Store the protocol's keys live in."""
+        return self.__dict__.get("store", self)
 
     # -- plumbing -------------------------------------------------------------------
     def _get_opt(self, key: str) -> bytes | None:
-        return self.store.get(key) if self.store.check([key]) else None
+        return self.kv.get(key) if self.kv.check([key]) else None
 
     def _ranks(self, key: str) -> frozenset[int]:
         raw = self._get_opt(key)
@@ -50,26 +57,26 @@ class StoreMixin:
     # -- liveness -------------------------------------------------------------------
     def heartbeat(self, rank: int) -> None:
         """One heartbeat of rank ``rank``'s monitor process."""
-        self.store.add(f"hb/{rank}", 1)
+        self.kv.add(f"hb/{rank}", 1)
 
     def heartbeats(self, ranks: list[int]) -> dict[int, int]:
         """Heartbeat counters of those of ``ranks`` that have registered one."""
-        present = [r for r in ranks if self.store.check([f"hb/{r}"])]
+        present = [r for r in ranks if self.kv.check([f"hb/{r}"])]
         if not present:
             return {}
-        values = self.store.multi_get([f"hb/{r}" for r in present])
+        values = self.kv.multi_get([f"hb/{r}" for r in present])
         return {r: int(v) for r, v in zip(present, values, strict=True)}
 
     def record_terminated(self, rank: int) -> None:
         """Rank ``rank`` left the job for good (dead, killed, unhealthy or aborted)."""
-        self.store.append("terminated", f"{rank},")
+        self.kv.append("terminated", f"{rank},")
 
     def terminated(self) -> frozenset[int]:
         return self._ranks("terminated")
 
     def record_left(self, rank: int) -> None:
         """Rank ``rank`` left the Wrapper (success or its final error)."""
-        self.store.append("left", f"{rank},")
+        self.kv.append("left", f"{rank},")
 
     def left(self) -> frozenset[int]:
         return self._ranks("left")
@@ -82,9 +89,9 @@ class StoreMixin:
         finds at least one cause.
         """
         record = {"rank": rank, "cause": cause, "detail": detail[:2000], "time": time.time()}
-        self.store.append(f"iter/{iteration}/why", json.dumps(record) + "\n")
-        first = int(self.store.add(f"iter/{iteration}/n", 1)) == 1
-        self.store.compare_set(f"iter/{iteration}/state", "", INTERRUPTED)
+        self.kv.append(f"iter/{iteration}/why", json.dumps(record) + "\n")
+        first = int(self.kv.add(f"iter/{iteration}/n", 1)) == 1
+        self.kv.compare_set(f"iter/{iteration}/state", "", INTERRUPTED)
         return first
 
     def interruptions(self, iteration: int) -> list[dict[str, Any]]:
@@ -101,12 +108,12 @@ class StoreMixin:
         """Block until iteration ``iteration`` is interrupted or completed (raises the
         store's timeout error otherwise)."""
         key = f"iter/{iteration}/state"
-        self.store.wait([key], timeout)
-        return self.store.get(key)  # type: ignore[no-any-return]
+        self.kv.wait([key], timeout)
+        return self.kv.get(key)  # type: ignore[no-any-return]
 
     # -- completion -----------------------------------------------------------------
     def record_completed(self, iteration: int, rank: int) -> None:
-        self.store.append(f"iter/{iteration}/completed", f"{rank},")
+        self.kv.append(f"iter/{iteration}/completed", f"{rank},")
 
     def completed(self, iteration: int) -> frozenset[int]:
         return self._ranks(f"iter/{iteration}/completed")
@@ -114,11 +121,11 @@ class StoreMixin:
     def mark_completed(self, iteration: int) -> bytes:
         """Flip iteration ``iteration`` to completed unless it was interrupted first;
         returns the state that won."""
-        return self.store.compare_set(f"iter/{iteration}/state", "", COMPLETED)  # type: ignore[no-any-return]
+        return self.kv.compare_set(f"iter/{iteration}/state", "", COMPLETED)  # type: ignore[no-any-return]
 
     # -- restart barrier ------------------------------------------------------------
     def arrive(self, iteration: int, rank: int) -> None:
-        self.store.append(f"iter/{iteration}/arrived", f"{rank},")
+        self.kv.append(f"iter/{iteration}/arrived", f"{rank},")
 
     def arrived(self, iteration: int) -> frozenset[int]:
         return self._ranks(f"iter/{iteration}/arrived")
@@ -127,32 +134,35 @@ class StoreMixin:
         """Settle the terminated set of the barrier after ``iteration``: the first rank to
         see the barrier complete writes it, every rank reads the same value back."""
         value = ",".join(str(r) for r in sorted(terminated)) + ","
-        return _parse_ranks(self.store.compare_set(f"iter/{iteration}/frozen", "", value))
+        return _parse_ranks(self.kv.compare_set(f"iter/{iteration}/frozen", "", value))
 
 
 class TCPStore(StoreMixin):
     """The default store: a ``torch.distributed.TCPStore`` (libuv) client or server.
 
-    Constructed as ``TCPStore(host_name=..., port=..., is_master=..., timeout=...)``; the
-    Wrapper makes the server in initial rank 0's monitor process and one client per
-    thread that needs one (a TCPStore client serialises its operations).
+    ``TCPStore(host_name=None, port=None, is_master=False, timeout=...)``: the host is
+    ``MASTER_ADDR`` and the port ``MASTER_PORT + 1`` unless given (the process group may
+    use ``MASTER_PORT`` itself with ``env://``). The Wrapper makes the server in initial
+    rank 0's monitor process (so it outlives rank 0) and one client per thread that
+    needs one (a TCPStore client serialises its operations).
     """
+
+    store: Any  #: the torch.distributed.TCPStore
 
     def __init__(
         self,
-        host_name: str,
-        port: int,
+        host_name: str | None = None,
+        port: int | None = None,
         is_master: bool = False,
         timeout: timedelta = timedelta(seconds=120),
         **kwargs: Any,
     ) -> None:
         import torch.distributed as dist
 
-        self.host_name = host_name
-        self.port = port
+        self.host_name, self.port = default_address(host_name, port)
         self.store = dist.TCPStore(  # type: ignore[attr-defined]
-            host_name,
-            port,
+            self.host_name,
+            self.port,
             is_master=is_master,
             wait_for_workers=False,
             timeout=timeout,
@@ -166,3 +176,34 @@ class TCPStore(StoreMixin):
         other.host_name, other.port = self.host_name, self.port
         other.store = self.store.clone()
         return other
+
+
+def default_address(host_name: str | None, port: int | None) -> tuple[str, int]:
+    """The restart store's address: the given values, else ``MASTER_ADDR`` and
+    ``MASTER_PORT + 1``; a missing variable is a ConfigError naming it."""
+    from ..config import ConfigError
+
+    if host_name is None:
+        if "MASTER_ADDR" not in os.environ:
+            raise ConfigError(
+                "Wrapper: environment variable MASTER_ADDR not set and store_kwargs has no "
+                "'host_name' for the restart store"
+            )
+        host_name = os.environ["MASTER_ADDR"]
+    if port is None:
+        if "MASTER_PORT" not in os.environ:
+            raise ConfigError(
+                "Wrapper: environment variable MASTER_PORT not set and store_kwargs has no "
+                "'port' for the restart store"
+            )
+        port = int(os.environ["MASTER_PORT"]) + 1
+    return host_name, int(port)
+
+
+def make_store(factory: Any, kwargs: dict[str, Any], is_master: bool) -> Any:
+    """A store from ``factory``: steadfast's :class:`TCPStore` (or a subclass) is told
+    whether to serve; any other factory gets the user's ``store_kwargs`` only, as NVRx
+    calls it, and decides its role itself."""
+    if isinstance(factory, type) and issubclass(factory, TCPStore):
+        return factory(**kwargs, is_master=is_master)
+    return factory(**kwargs)

@@ -30,6 +30,7 @@ import threading
 import time
 import traceback
 import typing
+import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -47,7 +48,14 @@ from .state import (
     RestartError,
     State,
 )
-from .store import COMPLETED, INTERRUPTED, StoreMixin, TCPStore
+from .store import (
+    COMPLETED,
+    INTERRUPTED,
+    StoreMixin,
+    TCPStore,
+    default_address,
+    make_store,
+)
 
 __all__ = ["CallWrapper", "Wrapper"]
 
@@ -66,6 +74,11 @@ def _td(name: str, value: Any) -> float:
     if seconds <= 0:
         raise ConfigError(f"Wrapper: {name} must be positive, got {seconds:g}s")
     return seconds
+
+
+class _AlreadyInitialized(RestartError, ValueError):
+    """torch.distributed was initialised before the Wrapper was called (a ValueError,
+    as NVRx raises)."""
 
 
 def _hook(name: str, value: Any, cls: type) -> None:
@@ -271,9 +284,8 @@ class CallWrapper:
         next one."""
         import torch.distributed as dist
 
-        return dist.PrefixStore(  # type: ignore[attr-defined]
-            f"pg/{self.state.iteration}/", self._pg_store.store
-        )
+        base = getattr(self._pg_store, "kv", self._pg_store)
+        return dist.PrefixStore(f"pg/{self.state.iteration}/", base)  # type: ignore[attr-defined]
 
     def ping(self) -> None:
         """Report forward progress. The first ping of an iteration turns on the manual
@@ -310,6 +322,7 @@ class CallWrapper:
         world = int(os.environ["WORLD_SIZE"])
         saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
         self.state = State.first(initial_rank, world)
+        logger.debug("rank %d: Wrapper call of %s (world size %d)", initial_rank, fn, world)
         store_kwargs = self._store_kwargs()
         self.shared = mon.SharedProgress()
         cfg = mon.MonitorProcessConfig(
@@ -318,7 +331,12 @@ class CallWrapper:
             rank_pid=os.getpid(),
             store_factory=w.store_factory,
             store_kwargs=store_kwargs,
-            serve_store="host_name" not in w.store_kwargs and initial_rank == 0,
+            serve_store=(
+                isinstance(w.store_factory, type)
+                and issubclass(w.store_factory, TCPStore)
+                and "host_name" not in w.store_kwargs
+                and initial_rank == 0
+            ),
             interval=w.seconds["monitor_process_interval"],
             thread_interval=w.seconds["monitor_thread_interval"],
             soft_timeout=w.seconds["soft_timeout"],
@@ -332,14 +350,17 @@ class CallWrapper:
         watchdog = mon.ProgressWatchdog(self.shared, w.progress_watchdog_interval)
         monitor_thread: threading.Thread | None = None
         try:
-            self.store_client = w.store_factory(**store_kwargs, is_master=False)
-            self._pg_store = self.store_client.clone()  # type: ignore[attr-defined]
+            self.store_client: StoreMixin = make_store(w.store_factory, store_kwargs, False)
+            clone = getattr(self.store_client, "clone", None)  # a connection of its own
+            self._pg_store = clone() if clone is not None else self.store_client
             watchdog.start()
             monitor_thread = threading.Thread(
                 target=self._monitor_thread, name="steadfast-inprocess-monitor", daemon=True
             )
             monitor_thread.start()
-            return self._loop(fn, args, {**kwargs, **dict.fromkeys(params, self)})
+            result = self._loop(fn, args, {**kwargs, **dict.fromkeys(params, self)})
+            logger.debug("rank %d: returning (iteration %d)", initial_rank, self.iteration)
+            return result
         except BaseException as exc:
             self._last_call(exc)
             raise
@@ -363,26 +384,31 @@ class CallWrapper:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            raise RestartError(
-                "torch.distributed is already initialised; the wrapped function must "
+            raise _AlreadyInitialized(
+                "torch.distributed is already initialised; the Wrapper needs "
+                "not torch.distributed.is_initialized(): the wrapped function must "
                 "initialise it itself (the Wrapper restarts it on every iteration)"
+            )
+        if not logging.getLogger(logger.name).hasHandlers():  # as NVRx warns
+            warnings.warn(
+                "logging not initialized, logs are disabled: only the in-process restart's "
+                "warnings and errors reach stderr (configure logging to see its log)",
+                UserWarning,
+                stacklevel=4,
             )
 
     def _store_kwargs(self) -> dict[str, Any]:
-        """The restart store's address: ``store_kwargs``' ``host_name`` and ``port``, else
-        ``MASTER_ADDR`` and ``MASTER_PORT + 1`` (the process group may use MASTER_PORT
-        itself); only a value that ``store_kwargs`` lacks is read from the environment."""
+        """The kwargs every process makes the restart store with: for steadfast's
+        :class:`TCPStore`, ``store_kwargs`` with the address resolved here (``host_name``
+        / ``port``, else ``MASTER_ADDR`` / ``MASTER_PORT + 1``) and the barrier timeout;
+        for any other factory, ``store_kwargs`` as given (NVRx's convention)."""
+        factory = self.wrapper.store_factory
         kwargs = dict(self.wrapper.store_kwargs)
-        for key, env in (("host_name", "MASTER_ADDR"), ("port", "MASTER_PORT")):
-            if key in kwargs:
-                continue
-            if env not in os.environ:
-                raise ConfigError(
-                    f"Wrapper: environment variable {env} not set and store_kwargs has no "
-                    f"{key!r} for the restart store"
-                )
-            kwargs[key] = os.environ[env] if key == "host_name" else int(os.environ[env]) + 1
-        kwargs.setdefault("timeout", self.wrapper.barrier_timeout)
+        if isinstance(factory, type) and issubclass(factory, TCPStore):
+            kwargs["host_name"], kwargs["port"] = default_address(
+                kwargs.get("host_name"), kwargs.get("port")
+            )
+            kwargs.setdefault("timeout", self.wrapper.barrier_timeout)
         return kwargs
 
     def _loop(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -475,9 +501,8 @@ class CallWrapper:
         store = self.store_client
         if state.active:
             store.record_completed(it, state.initial_rank)
-        actives = {
-            r for r, cur in enumerate(state.assignment) if 0 <= cur < state.active_world_size
-        }
+        active_world = state.active_world_size or 0
+        actives = {r for r, cur in enumerate(state.assignment) if 0 <= cur < active_world}
         deadline = time.monotonic() + (
             self.wrapper.seconds["completion_timeout"] if state.active else float("inf")
         )
@@ -578,7 +603,7 @@ class CallWrapper:
                 f"rank {state.initial_rank} was declared terminated during iteration {it}"
             )
         following = state.replace(iteration=it + 1, terminated=terminated)
-        new_state = w.rank_filter(w.rank_assignment(following))
+        new_state: State = w.rank_filter(w.rank_assignment(following))
         self.state = new_state
         first_time = min((c["time"] for c in causes), default=time.time())
         events.emit(
