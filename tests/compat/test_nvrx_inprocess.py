@@ -110,8 +110,42 @@ class HostedStore(dist.TCPStore, StoreMixin):  # type: ignore[misc]
         super().__init__("127.0.0.1", port, is_master=False, wait_for_workers=False)
 
 
+def _nested(workdir: Path, fails: bool) -> Wrapper:
+    """A Wrapper with the nested restarter's hooks; rank 0 logs their lines to a file."""
+    from steadfast.inprocess import AbortTorchDistributed, RetryController
+    from steadfast.inprocess import nested_restarter as nr
+
+    log = logging.getLogger("steadfast.inprocess.restarter")
+    log.addHandler(logging.FileHandler(workdir / f"restarter_{os.environ['RANK']}.log"))
+    log.setLevel(logging.INFO)
+    return Wrapper(
+        initialize=Compose(
+            nr.NestedRestarterHandlingCompleted(), RetryController(2 if fails else 3)
+        ),
+        abort=Compose(AbortTorchDistributed(), nr.NestedRestarterHandlingStarting()),
+        completion=nr.NestedRestarterFinalized(),
+        terminate=nr.NestedRestarterAborted(),
+        monitor_process_interval=_td(0.1),
+        heartbeat_interval=_td(0.1),
+        last_call_wait=_td(0.2),
+    )
+
+
 def nvrx_calls(rank: int, world: int, workdir: Path, case: str) -> Any:
     common: dict[str, Any] = dict(monitor_process_interval=_td(0.1), last_call_wait=_td(0.2))
+    if case in ("nested", "nested_fails"):
+
+        @_nested(workdir, case == "nested_fails")
+        def flaky(call_wrapper: CallWrapper | None = None) -> int:
+            assert call_wrapper is not None
+            if rank == 1 and (call_wrapper.iteration == 0 or case == "nested_fails"):
+                raise ValueError("injected")
+            return call_wrapper.iteration
+
+        try:
+            return flaky()
+        except Exception as exc:
+            return type(exc).__name__
     if case == "store":
         wrapper = Wrapper(
             store_factory=HostedStore,
@@ -173,3 +207,24 @@ def test_unconfigured_logging_warns_and_the_monitor_logs(tmp_path: Path) -> None
 
 def test_a_store_of_nvrxs_shape(tmp_path: Path) -> None:
     assert _run(tmp_path, "store", {"SF_STORE_PORT": str(_free_port())}) == [0, 0]
+
+
+def _lines(tmp_path: Path) -> list[str]:
+    text = (tmp_path / "restarter_0.log").read_text()
+    return [line.split("] ", 1)[1] for line in text.splitlines()]  # after "[rank 0] "
+
+
+def test_nested_restarter_hooks_log_each_state(tmp_path: Path) -> None:
+    assert _run(tmp_path, "nested") == [1, 1]  # rank 1 failed once; both restarted
+    lines = _lines(tmp_path)
+    assert lines[0] == "[NestedRestarter] name=[InProcess] state=initialize"
+    assert "[NestedRestarter] name=[InProcess] state=handling stage=starting" in lines
+    assert lines[-2:] == [
+        "[NestedRestarter] name=[InProcess] state=handling stage=completed",
+        "[NestedRestarter] name=[InProcess] state=finalized",
+    ]
+
+
+def test_terminate_runs_when_the_call_ends_with_an_error(tmp_path: Path) -> None:
+    assert _run(tmp_path, "nested_fails") == ["RestartAbort", "RestartAbort"]
+    assert _lines(tmp_path)[-1] == "[NestedRestarter] name=[InProcess] state=aborted"

@@ -127,6 +127,7 @@ def inproc_train(
         hard_timeout=_td(plan.get("hard", 30)),
         barrier_timeout=_td(60),
         heartbeat_timeout=_td(plan.get("heartbeat", 10)),
+        heartbeat_interval=_td(0.1),
         monitor_thread_interval=_td(0.1),
         monitor_process_interval=_td(0.1),
         progress_watchdog_interval=_td(0.1),

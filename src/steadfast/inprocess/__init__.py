@@ -1,5 +1,6 @@
 """In-process restart (NVRx ``inprocess``): restart the training function on all healthy
-ranks inside the same processes. See :class:`Wrapper`."""
+ranks inside the same processes. See :class:`Wrapper`; the nested restarter's hooks are
+in :mod:`steadfast.inprocess.nested_restarter`."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ from .compose import Compose
 from .hooks import (
     Abort,
     AbortTorchDistributed,
+    Completion,
     CudaHealthCheck,
     FaultCounter,
     Finalize,
     HealthCheck,
     Initialize,
     RetryController,
+    Terminate,
 )
 from .rank_assignment import (
     ActivateAllRanks,
@@ -45,6 +48,7 @@ __all__ = [
     "ActiveWorldSizeDivisibleBy",
     "BarrierTimeout",
     "CallWrapper",
+    "Completion",
     "Compose",
     "CudaHealthCheck",
     "FaultCounter",
@@ -68,5 +72,6 @@ __all__ = [
     "State",
     "StoreMixin",
     "TCPStore",
+    "Terminate",
     "Wrapper",
 ]

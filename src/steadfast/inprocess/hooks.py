@@ -27,12 +27,14 @@ from .state import HealthCheckError, InterruptedIteration, RestartAbort, State
 __all__ = [
     "Abort",
     "AbortTorchDistributed",
+    "Completion",
     "CudaHealthCheck",
     "FaultCounter",
     "Finalize",
     "HealthCheck",
     "Initialize",
     "RetryController",
+    "Terminate",
 ]
 
 logger = logging.getLogger("steadfast.inprocess")
@@ -61,6 +63,16 @@ class Initialize(_Hook):
 
 class Finalize(_Hook):
     """Rank-local clean-up after an interrupted iteration, before the health check."""
+
+
+class Completion(_Hook):
+    """Runs once on a rank after the call completed on every active rank (NVRx 0.4.1's
+    ``completion``); an error in it is logged, not raised."""
+
+
+class Terminate(_Hook):
+    """Runs on a rank whose call ends with an error, before the error reaches the caller
+    (NVRx 0.4.1's ``terminate``); an error in it is raised, chained to the first."""
 
 
 class HealthCheck(_Hook):

@@ -167,6 +167,7 @@ class MonitorProcessConfig:
     termination_grace_time: float
     linger: float
     logfile: str | None
+    heartbeat_interval: float = 1.0  #: how often it beats into the store
 
 
 def _set_process_name(name: str) -> None:
@@ -296,8 +297,10 @@ class _Monitor:
         self._lost: set[int] = set()
         soft_done = -1
         ticks, ticked_at = self.shared.ticks(), time.monotonic()
+        beat_at = ticked_at  # the heartbeat at the start was just sent
         while True:
-            ready, _, _ = select.select([pidfd, self.stop_fd], [], [], cfg.interval)
+            wait = min(cfg.interval, cfg.heartbeat_interval)
+            ready, _, _ = select.select([pidfd, self.stop_fd], [], [], wait)
             since, manual, phase, iteration = self.shared.read()
             if self.stop_fd in ready and (os.read(self.stop_fd, 1) == b"x" or phase == EXITED):
                 break  # the rank leaves cleanly (a dying rank closes the pipe: EOF, not "x")
@@ -305,8 +308,10 @@ class _Monitor:
                 if phase != EXITED:
                     self._rank_gone(iteration, "rank_died", "the rank process died", None)
                 break
-            store.heartbeat(self.rank)
             now = time.monotonic()
+            if now - beat_at >= cfg.heartbeat_interval:
+                store.heartbeat(self.rank)
+                beat_at = now
             if (count := self.shared.ticks()) != ticks:
                 ticks, ticked_at = count, now
             if phase in (RUNNING, RESTARTING, SPARE):

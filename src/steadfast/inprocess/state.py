@@ -124,6 +124,10 @@ class State:
         """A copy with ``changes`` applied (hooks return new states, never mutate)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+    def freeze(self) -> State:
+        """This state (it is frozen already; NVRx's ``State.freeze()``)."""
+        return self
+
     def set_distributed_vars(self) -> None:
         """``RANK`` and ``WORLD_SIZE`` for the wrapped function: the active ones."""
         os.environ["RANK"] = str(self.active_rank)

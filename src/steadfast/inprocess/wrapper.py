@@ -38,7 +38,15 @@ from typing import Any, TypeVar
 from .. import events
 from ..config import ConfigError
 from . import monitor as mon
-from .hooks import Abort, AbortTorchDistributed, Finalize, HealthCheck, Initialize
+from .hooks import (
+    Abort,
+    AbortTorchDistributed,
+    Completion,
+    Finalize,
+    HealthCheck,
+    Initialize,
+    Terminate,
+)
 from .rank_assignment import ActivateAllRanks, RankAssignment, RankFilter, ShiftRanks
 from .state import (
     BarrierTimeout,
@@ -137,6 +145,9 @@ class Wrapper:
         termination_grace_time: timedelta = timedelta(seconds=5),
         monitor_process_logfile: str | None = None,
         enabled: bool = True,
+        completion: Completion | None = None,
+        terminate: Terminate | None = None,
+        heartbeat_interval: timedelta = timedelta(seconds=1),
     ) -> None:
         if not callable(store_factory):
             raise ConfigError(f"Wrapper: store_factory must be callable, got {store_factory!r}")
@@ -148,6 +159,8 @@ class Wrapper:
             ("finalize", finalize, Finalize),
             ("health_check", health_check, HealthCheck),
             ("rank_filter", rank_filter, RankFilter),
+            ("completion", completion, Completion),
+            ("terminate", terminate, Terminate),
         ):
             _hook(name, value, cls)
         if not callable(rank_assignment):
@@ -159,6 +172,7 @@ class Wrapper:
             for name, value in (
                 ("monitor_thread_interval", monitor_thread_interval),
                 ("monitor_process_interval", monitor_process_interval),
+                ("heartbeat_interval", heartbeat_interval),
                 ("progress_watchdog_interval", progress_watchdog_interval),
                 ("soft_timeout", soft_timeout),
                 ("hard_timeout", hard_timeout),
@@ -184,11 +198,12 @@ class Wrapper:
                     f"Wrapper: {interval} ({t[interval]:g}s) must be shorter than "
                     f"soft_timeout ({t['soft_timeout']:g}s)"
                 )
-        if not t["monitor_process_interval"] < t["heartbeat_timeout"]:
-            raise ConfigError(
-                f"Wrapper: monitor_process_interval ({t['monitor_process_interval']:g}s) must "
-                f"be shorter than heartbeat_timeout ({t['heartbeat_timeout']:g}s)"
-            )
+        for interval in ("monitor_process_interval", "heartbeat_interval"):
+            if not t[interval] < t["heartbeat_timeout"]:
+                raise ConfigError(
+                    f"Wrapper: {interval} ({t[interval]:g}s) must be shorter than "
+                    f"heartbeat_timeout ({t['heartbeat_timeout']:g}s)"
+                )
         if monitor_process_logfile is not None and not os.path.isabs(monitor_process_logfile):
             raise ConfigError(
                 "Wrapper: monitor_process_logfile must be an absolute path, got "
@@ -213,6 +228,9 @@ class Wrapper:
         self.last_call_wait = last_call_wait
         self.termination_grace_time = termination_grace_time
         self.monitor_process_logfile = monitor_process_logfile
+        self.completion = completion
+        self.terminate = terminate
+        self.heartbeat_interval = heartbeat_interval
         self.enabled = enabled
         self.seconds = t
 
@@ -338,6 +356,7 @@ class CallWrapper:
                 and initial_rank == 0
             ),
             interval=w.seconds["monitor_process_interval"],
+            heartbeat_interval=w.seconds["heartbeat_interval"],
             thread_interval=w.seconds["monitor_thread_interval"],
             soft_timeout=w.seconds["soft_timeout"],
             hard_timeout=w.seconds["hard_timeout"],
@@ -359,11 +378,22 @@ class CallWrapper:
             )
             monitor_thread.start()
             result = self._loop(fn, args, {**kwargs, **dict.fromkeys(params, self)})
-            logger.debug("rank %d: returning (iteration %d)", initial_rank, self.iteration)
-            return result
         except BaseException as exc:
             self._last_call(exc)
+            if w.terminate is not None:  # this rank ends with an error (NVRx's terminate)
+                try:
+                    w.terminate(self.state)
+                except Exception as terminate_error:
+                    raise terminate_error from exc
             raise
+        else:
+            if w.completion is not None:  # every active rank completed (NVRx's completion)
+                try:
+                    w.completion(self.state)
+                except Exception as completion_error:
+                    logger.error("completion hook failed: %s", completion_error)
+            logger.debug("rank %d: returning (iteration %d)", initial_rank, self.iteration)
+            return result
         finally:
             self._shutdown(watchdog, monitor_thread, monitor_pid, monitor_stop)
             for key, value in saved_env.items():
