@@ -101,7 +101,7 @@ def test_manager_prints_the_seeds_report_and_warnings(caplog: pytest.LogCaptureF
         gpu_relative_perf_scores={0: 1.0, 1: 0.6},
         gpu_individual_perf_scores={0: 1.0, 1: 0.65},
         rank_to_node={0: "n0", 1: "n1"},
-        generate_time=0.042,
+        generate_report_elapsed_time=0.042,
     )
     with caplog.at_level("INFO", logger="megatron.bridge.NVRxStragglerDetection"):
         assert manager._act(report, step=7) is True  # stop_if_detected

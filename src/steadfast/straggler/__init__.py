@@ -1,19 +1,28 @@
 """Straggler detection (seed 003): per-section timing, relative and individual
 performance scores, reports, and stop-on-detection. See :mod:`.scores` for the formulas,
-:mod:`.detector` for timing and reports, :mod:`.manager` for Megatron Bridge's config."""
+:mod:`.detector` for timing (and NVRx's class-level ``Detector.initialize`` use),
+:mod:`.reporting` for reports and NVRx's ``ReportGenerator``, :mod:`.manager` for
+Megatron Bridge's config."""
 
 from __future__ import annotations
 
-from .detector import Detector, Report
+from . import reporting
+from .detector import CallableId, Detector
 from .manager import NVRxStragglerDetectionConfig, StragglerDetectionManager
+from .reporting import Report, ReportGenerator, Statistic, summarize
 from .scores import StragglerId, individual_scores, relative_scores
 
 __all__ = [
+    "CallableId",
     "Detector",
     "NVRxStragglerDetectionConfig",
     "Report",
+    "ReportGenerator",
+    "Statistic",
     "StragglerDetectionManager",
     "StragglerId",
     "individual_scores",
     "relative_scores",
+    "reporting",
+    "summarize",
 ]

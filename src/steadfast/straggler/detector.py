@@ -5,6 +5,11 @@ Timing: each profiled call of a section records its CPU wall time
 read only when a report is made (one synchronisation per report, none per step). On a CPU
 run the "GPU" scores are computed from the section times (documented fallback).
 
+NVRx's class-level use works too: ``Detector.initialize(...)`` makes the class's own
+detector, and ``Detector.detection_section(...)``, ``Detector.wrap_callables(...)``,
+``Detector.generate_report_if_interval_elapsed()``... then act on it (until
+``Detector.shutdown()``); on an instance the same methods act on that instance.
+
 Reports are collective: every rank calls :meth:`Detector.generate_report` (directly, or
 through :meth:`Detector.generate_report_if_interval_elapsed`) at the same call, and one
 ``all_gather_object`` of a small per-rank summary gives every rank the same data. From
@@ -17,83 +22,26 @@ verdict needs no further broadcast.
 from __future__ import annotations
 
 import functools
+import inspect
 import socket
 import statistics
+import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import types
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..config import require_number
-from .scores import StragglerId, individual_scores, relative_scores
+from .reporting import Report
+from .scores import individual_scores, relative_scores
 
-__all__ = ["Detector", "Report"]
+__all__ = ["CallableId", "Detector", "Report"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: Calls before the first report: enough samples for a median, few enough to report early.
 FIRST_REPORT_CALLS = 10
-
-
-@dataclass
-class Report:
-    """Scores of every rank (the same object on every rank)."""
-
-    gpu_relative_perf_scores: dict[int, float] = field(default_factory=dict)
-    gpu_individual_perf_scores: dict[int, float] = field(default_factory=dict)
-    section_relative_perf_scores: dict[str, dict[int, float]] = field(default_factory=dict)
-    section_individual_perf_scores: dict[str, dict[int, float]] = field(default_factory=dict)
-    rank_to_node: dict[int, str] = field(default_factory=dict)
-    generate_time: float = 0.0
-
-    def identify_stragglers(
-        self,
-        gpu_rel_threshold: float = 0.75,
-        section_rel_threshold: float = 0.75,
-        gpu_indiv_threshold: float = 0.75,
-        section_indiv_threshold: float = 0.75,
-    ) -> dict[str, Any]:
-        """Ranks whose scores are below the thresholds, under NVRx's keys and defaults
-        (0.75; Megatron Bridge's manager passes its own 0.7). A section appears only
-        when some rank straggles in it, so an empty result is falsy all the way down."""
-
-        def below(scores: dict[int, float], threshold: float) -> set[StragglerId]:
-            return {
-                StragglerId(rank, self.rank_to_node.get(rank, "?"))
-                for rank, score in scores.items()
-                if score < threshold
-            }
-
-        def sections(table: dict[str, dict[int, float]], threshold: float) -> dict[str, Any]:
-            found = {name: below(scores, threshold) for name, scores in table.items()}
-            return {name: ranks for name, ranks in found.items() if ranks}
-
-        return {
-            "straggler_gpus_relative": below(self.gpu_relative_perf_scores, gpu_rel_threshold),
-            "straggler_gpus_individual": below(
-                self.gpu_individual_perf_scores, gpu_indiv_threshold
-            ),
-            "straggler_sections_relative": sections(
-                self.section_relative_perf_scores, section_rel_threshold
-            ),
-            "straggler_sections_individual": sections(
-                self.section_individual_perf_scores, section_indiv_threshold
-            ),
-        }
-
-    def format_scores(self, title: str, scores: dict[int, float], num: int) -> str:
-        """The seed's block: worst and best ``num`` ranks with rank, node and score."""
-        ordered = sorted(scores.items(), key=lambda item: (item[1], item[0]))
-        n, total = min(num, len(ordered)), len(ordered)
-        lines = [f"{title}:", f" Worst performing {n}/{total} ranks:"]
-        lines += [self._line(r, s) for r, s in ordered[:n]]
-        lines.append(f" Best performing {n}/{total} ranks:")
-        best = sorted(scores.items(), key=lambda item: (-item[1], item[0]))
-        lines += [self._line(r, s) for r, s in best[:n]]
-        return "\n".join(lines)
-
-    def _line(self, rank: int, score: float) -> str:
-        return f"  Rank={rank} Node={self.rank_to_node.get(rank, '?')} Score={score:.2f}"
 
 
 class _Section:
@@ -138,6 +86,52 @@ class _Timing:
             self._section.cuda_events.append(self._events)
 
 
+@dataclass(frozen=True)
+class CallableId:
+    """A callable to time as a section: ``getattr(obj, name)`` (NVRx's ``CallableId``);
+    its section is named ``"<object>.<name>"``. ``arg_filter_fn``, ``extra_args_fn`` and
+    ``ignored_args`` are accepted for NVRx code and not used."""
+
+    obj: object
+    name: str
+    arg_filter_fn: Callable[..., bool] | None = None
+    extra_args_fn: Callable[..., dict[str, Any]] | None = None
+    ignored_args: tuple[str, ...] | None = None
+
+    def __str__(self) -> str:
+        obj = self.obj
+        if inspect.ismodule(obj):
+            owner = obj.__name__
+        elif inspect.isclass(obj):
+            owner = f"{obj.__module__}.{obj.__name__}"
+        else:
+            owner = type(obj).__name__
+        return f"{owner}.{self.name}"
+
+
+class _Either:
+    """A method that acts on an instance, or, called on the class, on the class's own
+    detector made by ``Detector.initialize`` (NVRx's class-level Detector)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Callable[..., Any]:
+        if obj is None:
+            obj = getattr(cls, "_default", None)
+            if obj is None:
+
+                def not_initialized(*args: Any, **kwargs: Any) -> Any:
+                    raise RuntimeError(
+                        "Detector is not initialized: call Detector.initialize() first, or "
+                        "use an instance (Detector(...))"
+                    )
+
+                return not_initialized
+        return types.MethodType(self.fn, obj)
+
+
 class Detector:
     """Times detection sections on this rank and builds straggler reports.
 
@@ -149,7 +143,14 @@ class Detector:
         calc_individual: Compute individual scores.
         group: Process group of the ranks compared (default: the world).
         node_name: This rank's node in reports (default: the host name).
+        gather_on_rank0: None (steadfast's): every rank gets every rank's scores (so all
+            reach the same verdict); True: rank 0 gets them all and the other ranks None;
+            False: each rank its own (NVRx's two modes).
     """
+
+    #: NVRx's class-level API: whether ``Detector.initialize`` made the class's detector
+    initialized: bool = False
+    _default: Detector | None = None
 
     def __init__(
         self,
@@ -159,7 +160,11 @@ class Detector:
         calc_individual: bool = True,
         group: Any = None,
         node_name: str | None = None,
+        gather_on_rank0: bool | None = None,
     ) -> None:
+        self.gather_on_rank0 = gather_on_rank0
+        self.original_callables: dict[CallableId, Any] = {}
+        self._elapsed = False  # whether the last interval check made a report
         self.report_time_interval = float(
             require_number("report_time_interval", report_time_interval, exclusive_minimum=0)
         )
@@ -178,16 +183,77 @@ class Detector:
         self._last_report_time = time.monotonic()
         self._last_report_calls = 0
 
+    # ------------------------------------------------------------------ NVRx's class API
+    @classmethod
+    def initialize(
+        cls,
+        scores_to_compute: Sequence[str] | str = "all",
+        gather_on_rank0: bool = True,
+        profiling_interval: int = 1,
+        report_time_interval: float = 60,
+        node_name: str | None = None,
+    ) -> None:
+        """Make the class's own detector (NVRx's ``Detector.initialize``; its defaults):
+        ``Detector.detection_section(...)`` and the other methods called on the class
+        then act on it, until :meth:`shutdown`."""
+        if cls._default is not None:
+            raise RuntimeError("Detector is initialized already: Detector.shutdown() first")
+        wanted = (
+            {"relative_perf_scores", "individual_perf_scores"}
+            if str(scores_to_compute) == "all"
+            else set(scores_to_compute)
+        )
+        cls._default = cls(
+            report_time_interval=report_time_interval,
+            profiling_interval=profiling_interval,
+            calc_relative="relative_perf_scores" in wanted,
+            calc_individual="individual_perf_scores" in wanted,
+            node_name=node_name,
+            gather_on_rank0=gather_on_rank0,
+        )
+        cls.initialized = True
+
+    @classmethod
+    def shutdown(cls) -> None:
+        """Put back wrapped callables and drop the class's detector."""
+        if cls._default is not None:
+            cls._default.restore_original_callables()
+        cls._default = None
+        cls.initialized = False
+
     # ------------------------------------------------------------------ timing
-    def detection_section(self, name: str, profile_cuda: bool = True) -> _Timing:
+    @_Either
+    def detection_section(self, name: str | None = None, profile_cuda: bool = True) -> _Timing:
         """Time the enclosed code (``with detector.detection_section(name): ...``) as
-        section ``name``, every ``profiling_interval``-th call; with ``profile_cuda`` on a
-        GPU, its device time is recorded too (CUDA events, read at the next report)."""
+        section ``name`` (default: the ``with``'s file and line), every
+        ``profiling_interval``-th call; with ``profile_cuda`` on a GPU, its device time is
+        recorded too (CUDA events, read at the next report)."""
+        if name is None:
+            caller = sys._getframe(1)
+            name = f"{caller.f_code.co_filename}:{caller.f_lineno}"
         section = self._sections.get(name)
         if section is None:
             section = self._sections[name] = _Section()
         return _Timing(section, profile_cuda and self._cuda_possible, self.profiling_interval)
 
+    @_Either
+    def wrap_callables(self, callable_ids: Iterable[CallableId], profile_cuda: bool = True) -> None:
+        """Time every call of each ``getattr(id.obj, id.name)`` as section ``str(id)``,
+        by replacing the attribute (put back by :meth:`restore_original_callables`)."""
+        for callable_id in callable_ids:
+            original = getattr(callable_id.obj, callable_id.name)
+            self.original_callables.setdefault(callable_id, original)
+            wrapped = self.wrap_callable(original, str(callable_id), profile_cuda)
+            setattr(callable_id.obj, callable_id.name, wrapped)
+
+    @_Either
+    def restore_original_callables(self) -> None:
+        """Put back what :meth:`wrap_callables` replaced."""
+        for callable_id, original in self.original_callables.items():
+            setattr(callable_id.obj, callable_id.name, original)
+        self.original_callables = {}
+
+    @_Either
     def wrap_callable(self, fn: F, name: str | None = None, profile_cuda: bool = True) -> F:
         """``fn`` timed as a section (named after it unless ``name`` is given)."""
         section: str = name or str(getattr(fn, "__name__", "callable"))
@@ -200,6 +266,7 @@ class Detector:
         return wrapped  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ reports
+    @_Either
     def generate_report_if_interval_elapsed(self) -> Report | None:
         """Call once per step on every rank: a report when one is due, else None.
         Which call is due is agreed at the previous report (see the module docstring)."""
@@ -207,12 +274,21 @@ class Detector:
         if self._calls == 1:  # the call rate is measured from the loop's first call
             self._last_report_time = time.monotonic()
             self._last_report_calls = 1
-        if self._calls < self._next_report:
+        self._elapsed = self._calls >= self._next_report
+        if not self._elapsed:
             return None
-        return self.generate_report()
+        report: Report | None = self.generate_report()
+        return report
 
-    def generate_report(self) -> Report:
-        """Gather every rank's section medians (one collective) and score them."""
+    @_Either
+    def is_interval_elapsed(self) -> bool:
+        """Whether the last :meth:`generate_report_if_interval_elapsed` made a report."""
+        return self._elapsed
+
+    @_Either
+    def generate_report(self) -> Report | None:
+        """Gather every rank's section medians (one collective) and score them; who
+        gets which ranks' scores follows ``gather_on_rank0``."""
         start = time.monotonic()
         summary = {
             "node": self.node_name,
@@ -230,7 +306,28 @@ class Detector:
         for section in self._sections.values():
             section.cpu_ns.clear()
             section.cuda_events.clear()
-        report.generate_time = time.monotonic() - start
+        report.generate_report_elapsed_time = time.monotonic() - start
+        return self._for_this_rank(report)
+
+    def _for_this_rank(self, report: Report) -> Report | None:
+        """NVRx's gathering modes (every rank computed every score from the same data)."""
+        if self.gather_on_rank0 is None:
+            return report
+        rank = _group_rank(self.group)
+        report.gather_on_rank0 = self.gather_on_rank0
+        if self.gather_on_rank0:
+            return report if rank == 0 else None
+        report.rank = rank
+
+        def mine(scores: dict[int, float]) -> dict[int, float]:
+            return {r: v for r, v in scores.items() if r == rank}
+
+        report.gpu_relative_perf_scores = mine(report.gpu_relative_perf_scores)
+        report.gpu_individual_perf_scores = mine(report.gpu_individual_perf_scores)
+        for table in (report.section_relative_perf_scores, report.section_individual_perf_scores):
+            for name in table:
+                table[name] = mine(table[name])
+        report.rank_to_node = {r: n for r, n in report.rank_to_node.items() if r == rank}
         return report
 
     def _medians(self) -> dict[str, float]:
@@ -296,3 +393,11 @@ def _all_gather(summary: dict[str, Any], group: Any) -> list[dict[str, Any]]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, summary, group=group)
     return out
+
+
+def _group_rank(group: Any) -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank(group))
+    return 0

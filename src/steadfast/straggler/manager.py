@@ -81,7 +81,8 @@ class StragglerDetectionManager:
         """``fn`` timed as the ``train_step`` section (when enabled)."""
         if not self.config.enabled:
             return fn
-        return self.detector.wrap_callable(fn, "train_step")
+        wrapped: F = self.detector.wrap_callable(fn, "train_step")
+        return wrapped
 
     def check(self, step: int | None = None) -> bool:
         """Make the report if one is due; True when training should stop (collective)."""
