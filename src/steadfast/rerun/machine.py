@@ -51,6 +51,12 @@ from ..config import ConfigError, require_choice, require_number
 from ..dist import agree_any, agree_flags, world_info
 
 __all__ = [
+    "RerunDiagnostic",
+    "RerunErrorInjector",
+    "RerunMode",
+    "destroy_rerun_state_machine",
+    "get_rerun_state_machine",
+    "initialize_rerun_state_machine",
     "EXIT_CODE_FAILED_ON_RESULT_VALIDATION",
     "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
     "HARDWARE_ID_ENV",
@@ -70,7 +76,42 @@ EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
 HARDWARE_ID_ENV = "STEADFAST_RERUN_HARDWARE_ID"
 
 MODES = ("disabled", "validate_results", "report_stats")
+#: Megatron-LM's name for report_stats (Megatron Bridge's config keeps report_stats)
+_MODE_ALIASES = {"report_determinism_stats": "report_stats"}
 INJECTION_TYPES = ("transient_error", "persistent_error", "correct_result")
+
+
+class RerunMode(str, Enum):
+    """Megatron-LM's operating modes (a ``str``: ``RerunMode.VALIDATE_RESULTS ==
+    "validate_results"``); ``report_determinism_stats`` is ``report_stats``."""
+
+    DISABLED = "disabled"
+    VALIDATE_RESULTS = "validate_results"
+    REPORT_DETERMINISM_STATS = "report_determinism_stats"
+
+
+class RerunDiagnostic(str, Enum):
+    """Megatron-LM's attributions, also the error injection types."""
+
+    CORRECT_RESULT = "correct_result"
+    TRANSIENT_ERROR = "transient_error"
+    PERSISTENT_ERROR = "persistent_error"
+
+
+def _mode(value: Any) -> str:
+    """A mode name from a string or a :class:`RerunMode`, as the config stores it."""
+    text = str(value.value if isinstance(value, Enum) else value)
+    return _MODE_ALIASES.get(text, text)
+
+
+@dataclass
+class RerunErrorInjector:
+    """Megatron-LM's error injector: on average one validated result in
+    ``error_injection_rate`` is made to fail validation, reproducing as
+    ``error_injection_type`` says (0: never)."""
+
+    error_injection_rate: int = 0
+    error_injection_type: RerunDiagnostic | str = RerunDiagnostic.TRANSIENT_ERROR
 
 
 class RerunState(Enum):
@@ -97,6 +138,9 @@ class RerunStateMachineConfig:
     result_rejected_tracker_filename: str | None = None
 
     def __post_init__(self) -> None:
+        self.rerun_mode = _mode(self.rerun_mode)
+        if isinstance(self.error_injection_type, Enum):
+            self.error_injection_type = str(self.error_injection_type.value)
         require_choice("rerun_mode", self.rerun_mode, MODES)
         require_choice("error_injection_type", self.error_injection_type, INJECTION_TYPES)
         require_number("error_injection_rate", self.error_injection_rate, minimum=0, integer=True)
@@ -182,11 +226,43 @@ class RerunStateMachine:
 
     def __init__(
         self,
-        config: RerunStateMachineConfig | None = None,
+        config: RerunStateMachineConfig | Callable[[], Any] | None = None,
         group: Any = None,
         seed: int | None = None,
+        *,
+        state_save_func: Callable[[], Any] | None = None,
+        state_restore_func: Callable[[Any], None] | None = None,
+        mode: RerunMode | str | None = None,
+        error_injector: RerunErrorInjector | None = None,
+        result_rejected_tracker_filename: str | None = None,
     ) -> None:
-        self.config = config or RerunStateMachineConfig()
+        if callable(config):  # Megatron-LM's positional form: (save, restore, mode, ...)
+            state_save_func, config = config, None
+            if callable(group):
+                state_restore_func, group = group, None
+            if isinstance(seed, (str, Enum)):
+                mode, seed = seed, None
+        cfg = config if isinstance(config, RerunStateMachineConfig) else RerunStateMachineConfig()
+        if mode is not None or error_injector is not None or result_rejected_tracker_filename:
+            injector = error_injector or RerunErrorInjector()
+            cfg = RerunStateMachineConfig(
+                rerun_mode=_mode(mode) if mode is not None else cfg.rerun_mode,
+                check_for_nan_in_loss=cfg.check_for_nan_in_loss,
+                check_for_spiky_loss=cfg.check_for_spiky_loss,
+                spiky_loss_factor=cfg.spiky_loss_factor,
+                error_injection_rate=injector.error_injection_rate
+                if error_injector is not None
+                else cfg.error_injection_rate,
+                error_injection_type=injector.error_injection_type
+                if error_injector is not None
+                else cfg.error_injection_type,
+                result_rejected_tracker_filename=result_rejected_tracker_filename
+                or cfg.result_rejected_tracker_filename,
+            )
+        self.config = cfg
+        self.state_save_func = state_save_func
+        self.state_restore_func = state_restore_func
+        self._user_saved: Any = None
         self.group = group
         self.state = RerunState.NOT_RUNNING_YET
         self.iteration = 0
@@ -215,6 +291,8 @@ class RerunStateMachine:
             self._iterators = iterators
             # the RNG state at the start of the step, for the re-runs (not needed when off)
             self._rng_saved = RNGState().state_dict() if mode != "disabled" else None
+            if mode != "disabled" and self.state_save_func is not None:
+                self._user_saved = self.state_save_func()  # Megatron's custom state
             self._invocation, self._initial, self._rejected_here = 0, [], False
             self._injecting = bool(
                 mode == "validate_results"
@@ -396,10 +474,42 @@ class RerunStateMachine:
             "max": data[-1],
         }
 
+    # ------------------------------------------------------------------ Megatron's names
+    @property
+    def current_iteration(self) -> int:
+        """The step being run (Megatron-LM's name for :attr:`iteration`)."""
+        return self.iteration
+
+    @current_iteration.setter
+    def current_iteration(self, value: int) -> None:
+        self.iteration = int(value)
+
+    @property
+    def mode(self) -> RerunMode:
+        """The operating mode."""
+        name = self.config.rerun_mode
+        return RerunMode.REPORT_DETERMINISM_STATS if name == "report_stats" else RerunMode(name)
+
+    def set_mode(self, mode: RerunMode | str) -> None:
+        """Change the operating mode (Megatron-LM)."""
+        self.config.rerun_mode = _mode(mode)
+        require_choice("rerun_mode", self.config.rerun_mode, MODES)
+
+    def get_mode(self) -> RerunMode:
+        """The operating mode (Megatron-LM)."""
+        return self.mode
+
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(
+        self, data_iterator: Any = None, ckpt_format: str | None = None, force: bool = False
+    ) -> dict[str, Any]:
         """The machine's state for the checkpoint (continues an attribution after exit
-        16), including the data iterators' kept batches."""
+        16), including the data iterators' kept batches. Megatron-LM's arguments are
+        accepted: ``data_iterator`` (the iterators to keep, default the step's own),
+        ``ckpt_format`` and ``force`` (the state is the same whatever the format, and
+        always returned)."""
+        if data_iterator is not None and self.state == RerunState.NOT_RUNNING_YET:
+            self._iterators = _as_list(data_iterator) or self._iterators
         return {
             "state": self.state.value,
             "iteration": self.iteration,
@@ -448,6 +558,8 @@ class RerunStateMachine:
     def _begin_rerun(self, state: RerunState) -> None:
         if self._rng_saved is not None:
             RNGState().load_state_dict(self._rng_saved)
+        if self.state_restore_func is not None and self._user_saved is not None:
+            self.state_restore_func(self._user_saved)
         for it in self._iterators:
             it.rewind()
         self._invocation = 0
@@ -515,3 +627,30 @@ def _as_list(data_iterator: Any) -> list[RerunDataIterator]:
         return []
     items = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
     return [it for it in items if isinstance(it, RerunDataIterator)]
+
+
+_GLOBAL: RerunStateMachine | None = None
+
+
+def initialize_rerun_state_machine(**kwargs: Any) -> RerunStateMachine:
+    """Make the process's re-run state machine (Megatron-LM's singleton; the keyword
+    arguments of :class:`RerunStateMachine`)."""
+    global _GLOBAL
+    _GLOBAL = RerunStateMachine(**kwargs)
+    return _GLOBAL
+
+
+def get_rerun_state_machine() -> RerunStateMachine:
+    """The process's re-run state machine, made disabled when none was initialized (as
+    Megatron-LM does, with a warning): the seed's ``train_step`` calls this."""
+    global _GLOBAL
+    if _GLOBAL is None:
+        logger.warning("Implicit initialization of the re-run state machine (disabled)")
+        _GLOBAL = RerunStateMachine()
+    return _GLOBAL
+
+
+def destroy_rerun_state_machine() -> None:
+    """Forget the process's re-run state machine."""
+    global _GLOBAL
+    _GLOBAL = None

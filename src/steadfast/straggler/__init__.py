@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from . import reporting
 from .detector import CallableId, Detector
-from .manager import NVRxStragglerDetectionConfig, StragglerDetectionManager
+from .manager import (
+    NVRxStragglerDetectionConfig,
+    NVRxStragglerDetectionManager,
+    StragglerDetectionManager,
+    check_nvrx_straggler_detection,
+    safe_shutdown_nvrx_straggler_manager,
+)
 from .reporting import Report, ReportGenerator, Statistic, summarize
 from .scores import StragglerId, individual_scores, relative_scores
 
@@ -16,13 +22,16 @@ __all__ = [
     "CallableId",
     "Detector",
     "NVRxStragglerDetectionConfig",
+    "NVRxStragglerDetectionManager",
     "Report",
     "ReportGenerator",
     "Statistic",
     "StragglerDetectionManager",
     "StragglerId",
+    "check_nvrx_straggler_detection",
     "individual_scores",
     "relative_scores",
     "reporting",
+    "safe_shutdown_nvrx_straggler_manager",
     "summarize",
 ]

@@ -18,9 +18,16 @@ from typing import Any, TypeVar
 from .. import events
 from ..config import ConfigError, require_number
 from ..dist import group_rank
-from .detector import Detector, Report
+from .detector import Detector
+from .reporting import Report
 
-__all__ = ["NVRxStragglerDetectionConfig", "StragglerDetectionManager"]
+__all__ = [
+    "NVRxStragglerDetectionConfig",
+    "NVRxStragglerDetectionManager",
+    "StragglerDetectionManager",
+    "check_nvrx_straggler_detection",
+    "safe_shutdown_nvrx_straggler_manager",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -162,3 +169,72 @@ class StragglerDetectionManager:
 
 def _round(scores: dict[int, float]) -> dict[str, float]:
     return {str(rank): round(score, 4) for rank, score in scores.items()}
+
+
+class NVRxStragglerDetectionManager(StragglerDetectionManager):
+    """Megatron Bridge's manager, with its names: ``initialize()``,
+    ``wrap_train_step_function(fn)``, ``check_stragglers(global_rank)``, ``shutdown()``.
+
+    Unlike Megatron Bridge's (whose ``wrap_train_step_function`` times a copy of the step
+    and returns the original, untimed), the function returned is the timed one, as its
+    documentation says. The verdict of ``check_stragglers`` is the same on every rank.
+    """
+
+    def __init__(self, config: NVRxStragglerDetectionConfig, group: Any = None) -> None:
+        super().__init__(config, group)
+        self.initialized = False
+        self.wrapped_function: Callable[..., Any] | None = None
+
+    def initialize(self) -> None:
+        """Start detecting (nothing when disabled); twice is an error."""
+        if self.initialized:
+            raise RuntimeError("NVRxStragglerDetectionManager is already initialized.")
+        if self.config.enabled:
+            self.initialized = True
+
+    def wrap_train_step_function(self, train_step_func: F) -> F:
+        """The train step, timed as the ``train_step`` section (unchanged when not
+        initialized or disabled, or when a step was wrapped already)."""
+        if not (self.initialized and self.config.enabled):
+            return train_step_func
+        if self.wrapped_function is not None:
+            self.logger.warning("Train step function already wrapped. Skipping.")
+            return train_step_func
+        self.wrapped_function = train_step_func
+        return self.wrap_train_step(train_step_func)
+
+    def check_stragglers(self, global_rank: int) -> bool:
+        """Report if one is due; True when stragglers were found and
+        ``stop_if_detected`` (collective: every rank calls it at the same step)."""
+        if not (self.initialized and self.config.enabled):
+            return False
+        return self.check()
+
+    def shutdown(self) -> None:
+        """Stop detecting."""
+        self.initialized = False
+        self.wrapped_function = None
+
+
+def check_nvrx_straggler_detection(
+    nvrx_straggler_manager: NVRxStragglerDetectionManager | None,
+) -> bool:
+    """Megatron Bridge's helper: whether training should exit for stragglers (False
+    without a manager)."""
+    if nvrx_straggler_manager is None:
+        return False
+    return nvrx_straggler_manager.check_stragglers(group_rank())
+
+
+def safe_shutdown_nvrx_straggler_manager(
+    manager: NVRxStragglerDetectionManager | None, logger_name: str = "nvrx_straggler"
+) -> None:
+    """Megatron Bridge's helper: shut the manager down, logging (not raising) an error."""
+    if manager is None:
+        return
+    try:
+        manager.shutdown()
+    except Exception as exc:
+        logging.getLogger(logger_name).error(
+            "Error shutting down NVRx straggler detection: %s", exc
+        )
