@@ -55,6 +55,7 @@ __all__ = [
     "EXIT_RESTART_ELSEWHERE",
     "EXIT_RESULT_VALIDATION_FAILED",
     "PRESTART_ENV",
+    "get_args_parser",
     "main",
 ]
 
@@ -244,6 +245,14 @@ def _job_retry(
         return EXIT_REQUEUED if requeue_job(info.job_id, cause=cause) else otherwise
     except SignalException:  # Slurm's SIGTERM of the requeued job, held until the event
         return EXIT_REQUEUED
+
+
+def get_args_parser() -> Any:
+    """``steadfast launch``'s argument parser: torchrun's with steadfast's flags (NVRx's
+    ``fault_tolerance.launcher.get_args_parser``; see :func:`.args.get_args_parser`)."""
+    from .args import get_args_parser as parser
+
+    return parser()
 
 
 def main(argv: list[str] | None = None) -> int:
