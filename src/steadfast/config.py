@@ -124,7 +124,8 @@ class FaultToleranceConfig:
             entry, if given, replaces ``step`` for the first ``num_warmup_iterations``.
         rank_out_of_section_timeout: Time allowed outside any section (checked from the
             first ``step`` section on).
-        safety_factor: Calculated timeout = safety_factor x max observed interval.
+        safety_factor: Calculated timeout = safety_factor x max observed interval (> 0;
+            below 1 is allowed, as in NVRx, with a warning).
         rank_termination_signal: How a hung rank is terminated.
         log_level: Log level of the monitors and launcher: a ``logging`` level number,
             as NVRx stores it (``"INFO"``, ``"warn"``... are accepted and converted).
@@ -187,8 +188,15 @@ class FaultToleranceConfig:
             p + "rank_out_of_section_timeout", self.rank_out_of_section_timeout
         )
         self.safety_factor = float(
-            require_number(p + "safety_factor", self.safety_factor, minimum=1)
+            require_number(p + "safety_factor", self.safety_factor, exclusive_minimum=0)
         )
+        if self.safety_factor < 1:  # valid (NVRx takes it), but almost surely a mistake
+            logger.warning(
+                "%ssafety_factor=%g < 1: calculated timeouts will be shorter than the "
+                "longest interval seen, so a healthy rank may be taken for hung",
+                p,
+                self.safety_factor,
+            )
         self.rank_termination_signal = _signal(
             p + "rank_termination_signal", self.rank_termination_signal
         )
