@@ -249,15 +249,17 @@ class ReportGenerator:
 
 
 def _put(report: Report, rank: int, scores: Mapping[str, Any]) -> None:
+    """This rank's computed scores into the report: NaN where there is no reference
+    (no kernel common to every rank, no kernels at all), as NVRx reports it."""
     individual, relative = scores["gpu"]
-    if individual is not None and not math.isnan(individual):
+    if individual is not None:
         report.gpu_individual_perf_scores[rank] = individual
-    if relative is not None and not math.isnan(relative):
+    if relative is not None:
         report.gpu_relative_perf_scores[rank] = relative
     for name, (ind, rel) in scores["sections"].items():
         if ind is not None:
             report.section_individual_perf_scores.setdefault(name, {})[rank] = ind
-        if rel is not None and not math.isnan(rel):
+        if rel is not None:
             report.section_relative_perf_scores.setdefault(name, {})[rank] = rel
 
 
