@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
-from typing import Any
 
 from .state import HealthCheckError, InterruptedIteration, RestartAbort, State
 
@@ -96,20 +95,19 @@ class AbortTorchDistributed(Abort):
 
         if not dist.is_available() or not dist.is_initialized():
             return state
-        from torch.distributed import distributed_c10d as c10d
+        from .. import seam
 
         if threading.current_thread() is threading.main_thread():
             # Abort every group (NCCL ones inside one group start/end) and clear the
             # registry, so the next iteration can init_process_group again.
             try:
-                c10d._abort_process_group()
+                seam.abort_all_process_groups()
             except Exception as exc:
                 logger.debug("abort of the process groups failed: %s", exc)
             return state
         # Monitor thread: abort only (newest group first); the registry stays for the
         # main thread, which may still be inside a collective.
-        groups: list[Any] = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g])
-        for group in reversed(groups):
+        for group in reversed(seam.process_groups()):
             try:
                 group.abort()
             except Exception as exc:

@@ -77,14 +77,11 @@ PRESTART_ENV = "STEADFAST_TEMPLATE_PRESTART"
 
 def _launch(argv: list[str]) -> int:
     from torch.distributed import run as torchrun
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    from .. import events
+    from .. import events, seam
     from .agent import FTAgent, NoProgressError, RerunExit
     from .args import get_args_parser, resolve_events_path, split_argv
     from .template import discard_prestarted, keep_prestarted_if
@@ -118,49 +115,29 @@ def _launch(argv: list[str]) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config, cmd, cmd_args = torchrun.config_from_args(args)  # sets OMP_NUM_THREADS
     keep_prestarted_if(os.environ.get("OMP_NUM_THREADS"))
-    params = RendezvousParameters(
-        backend=config.rdzv_backend,
-        endpoint=config.rdzv_endpoint,
-        run_id=config.run_id or str(uuid.uuid4().int),
-        min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes,
-        local_addr=config.local_addr,
-        **config.rdzv_configs,
-    )
-    master_addr: str | None = None
-    master_port: int | None = None
-    if params.backend == "static":
-        master_addr, master_port = parse_rendezvous_endpoint(params.endpoint, default_port=-1)
-    spec = WorkerSpec(
-        role=config.role,
-        local_world_size=config.nproc_per_node,
-        entrypoint=cmd,
-        args=tuple(cmd_args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
-        max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval,
-        master_addr=master_addr,
-        master_port=master_port,
-        local_addr=config.local_addr,
-        event_log_handler=config.event_log_handler,
-        numa_options=config.numa_options,
-        duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters,
-        virtual_local_rank=config.virtual_local_rank,
-    )
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    agent = FTAgent(
-        spec=spec,
-        logs_specs=config.logs_specs,
-        start_method=config.start_method,
-        log_line_prefix_template=config.log_line_prefix_template,
-        ft=split.ft,
-        term_timeout=split.term_timeout,
-    )
-    shutdown_rdzv = True
+    # SIGTERM -> SIGKILL when the launcher passes a signal on: --term-timeout, else
+    # torchrun's --shutdown-timeout (or its environment variable), else the FT config's
+    # workers_stop_timeout
+    if split.term_timeout is not None:
+        term_timeout: float = split.term_timeout
+    elif args.shutdown_timeout is not None or "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ:
+        term_timeout = float(config.shutdown_timeout or 0)
+    else:
+        term_timeout = split.ft.workers_stop_timeout
+    agents: list[FTAgent] = []
+
+    def make_agent(**kwargs: Any) -> FTAgent:
+        # torch's launch_agent passes LocalElasticAgent's arguments; steadfast adds its own
+        kwargs.pop("shutdown_timeout", None)
+        agents.append(FTAgent(ft=split.ft, term_timeout=term_timeout, **kwargs))
+        return agents[-1]
+
     try:
         _handle_signals_now(config.signals_to_handle)
-        result: Any = agent.run()
+        seam.launch_agent(make_agent, config, cmd, list(cmd_args))
+    except ChildFailedError:
+        logger.error("steadfast launch: workers failed and in-job restarts are spent")
+        return _job_retry(split.ft.num_job_retries_on_failure)
     except RerunExit as exc:
         return _rerun_exit(exc.code, split.ft.num_job_retries_on_failure)
     except NoProgressError as exc:
@@ -172,15 +149,12 @@ def _launch(argv: list[str]) -> int:
         logger.error("steadfast launch: the job was closed by another node")
         return _job_retry(split.ft.num_job_retries_on_failure)
     except SignalException as exc:
-        shutdown_rdzv = False  # other nodes may still re-rendezvous under this id
+        # torch's launch_agent left the rendezvous open: other nodes may still
+        # re-rendezvous under this id
         return 128 + int(exc.sigval)
     finally:
-        agent.close()
-        if shutdown_rdzv:
-            spec.rdzv_handler.shutdown()
-    if result is not None and result.is_failed():
-        logger.error("steadfast launch: workers failed and in-job restarts are spent")
-        return _job_retry(split.ft.num_job_retries_on_failure)
+        for agent in agents:
+            agent.close()
     return EXIT_OK
 
 
@@ -191,12 +165,13 @@ def _handle_signals_now(names: str) -> None:
     (SIGUSR1's default action). Install the same handler from the start."""
     import signal
 
-    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+    from .. import seam
 
+    handler = seam.terminate_process_handler()
     for name in names.split(","):
         sig = getattr(signal, name.strip(), None)
         if isinstance(sig, signal.Signals):
-            signal.signal(sig, _terminate_process_handler)
+            signal.signal(sig, handler)
 
 
 def _rerun_exit(code: int, retries: int) -> int:

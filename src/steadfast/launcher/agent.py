@@ -32,7 +32,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from .. import events
+from .. import events, seam
 from ..config import FaultToleranceConfig
 from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
 from ..rerun.machine import (
@@ -114,7 +114,7 @@ class FTAgent(LocalElasticAgent):
         kwargs.setdefault("shutdown_timeout", max(1, math.ceil(term)))
         super().__init__(*args, **kwargs)
         self.ft = ft
-        spec = self._worker_group.spec
+        spec = self.get_worker_group().spec
         self.table = HeartbeatTable.create(rows=spec.local_world_size)
         # the workers inherit these from the launcher's environment
         os.environ[HB_TABLE_ENV] = str(self.table.path)
@@ -138,7 +138,7 @@ class FTAgent(LocalElasticAgent):
             os.environ.pop(name, None)
 
     def _global_rank(self, local_rank: int) -> int:
-        for worker in self._worker_group.workers:
+        for worker in self.get_worker_group().workers:
             if worker.local_rank == local_rank:
                 return int(worker.global_rank)
         return local_rank
@@ -155,28 +155,22 @@ class FTAgent(LocalElasticAgent):
                 ft.rank_out_of_section_timeout,
             )
         if self.template is not None:
-            from torch.distributed.elastic.agent.server import local_elastic_agent as lea
-
             from .template import template_start_processes
 
-            # torch's agent calls the start_processes of its own module; for this call it
-            # is one that forks script workers from the template
-            original = getattr(lea, "start_processes")  # noqa: B009
-            setattr(lea, "start_processes", template_start_processes(self.template, original))  # noqa: B010
-            try:
+            # for this call, torch's agent starts script workers from the template
+            with seam.start_processes_from(template_start_processes(self.template)):
                 ids = super()._start_workers(worker_group)
-            finally:
-                setattr(lea, "start_processes", original)  # noqa: B010
         else:
             ids = super()._start_workers(worker_group)
-        pcontext = self._pcontext
+        pcontext = seam.agent_pcontext(self)
         if pcontext is not None:
             self.watcher.watch(pcontext.pids())
         return ids  # type: ignore[no-any-return]
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self.watcher.unwatch()
-        self._shutdown(signal.SIGTERM, timeout=max(1, math.ceil(self.ft.workers_stop_timeout)))
+        timeout = max(1, math.ceil(self.ft.workers_stop_timeout))
+        seam.agent_shutdown(self, signal.SIGTERM, timeout)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result: RunResult = super()._monitor_workers(worker_group)
@@ -241,7 +235,7 @@ class FTAgent(LocalElasticAgent):
                 cause="membership_change",
                 restart_count=self.restarts,
                 reason="nodes waiting to join",
-                remaining_restarts=self._remaining_restarts,
+                remaining_restarts=seam.agent_remaining_restarts(self),
             )
             super()._restart_workers(worker_group)
             return
@@ -265,6 +259,6 @@ class FTAgent(LocalElasticAgent):
             cause="worker_failure",
             restart_count=self.restarts,
             reason=f"worker group {worker_group.state.name}",
-            remaining_restarts=self._remaining_restarts,
+            remaining_restarts=seam.agent_remaining_restarts(self),
         )
         super()._restart_workers(worker_group)

@@ -111,7 +111,9 @@ def resolve_events_path(
 
 
 def _takes_value(parser: argparse.ArgumentParser, option: str) -> bool:
-    actions = parser._option_string_actions  # argparse's option table (torchrun's parser)
+    from .. import seam
+
+    actions = seam.option_actions(parser)  # torchrun's parser's option table
     action = actions.get(option)
     if action is None and option.startswith("--"):  # argparse accepts unique prefixes
         matches = {id(a): a for name, a in actions.items() if name.startswith(option)}

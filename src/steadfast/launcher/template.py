@@ -144,12 +144,9 @@ def _run_child(request: dict[str, Any]) -> int:
         code = 1
     # what the interpreter does at exit: join non-daemon threads (a background
     # checkpoint writer), then atexit handlers, then flush
-    with contextlib.suppress(Exception):
-        threading._shutdown()  # type: ignore[attr-defined]
-    with contextlib.suppress(Exception):
-        import atexit
+    from .. import seam
 
-        atexit._run_exitfuncs()
+    seam.interpreter_exit()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -480,10 +477,15 @@ def discard_prestarted() -> None:
 
 
 # ---------------------------------------------------------------------- torch's agent glue
-def template_start_processes(template: Template, original: Any) -> Any:
+def template_start_processes(template: Template) -> Any:
     """A stand-in for torch's ``start_processes`` that forks script workers from
-    ``template`` and falls back to ``original`` for anything else."""
-    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+    ``template`` and falls back to torch's for anything else (a module of
+    :func:`steadfast.seam.start_processes_from`)."""
+    from torch.distributed.elastic.multiprocessing import start_processes as original
+
+    from .. import seam
+
+    base: Any = seam.subprocess_context_type()
 
     class _Handler:
         def __init__(self, proc: TemplateProc) -> None:
@@ -493,7 +495,7 @@ def template_start_processes(template: Template, original: Any) -> Any:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
 
-    class _TemplateContext(SubprocessContext):
+    class _TemplateContext(base):  # type: ignore[misc]
         def _start(self) -> None:
             handlers = {}
             for local_rank in range(self.nprocs):
@@ -504,7 +506,7 @@ def template_start_processes(template: Template, original: Any) -> Any:
                 err = self.stderrs[local_rank] or None
                 proc = template.spawn(argv, env, stdout=out, stderr=err)
                 handlers[local_rank] = _Handler(proc)
-            self.subprocess_handlers = handlers  # type: ignore[assignment]
+            self.subprocess_handlers = handlers
 
     def start_processes(**kwargs: Any) -> Any:
         # torch's agent passes every argument by keyword

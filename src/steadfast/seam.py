@@ -1,0 +1,166 @@
+"""The one place where steadfast touches a private of torch (or of Python's standard
+library).
+
+Everything else in steadfast uses public names only. Each function here is one touch
+point, with a contract test in ``tests/unit/test_seam.py`` that runs the private the way
+steadfast uses it: a torch upgrade that moves or changes one fails that test, with the
+touch point's name, instead of failing a training job.
+
+Touch points and why each is needed:
+
+- :func:`terminate_process_handler`: torch's agent installs its signal handler (which
+  turns a signal into ``SignalException`` so the agent stops the workers with it) only
+  when it first starts workers; the launcher installs the same handler from its start.
+- :func:`launch_agent`: torch's public ``launch_agent`` builds its agent from the
+  module-global ``LocalElasticAgent``; the launcher runs it with steadfast's agent in that
+  name's place, so that torch's launch path (health-check server, metrics, the agent's
+  success and failure events, ``ChildFailedError``) is torch's own, not a copy.
+- :func:`start_processes_from`: torch's ``LocalElasticAgent._start_workers`` calls the
+  ``start_processes`` of its own module; for the worker template it must call
+  steadfast's for one call.
+- :func:`subprocess_context_type`: the template's process context is torch's
+  ``SubprocessContext`` with ``_start`` overridden (forked workers instead of
+  ``Popen``), filling ``subprocess_handlers`` as torch's ``_start`` does.
+- :func:`agent_pcontext`, :func:`agent_remaining_restarts`, :func:`agent_shutdown`:
+  ``LocalElasticAgent``'s process context (the workers' pids), restarts left, and its
+  stop-the-workers method with a signal and timeout.
+- :func:`abort_all_process_groups`, :func:`process_groups`: c10d's
+  ``_abort_process_group`` (abort every group and clear the registry so
+  ``init_process_group`` can run again in the same process) and ``_world.pg_names``
+  (every live group, oldest first) for the in-process restart.
+- :func:`option_actions`: argparse's option table of torchrun's parser, to know which of
+  the launcher's flags take a value.
+- :func:`interpreter_exit`: what the interpreter does at exit (``threading._shutdown``
+  then ``atexit._run_exitfuncs``), for a worker forked from the template that returns
+  instead of exiting.
+
+The agent's protected hooks (``_rendezvous``, ``_start_workers``, ``_stop_workers``,
+``_monitor_workers``, ``_restart_workers``) are torch's extension points for agent
+subclasses; their call order is part of the same contract test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def _module(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(name)
+
+
+__all__ = [
+    "abort_all_process_groups",
+    "agent_pcontext",
+    "agent_remaining_restarts",
+    "agent_shutdown",
+    "interpreter_exit",
+    "launch_agent",
+    "option_actions",
+    "process_groups",
+    "start_processes_from",
+    "subprocess_context_type",
+    "terminate_process_handler",
+]
+
+
+# ------------------------------------------------------------------ torch.distributed.elastic
+def terminate_process_handler() -> Callable[[int, Any], None]:
+    """torch's agent signal handler: raises ``SignalException(sigval)``."""
+    api = _module("torch.distributed.elastic.multiprocessing.api")
+    return api._terminate_process_handler  # type: ignore[no-any-return]
+
+
+def launch_agent(
+    agent_factory: Callable[..., Any], config: Any, entrypoint: Any, args: list[Any]
+) -> Any:
+    """Run torch's public ``launch_agent(config, entrypoint, args)`` with
+    ``agent_factory(**kwargs)`` building the agent (it gets the keyword arguments torch
+    gives ``LocalElasticAgent``). Returns what ``launch_agent`` returns; raises what it
+    raises (``ChildFailedError`` when the workers failed)."""
+    api = _module("torch.distributed.launcher.api")
+    original = api.LocalElasticAgent
+    api.LocalElasticAgent = agent_factory
+    try:
+        return api.launch_agent(config, entrypoint, args)
+    finally:
+        api.LocalElasticAgent = original
+
+
+@contextlib.contextmanager
+def start_processes_from(replacement: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """Within the block, ``LocalElasticAgent._start_workers`` starts its workers with
+    ``replacement`` (called with torch's keyword arguments of ``start_processes``).
+    Yields the original, for the cases ``replacement`` hands back to it."""
+    lea = _module("torch.distributed.elastic.agent.server.local_elastic_agent")
+    original = lea.start_processes
+    lea.start_processes = replacement
+    try:
+        yield original
+    finally:
+        lea.start_processes = original
+
+
+def subprocess_context_type() -> type[Any]:
+    """torch's ``SubprocessContext``, whose private ``_start`` a subclass overrides: it
+    must start ``self.nprocs`` processes (``self.args``, ``self.envs``,
+    ``self.stdouts``, ``self.stderrs`` by local rank) and set
+    ``self.subprocess_handlers`` to local rank -> an object with ``proc.pid`` and
+    ``close(death_sig)``, which torch's ``pids()``, ``_poll`` and ``_close`` read."""
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    return SubprocessContext
+
+
+def agent_pcontext(agent: Any) -> Any:
+    """``LocalElasticAgent``'s process context of the running workers (or None)."""
+    return agent._pcontext
+
+
+def agent_remaining_restarts(agent: Any) -> int:
+    """The in-job restarts the agent has left (``--max-restarts`` minus those used)."""
+    return int(agent._remaining_restarts)
+
+
+def agent_shutdown(agent: Any, death_sig: signal.Signals, timeout: int) -> None:
+    """Stop the agent's workers: ``death_sig``, then SIGKILL after ``timeout`` seconds."""
+    agent._shutdown(death_sig, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------ c10d
+def abort_all_process_groups() -> None:
+    """Abort every process group and clear c10d's registry (main thread only)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._abort_process_group()
+
+
+def process_groups() -> list[Any]:
+    """Every live process group, oldest first."""
+    from torch.distributed import distributed_c10d as c10d
+
+    names = c10d._world.pg_names
+    return sorted(names, key=lambda g: names[g])
+
+
+# ------------------------------------------------------------------------ the stdlib
+def option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """argparse's option string -> action table of ``parser``."""
+    return parser._option_string_actions
+
+
+def interpreter_exit() -> None:
+    """Join the non-daemon threads, then run the ``atexit`` handlers, as the interpreter
+    does before it exits; errors in either are the handlers' own and are not raised."""
+    import atexit
+    import threading
+
+    with contextlib.suppress(Exception):
+        threading._shutdown()  # type: ignore[attr-defined]
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()

@@ -1,0 +1,265 @@
+"""Contract tests of steadfast.seam: one per private of torch (or Python) that steadfast
+touches, run the way steadfast uses it. A torch upgrade that breaks a touch point fails
+the test named after it."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig
+
+from steadfast import seam
+
+
+def test_terminate_process_handler_raises_signal_exception() -> None:
+    handler = seam.terminate_process_handler()
+    before = signal.signal(signal.SIGUSR2, handler)
+    try:
+        with pytest.raises(SignalException) as info:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            signal.sigtimedwait([], 0)  # let the handler run
+        assert info.value.sigval == signal.SIGUSR2
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
+class _Recording(LocalElasticAgent):
+    """torch's agent with its protected hooks recorded, using the seam's touch points
+    as FTAgent does."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.calls: list[str] = []
+        self.pids: list[dict[int, int]] = []
+        self.remaining: list[int] = []
+        self.started_by: list[str] = []
+
+    def _rendezvous(self, worker_group: Any) -> None:
+        self.calls.append("rendezvous")
+        super()._rendezvous(worker_group)
+
+    def _start_workers(self, worker_group: Any) -> dict[int, Any]:
+        self.calls.append("start")
+
+        def start_processes(**kwargs: Any) -> Any:
+            self.started_by.append("replacement")
+            return original(**kwargs)
+
+        with seam.start_processes_from(start_processes) as original:
+            ids = super()._start_workers(worker_group)
+        self.pids.append(dict(seam.agent_pcontext(self).pids()))
+        self.remaining.append(seam.agent_remaining_restarts(self))
+        return ids  # type: ignore[no-any-return]
+
+    def _stop_workers(self, worker_group: Any) -> None:
+        self.calls.append("stop")
+        seam.agent_shutdown(self, signal.SIGTERM, 5)
+
+    def _monitor_workers(self, worker_group: Any) -> Any:
+        result = super()._monitor_workers(worker_group)
+        if result.state != WorkerState.HEALTHY:
+            self.calls.append(f"monitor:{result.state.name}")
+        return result
+
+    def _restart_workers(self, worker_group: Any) -> None:
+        self.calls.append("restart")
+        super()._restart_workers(worker_group)
+
+
+def _launch(tmp_path: Any, code: str, max_restarts: int) -> tuple[list[_Recording], Any]:
+    agents: list[_Recording] = []
+    received: list[set[str]] = []
+
+    def factory(**kwargs: Any) -> _Recording:
+        received.append(set(kwargs))
+        agents.append(_Recording(**kwargs))
+        return agents[-1]
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=1,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        shutdown_timeout=5,
+    )
+    old = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    try:
+        result = seam.launch_agent(factory, config, sys.executable, ["-c", code])
+    except ChildFailedError as exc:
+        result = exc
+    finally:
+        if old is not None:
+            os.environ["TORCHELASTIC_ERROR_FILE"] = old
+    assert received and {"spec", "logs_specs", "start_method"} <= received[0]
+    return agents, result
+
+
+def _release(agents: list[_Recording]) -> None:
+    """Drop the agents and with them the rendezvous store they hold (its sockets)."""
+    agents.clear()
+    gc.collect()
+
+
+def test_launch_agent_builds_the_agent_and_runs_its_hooks(tmp_path: Any) -> None:
+    """torch's launch_agent takes the agent from the factory; a failed worker group is
+    restarted through _restart_workers -> _stop_workers -> _rendezvous ->
+    _start_workers (started with the swapped start_processes), with one restart fewer;
+    a group that fails with none left raises ChildFailedError."""
+    marker = tmp_path / "ran-once"
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        if not os.path.exists({str(marker)!r}):
+            open({str(marker)!r}, "w").close()
+            sys.exit(3)
+        """
+    )
+    agents, result = _launch(tmp_path, code, max_restarts=1)
+    assert len(agents) == 1 and not isinstance(result, ChildFailedError)
+    agent = agents[0]
+    assert agent.calls == [
+        "rendezvous",
+        "start",
+        "monitor:FAILED",
+        "restart",
+        "stop",
+        "rendezvous",
+        "start",
+        "monitor:SUCCEEDED",
+    ]
+    assert agent.started_by == ["replacement", "replacement"]
+    assert agent.remaining == [1, 0]
+    assert all(len(p) == 1 and next(iter(p.values())) > 0 for p in agent.pids)
+
+    agents, result = _launch(tmp_path, "import sys; sys.exit(5)", max_restarts=0)
+    assert isinstance(result, ChildFailedError)
+    assert [f.exitcode for f in result.failures.values()] == [5]
+    _release(agents)
+    del agent, result
+    gc.collect()
+
+
+def test_subprocess_context_start_override(tmp_path: Any) -> None:
+    """A SubprocessContext whose _start fills subprocess_handlers (objects with proc and
+    close) is polled, listed and closed by torch's own code."""
+    base: Any = seam.subprocess_context_type()
+
+    class Handler:
+        def __init__(self, argv: list[str]) -> None:
+            self.proc = subprocess.Popen(argv)
+
+        def close(self, death_sig: signal.Signals | None = None) -> None:
+            self.proc.send_signal(death_sig or signal.SIGTERM)
+
+    started: list[int] = []
+
+    class Context(base):  # type: ignore[misc]
+        def _start(self) -> None:
+            started.append(self.nprocs)
+            self.subprocess_handlers = {
+                r: Handler([self.entrypoint, *map(str, self.args[r])]) for r in range(self.nprocs)
+            }
+
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
+
+    logs = DefaultLogsSpecs(log_dir=str(tmp_path), redirects=Std.NONE, tee=Std.NONE)
+    ctx = Context(
+        name="contract",
+        entrypoint=sys.executable,
+        args={0: ("-c", "import sys; sys.exit(4)"), 1: ("-c", "import time; time.sleep(60)")},
+        envs={0: {}, 1: {}},
+        logs_specs=logs,
+    )
+    ctx.start()
+    try:
+        assert started == [2]
+        pids = ctx.pids()
+        assert set(pids) == {0, 1} and all(p > 0 for p in pids.values())
+        result = ctx.wait(timeout=30, period=0.05)
+        assert result is not None and result.is_failed()
+        assert result.failures[0].exitcode == 4
+    finally:
+        ctx.close(signal.SIGKILL, timeout=5)
+    assert ctx.subprocess_handlers[1].proc.poll() is not None
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_process_groups_and_abort_all() -> None:
+    """process_groups lists the live groups oldest first; abort_all_process_groups
+    aborts them and clears the registry, so init_process_group can run again."""
+    done = _run_python(
+        """
+        import os, tempfile
+        import torch.distributed as dist
+        from steadfast import seam
+        path = tempfile.mktemp()
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+        sub = dist.new_group([0])
+        groups = seam.process_groups()
+        assert groups == [dist.group.WORLD, sub], groups
+        seam.abort_all_process_groups()
+        assert not dist.is_initialized()
+        assert seam.process_groups() == []
+        dist.init_process_group("gloo", init_method=f"file://{path}.2", rank=0, world_size=1)
+        assert dist.is_initialized()
+        dist.destroy_process_group()
+        print("ok")
+        """
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert not dist.is_initialized()
+
+
+def test_option_actions() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--with-value", "--with_value")
+    parser.add_argument("--flag", action="store_true")
+    actions = seam.option_actions(parser)
+    assert actions["--with-value"] is actions["--with_value"]
+    assert actions["--with-value"].nargs is None and actions["--flag"].nargs == 0
+
+
+def test_interpreter_exit_joins_threads_then_runs_atexit() -> None:
+    done = _run_python(
+        """
+        import atexit, os, sys, threading, time
+        from steadfast import seam
+        atexit.register(lambda: print("atexit", flush=True))
+        def work():
+            time.sleep(0.2)
+            print("thread", flush=True)
+        threading.Thread(target=work).start()
+        seam.interpreter_exit()
+        sys.stdout.flush()
+        os._exit(0)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["thread", "atexit"]
