@@ -24,6 +24,14 @@ Touch points and why each is needed:
 - :func:`agent_pcontext`, :func:`agent_remaining_restarts`, :func:`agent_shutdown`:
   ``LocalElasticAgent``'s process context (the workers' pids), restarts left, and its
   stop-the-workers method with a signal and timeout.
+- :func:`rendezvous_node_id`, :func:`expire_rendezvous_nodes`,
+  :func:`rendezvous_join_timeout`: torch's dynamic rendezvous (the ``c10d`` and
+  ``etcd-v2`` backends) removes a node only when its keep-alive expires
+  (``keep_alive_interval`` x ``keep_alive_max_attempt``, 15 s by default); a node that
+  steadfast *knows* is lost is marked expired at once (its last keep-alive set to the
+  epoch, written back with the backend's compare-and-set, then torch's own sanitizer
+  removes it), and the join after a node loss is bounded by ``node_lost_timeout``
+  instead of the 600 s ``join_timeout`` (the handler's settings for one call).
 - :func:`abort_all_process_groups`, :func:`process_groups`: c10d's
   ``_abort_process_group`` (abort every group and clear the registry so
   ``init_process_group`` can run again in the same process) and ``_world.pg_names``
@@ -59,10 +67,13 @@ __all__ = [
     "agent_pcontext",
     "agent_remaining_restarts",
     "agent_shutdown",
+    "expire_rendezvous_nodes",
     "interpreter_exit",
     "launch_agent",
     "option_actions",
     "process_groups",
+    "rendezvous_join_timeout",
+    "rendezvous_node_id",
     "start_processes_from",
     "subprocess_context_type",
     "terminate_process_handler",
@@ -130,6 +141,75 @@ def agent_remaining_restarts(agent: Any) -> int:
 def agent_shutdown(agent: Any, death_sig: signal.Signals, timeout: int) -> None:
     """Stop the agent's workers: ``death_sig``, then SIGKILL after ``timeout`` seconds."""
     agent._shutdown(death_sig, timeout=timeout)
+
+
+# ------------------------------------------------------------- the dynamic rendezvous
+def _dynamic(handler: Any) -> bool:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+    )
+
+    return isinstance(handler, DynamicRendezvousHandler)
+
+
+def rendezvous_node_id(handler: Any) -> list[Any] | None:
+    """This agent's node in the rendezvous, as JSON-able ``[addr, pid, local_id]``
+    (None for a handler other than torch's dynamic one: static, legacy etcd)."""
+    if not _dynamic(handler):
+        return None
+    node = handler._this_node
+    return [str(node.addr), int(node.pid), int(node.local_id)]
+
+
+def expire_rendezvous_nodes(handler: Any, node_ids: list[list[Any]], attempts: int = 10) -> int:
+    """Mark the nodes ``node_ids`` (from :func:`rendezvous_node_id`) as having missed
+    their keep-alive, so that every agent's next sync removes them (torch's sanitizer:
+    from the participants, wait list and redundancy list). Returns how many of them the
+    rendezvous still listed; 0 for a handler other than torch's dynamic one."""
+    if not _dynamic(handler) or not node_ids:
+        return 0
+    from datetime import datetime, timezone
+
+    wanted = {tuple(n) for n in node_ids}
+    expired = datetime.fromtimestamp(0, timezone.utc)
+    holder = handler._state_holder
+    with handler._heartbeat_lock:  # not under a keep-alive of this handler
+        for _ in range(attempts):
+            holder.sync()
+            beats = holder.state.last_heartbeats
+            listed = [n for n in beats if (n.addr, n.pid, n.local_id) in wanted]
+            if not listed:
+                return 0
+            for node in listed:
+                beats[node] = expired
+            holder.mark_dirty()
+            if holder.sync():  # our compare-and-set won: the sanitizer has run on it
+                return len(listed)
+    return 0
+
+
+@contextlib.contextmanager
+def rendezvous_join_timeout(handler: Any, seconds: float) -> Iterator[None]:
+    """Within the block, ``next_rendezvous`` gives up (``RendezvousTimeoutError``) after
+    ``seconds`` instead of the handler's ``join_timeout``; other handlers: no effect."""
+    if not _dynamic(handler):
+        yield
+        return
+    import dataclasses
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+    original = handler._settings
+    t = original.timeout
+    timeout = RendezvousTimeout(
+        join=timedelta(seconds=seconds), last_call=t.last_call, close=t.close, heartbeat=t.heartbeat
+    )
+    handler._settings = dataclasses.replace(original, timeout=timeout)
+    try:
+        yield
+    finally:
+        handler._settings = original
 
 
 # ------------------------------------------------------------------------------ c10d

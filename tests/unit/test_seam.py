@@ -263,3 +263,101 @@ def test_interpreter_exit_joins_threads_then_runs_atexit() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["thread", "atexit"]
+
+
+# ------------------------------------------------------------------ dynamic rendezvous
+def _handlers(n: int, run_id: str, **conf: Any) -> list[Any]:
+    """n handlers of one c10d rendezvous (min = max = 2), the first hosting the store."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    port = _free_port()
+    out = []
+    for i in range(n):
+        params = RendezvousParameters(
+            backend="c10d",
+            endpoint=f"127.0.0.1:{port}",
+            run_id=run_id,
+            min_nodes=2,
+            max_nodes=2,
+            local_addr="127.0.0.1",
+            is_host=i == 0,
+            keep_alive_interval=600,  # no keep-alive, and no expiry, during the test
+            join_timeout=60,
+            last_call_timeout=1,
+            **conf,
+        )
+        out.append(rdzv_registry.get_rendezvous_handler(params))
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _join_all(handlers: list[Any]) -> list[Any]:
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(handlers)) as pool:
+        return list(pool.map(lambda h: h.next_rendezvous(), handlers))
+
+
+def _close(handlers: list[Any]) -> None:
+    for h in handlers:
+        h.shutdown()
+    handlers.clear()
+    gc.collect()
+
+
+def test_expire_rendezvous_nodes_lets_a_spare_replace_a_lost_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A and B form round 0; B is "lost" (its keep-alive would not expire for 30 min);
+    once A expires it, A and the spare C complete the next round at once."""
+    # as steadfast launch runs it (see launcher/__init__.py): a store of the workers' own
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    handlers = _handlers(3, str(uuid.uuid4()))
+    a, b, c = handlers
+    try:
+        infos = _join_all([a, b])
+        assert sorted(i.rank for i in infos) == [0, 1] and infos[0].world_size == 2
+        ids = [seam.rendezvous_node_id(h) for h in (a, b, c)]
+        assert all(isinstance(i, list) and len(i) == 3 for i in ids)
+        assert len({tuple(i) for i in ids if i}) == 3
+        assert seam.expire_rendezvous_nodes(a, [ids[1]]) == 1
+        assert seam.expire_rendezvous_nodes(a, [ids[1]]) == 0  # gone already
+        infos = _join_all([a, c])
+        assert sorted(i.rank for i in infos) == [0, 1] and infos[0].world_size == 2
+    finally:
+        _close(handlers)
+
+
+def test_rendezvous_join_timeout_bounds_one_join() -> None:
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    handlers = _handlers(1, str(uuid.uuid4()))
+    (alone,) = handlers
+    try:
+        before = alone.settings.timeout.join
+        with seam.rendezvous_join_timeout(alone, 1.0):
+            assert alone.settings.timeout.join.total_seconds() == 1.0
+            with pytest.raises(RendezvousTimeoutError):
+                alone.next_rendezvous()  # min_nodes=2: nobody else comes
+        assert alone.settings.timeout.join == before
+    finally:
+        _close(handlers)
+
+
+def test_rendezvous_touch_points_ignore_other_handlers() -> None:
+    class Other:
+        pass
+
+    other = Other()
+    assert seam.rendezvous_node_id(other) is None
+    assert seam.expire_rendezvous_nodes(other, [["x", 1, 0]]) == 0
+    with seam.rendezvous_join_timeout(other, 1.0):
+        pass
