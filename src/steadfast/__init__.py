@@ -14,6 +14,7 @@ from . import events
 if TYPE_CHECKING:
     from .checkpoint import (
         CheckpointError,
+        CheckpointFenced,
         CheckpointManager,
         DataPosition,
         ResumableSampler,
@@ -40,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CheckpointFenced",
     "CheckpointManager",
     "ConfigError",
     "DataPosition",
@@ -79,6 +81,7 @@ __all__ = [
 # launcher can start its worker template before it imports torch itself.
 _LAZY: dict[str, str] = {
     "CheckpointError": ".checkpoint",
+    "CheckpointFenced": ".checkpoint",
     "CheckpointManager": ".checkpoint",
     "DataPosition": ".checkpoint",
     "ResumableSampler": ".checkpoint",

@@ -60,6 +60,13 @@ def _report(ns: argparse.Namespace) -> int:
 def _health(ns: argparse.Namespace) -> int:
     from .health import check_gpu_health
 
+    if ns.all_devices is not None:  # the launcher's node health check: each local GPU
+        results = [check_gpu_health(d) for d in range(ns.all_devices)]
+        print(json.dumps(results, indent=2))
+        bad = [f"GPU {d}: {r['error']}" for d, r in enumerate(results) if r["error"]]
+        if bad:
+            print("; ".join(bad))
+        return 1 if bad else 0
     result = check_gpu_health(ns.device)
     print(json.dumps(result, indent=2))
     healthy = not result["error"]
@@ -246,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="check this node's GPU")
     health.add_argument("--device", type=int, default=0)
     health.add_argument("--allow-no-cuda", action="store_true", help="exit 0 on CPU-only nodes")
+    health.add_argument(
+        "--all-devices",
+        type=int,
+        metavar="N",
+        help="check devices 0..N-1; the last line names each unhealthy one",
+    )
     health.set_defaults(func=_health)
     _add_slurm_parser(sub)
     return parser

@@ -140,6 +140,23 @@ class FaultToleranceConfig:
             do not count) are below this (exit code 78); 0 never requeues.
         worker_template: Start script workers by forking a template process that has
             imported torch already, so a (re)start does not pay ``import torch`` again.
+        node_heartbeat_interval: How often each node's launcher tells the launchers
+            that watch it (two per node, in a ring over the round's nodes) that it is
+            alive. A node killed outright is seen at once (its connections reset); this
+            bounds how late a node that goes silent (power, NIC, partition) is seen.
+        node_heartbeat_timeout: A watched node silent for this long is lost; also how
+            long a checkpoint write waits for the launcher to confirm the node still
+            holds the rendezvous (the fence).
+        node_lost_timeout: After a node is lost, how long the survivors wait for enough
+            nodes (a spare, or an elastic minimum) to form the next round; then the
+            launcher exits 75 (node lost) instead of waiting out the rendezvous'
+            ``join_timeout`` (600 s).
+        node_health_check: A command run on the node before each rendezvous
+            (``--ft-node-health-check CMD``, through ``sh -c``); a non-zero exit keeps
+            the node out of the job (exit 74), its output's last line is the reason.
+        node_health_check_dir: A directory (the checkpoint directory) that must be
+            writable, with ``node_min_free_gb`` free, before the node joins.
+        node_min_free_gb: Free space ``node_health_check_dir`` needs, in GiB.
     """
 
     workload_check_interval: float = 5.0
@@ -155,6 +172,12 @@ class FaultToleranceConfig:
     max_no_progress_restarts: int = 3
     num_job_retries_on_failure: int = 0
     worker_template: bool = True
+    node_heartbeat_interval: float = 0.5
+    node_heartbeat_timeout: float = 5.0
+    node_lost_timeout: float = 60.0
+    node_health_check: str | None = None
+    node_health_check_dir: str | None = None
+    node_min_free_gb: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -227,6 +250,21 @@ class FaultToleranceConfig:
             self.max_no_progress_restarts,
             minimum=0,
             integer=True,
+        )
+        for name in ("node_heartbeat_interval", "node_heartbeat_timeout", "node_lost_timeout"):
+            value = require_number(p + name, getattr(self, name), exclusive_minimum=0)
+            setattr(self, name, float(value))
+        if self.node_heartbeat_timeout <= self.node_heartbeat_interval:
+            raise ConfigError(
+                f"{p}node_heartbeat_timeout ({self.node_heartbeat_timeout:g}) must be longer "
+                f"than node_heartbeat_interval ({self.node_heartbeat_interval:g})"
+            )
+        for name in ("node_health_check", "node_health_check_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"{p}{name}: expected a non-empty string or null, got {value!r}")
+        self.node_min_free_gb = float(
+            require_number(p + "node_min_free_gb", self.node_min_free_gb, minimum=0)
         )
 
     # ------------------------------------------------------------------ loading
@@ -409,7 +447,13 @@ def _scalar(raw: str) -> Any:
     return text
 
 
+#: Fields whose command-line value is taken as written (a command, a path).
+_STRING_FIELDS = frozenset({"node_health_check", "node_health_check_dir"})
+
+
 def _parse_flag(flag: str, name: str, raw: str) -> Any:
+    if name in _STRING_FIELDS:
+        return None if raw.strip().lower() in ("null", "none") else raw
     if name == "rank_section_timeouts":
         out: dict[str, Any] = {}
         if raw.strip() in ("", "{}"):

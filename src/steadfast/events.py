@@ -170,6 +170,10 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "path": "its folder", "reason": "what failed",
     }),
     ("checkpoint_deleted", "an old checkpoint was removed (keep_last_n)", {"path": "its folder"}),
+    ("checkpoint_fenced", "a rank wrote no checkpoint: its node no longer holds the job's "
+     "rendezvous (cut off, or the job went on without it)", {
+        "path": "the checkpoint folder", "reason": "what the launcher answered",
+    }),
     # monitoring / launcher
     ("rank_hung", "a rank overstayed a timeout and is terminated (cause: what timed out)", {
         "section": "the section, or what timed out", "elapsed": "seconds since it began",
@@ -186,8 +190,27 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "restart_count": "restarts so far", "reason": "in words",
         "remaining_restarts": "in-job restarts left",
     }),
-    ("job_requeued", "the Slurm job was requeued (cause: restarts_exhausted, or "
-     "restart_elsewhere after a worker's exit 16: both spend a job retry; preempted, by "
+    # nodes (the launcher's node roster; host: the launcher that saw it)
+    ("node_lost", "a node of the running round is lost (cause: connection_reset, silent, "
+     "left or unhealthy)", {
+        "node": "the lost node's host name", "node_rank": "its rank among the round's nodes",
+        "how": "how it was seen, in words", "latency": "seconds from its last sign of life "
+        "to the detection", "nodes": "nodes in the round it left",
+    }),
+    ("node_joined", "a node joined the job in a later round (a spare taking a lost node's "
+     "place, or a node added to an elastic job)", {
+        "node": "its host name", "node_rank": "its rank among the round's nodes",
+        "nodes": "nodes in the new round", "replaced": "the nodes of the previous round "
+        "that are not in this one",
+    }),
+    ("node_unhealthy", "this node failed its health check before a rendezvous: it does not "
+     "join (cause: the check)", {"reason": "what failed"}),
+    ("node_isolated", "this node lost its peers and the rendezvous at once (a partition on "
+     "its side): its workers are stopped and write nothing", {
+        "how": "in words", "nodes": "nodes in the round it was cut off from",
+    }),
+    ("job_requeued", "the Slurm job was requeued (cause: restarts_exhausted, node_lost, or "
+     "restart_elsewhere after a worker's exit 16: these spend a job retry; preempted, by "
      "the batch script of steadfast slurm: spends none)", {"slurm_job": "the job id"}),
     ("job_start", "a training process (re)started, after its restore", {
         "world_size": "ranks in the job", "resumed_from": "the checkpoint, or null",

@@ -54,7 +54,7 @@ __all__ = [
 
 #: ``job_requeued`` causes that spend a job retry (``num_job_retries_on_failure``); a
 #: preemption or an operator's requeue does not.
-FAILURE_REQUEUE_CAUSES = ("restarts_exhausted", "restart_elsewhere")
+FAILURE_REQUEUE_CAUSES = ("restarts_exhausted", "restart_elsewhere", "node_lost")
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def requeue_job(
     """Ask Slurm to requeue the job (``scontrol requeue <job_id>``, default this job).
 
     Used for a job retry after the in-job restarts are spent (``cause``
-    ``restarts_exhausted`` or ``restart_elsewhere``) and by the batch script after a
+    ``restarts_exhausted``, ``restart_elsewhere`` or ``node_lost``) and by the batch script after a
     preemption (``preempted``); ``cause`` goes into the ``job_requeued`` event, which
     :func:`failure_requeues` reads back. True if scontrol accepted it; the reason is
     logged when it did not (no scontrol, a job that is not requeueable...)."""

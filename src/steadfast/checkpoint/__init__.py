@@ -19,6 +19,7 @@ from ..config import ConfigError
 __all__ = [
     "LATEST",
     "CheckpointError",
+    "CheckpointFenced",
     "CheckpointManager",
     "DataPosition",
     "RNGState",
@@ -89,5 +90,5 @@ def resolve_resume_path(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
     return None
 
 
-from .manager import CheckpointError, CheckpointManager, verify  # noqa: E402  (needs LATEST)
+from .manager import CheckpointError, CheckpointFenced, CheckpointManager, verify  # noqa: E402  (needs LATEST)
 from .state import DataPosition, ResumableSampler, RNGState, Stateful  # noqa: E402

@@ -72,6 +72,23 @@ class CheckpointError(RuntimeError):
     """No valid checkpoint could be loaded, or a save failed; the message names the files."""
 
 
+class CheckpointFenced(CheckpointError):
+    """This rank may not write: its node no longer holds the job's rendezvous (cut off
+    by a partition, or the job went on without it). Nothing was written, and ``latest``
+    was not moved (:mod:`steadfast.fence`)."""
+
+
+def _fence(path: Path) -> None:
+    """Raise :class:`CheckpointFenced` (after a ``checkpoint_fenced`` event) when this
+    node's launcher says the node no longer holds the job's rendezvous."""
+    from .. import fence
+
+    reason = fence.check()
+    if reason is not None:
+        events.emit("checkpoint_fenced", cause="fence", path=str(path), reason=reason)
+        raise CheckpointFenced(f"not writing {path}: {reason}")
+
+
 # ---------------------------------------------------------------------- file helpers
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -458,6 +475,10 @@ class CheckpointManager:
         """
         require_number("CheckpointManager.save step", step, minimum=0, integer=True)
         self.wait()
+        # before anything is written (the temporary folder included): a rank whose node
+        # no longer holds the rendezvous writes nothing (it raises, as its group's
+        # collectives below could not complete anyway)
+        _fence(self.dir / f"step_{step}")
         start = time.monotonic()
         bad_state: ConfigError | None = None
         try:  # a bad key must not leave the other ranks waiting in the collective below
@@ -719,8 +740,11 @@ class CheckpointManager:
             outcome = "; ".join(errors) if errors else None
             if outcome is None:
                 try:
+                    _fence(final)  # again, just before latest moves
                     everything = {k: v for share, _ in shares for k, v in share.items()}
                     self._publish(step, tmp, final, everything, keys, sharded)
+                except CheckpointFenced as exc:
+                    outcome = f"rank 0: {exc}"
                 except Exception as exc:
                     outcome = f"rank 0: {_describe(exc, final)}"
             if outcome is not None:

@@ -31,6 +31,13 @@ Exit codes (for job scripts that decide whether to requeue):
      rejected results' node and device are in the machine's tracker file.
 17   do not restart: a worker exited 17 (``EXIT_CODE_FAILED_ON_RESULT_VALIDATION``: a
      ``fatal`` result failed validation). Neither restarted in-job nor requeued.
+74   this node is unhealthy: it failed its health check before a rendezvous
+     (``node_health_check_dir``, its GPUs, ``--ft-node-health-check CMD``) and left the
+     job, which goes on without it (a ``node_unhealthy`` event says why)
+75   node lost: a node of the job was lost (or this node was cut off from the job, or
+     the rendezvous store with it) and no round could form again within
+     ``node_lost_timeout`` (no spare, fewer nodes than ``--nnodes``' minimum). With job
+     retries left under Slurm, the job is requeued instead (78)
 128+N the launcher was stopped by signal N (SIGTERM: 143, SIGINT: 130); the workers got
      the signal and ``workers_stop_timeout`` seconds to save before SIGKILL
 ==== ===================================================================================
@@ -48,6 +55,8 @@ from ..config import ConfigError
 
 __all__ = [
     "EXIT_BAD_CONFIG",
+    "EXIT_NODE_LOST",
+    "EXIT_NODE_UNHEALTHY",
     "EXIT_NO_PROGRESS",
     "EXIT_OK",
     "EXIT_REQUEUED",
@@ -68,6 +77,8 @@ EXIT_RESTARTS_EXHAUSTED = 77
 EXIT_REQUEUED = 78
 EXIT_RESTART_ELSEWHERE = 16  # = rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE
 EXIT_RESULT_VALIDATION_FAILED = 17  # = rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+EXIT_NODE_UNHEALTHY = 74
+EXIT_NODE_LOST = 75
 #: ``STEADFAST_TEMPLATE_PRESTART=0`` starts the worker template only once the agent
 #: exists (after the launcher imported torch), as before the prestart: the baseline of
 #: ``bench/bench_launch_start.py``, and a way out if an import-time setting must come
@@ -79,10 +90,14 @@ def _launch(argv: list[str]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
 
     from .. import events, seam
-    from .agent import FTAgent, NoProgressError, RerunExit
+    from .agent import FTAgent, NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
     from .args import get_args_parser, resolve_events_path, split_argv
     from .template import discard_prestarted, keep_prestarted_if
 
@@ -129,8 +144,15 @@ def _launch(argv: list[str]) -> int:
     def make_agent(**kwargs: Any) -> FTAgent:
         # torch's launch_agent passes LocalElasticAgent's arguments; steadfast adds its own
         kwargs.pop("shutdown_timeout", None)
-        agents.append(FTAgent(ft=split.ft, term_timeout=term_timeout, **kwargs))
-        return agents[-1]
+        agent = FTAgent(
+            ft=split.ft,
+            term_timeout=term_timeout,
+            nnodes=config.max_nodes,
+            local_addr=config.local_addr,
+            **kwargs,
+        )
+        agents.append(agent)
+        return agent
 
     try:
         _handle_signals_now(config.signals_to_handle)
@@ -143,6 +165,20 @@ def _launch(argv: list[str]) -> int:
     except NoProgressError as exc:
         logger.error("steadfast launch: %s; stopping (exit %d)", exc, EXIT_NO_PROGRESS)
         return EXIT_NO_PROGRESS
+    except NodeUnhealthyError as exc:
+        logger.error("steadfast launch: %s; this node leaves the job (exit %d)", exc, 74)
+        return EXIT_NODE_UNHEALTHY
+    except NodeLostError as exc:
+        logger.error("steadfast launch: %s", exc)
+        return _node_lost(split.ft.num_job_retries_on_failure)
+    except (RendezvousConnectionError, RendezvousTimeoutError) as exc:
+        if agents and agents[-1].rounds > 0:  # the job ran: its store went with a node
+            logger.error("steadfast launch: the rendezvous is out of reach: %s", exc)
+            return _node_lost(split.ft.num_job_retries_on_failure)
+        if isinstance(exc, RendezvousTimeoutError):  # the nodes never all came
+            logger.error("steadfast launch: not enough nodes joined in time: %s", exc)
+            return _node_lost(split.ft.num_job_retries_on_failure)
+        raise
     except RendezvousClosedError:
         # another node ended the job (its restarts spent, or its progress guard): this
         # node's job failed too, and the launcher of SLURM_PROCID 0 may requeue it
@@ -172,6 +208,11 @@ def _handle_signals_now(names: str) -> None:
         sig = getattr(signal, name.strip(), None)
         if isinstance(sig, signal.Signals):
             signal.signal(sig, handler)
+
+
+def _node_lost(retries: int) -> int:
+    """Exit 75, or a requeue (78) while job retries remain under Slurm."""
+    return _job_retry(retries, cause="node_lost", otherwise=EXIT_NODE_LOST)
 
 
 def _rerun_exit(code: int, retries: int) -> int:

@@ -15,7 +15,14 @@ On top of torch's behaviour:
   :class:`NoProgressError` instead of restarting again;
 - the re-run state machine's exit codes are not restarted on this hardware: a worker that
   exits 16 (resume on other hardware) or 17 (failed on result validation) stops the agent
-  with :class:`RerunExit`.
+  with :class:`RerunExit`;
+- nodes (jobs of more than one node): the :class:`~.nodes.NodeRoster` watches the
+  round's nodes; a lost node stops this node's workers at once (a collective with a dead
+  peer may hang instead of failing), is expired from torch's rendezvous so a spare takes
+  its place without waiting out its keep-alive, and bounds the next join by
+  ``node_lost_timeout`` (then :class:`NodeLostError`); a node that fails its health check
+  before a rendezvous leaves the job (:class:`NodeUnhealthyError`) without closing the
+  rendezvous for the others.
 """
 
 from __future__ import annotations
@@ -31,6 +38,12 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousHandler,
+    RendezvousTimeoutError,
+)
 
 from .. import events, seam
 from ..config import FaultToleranceConfig
@@ -39,9 +52,18 @@ from ..rerun.machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
 )
+from .nodes import Loss, NodeRoster, health_check
 from .template import Template, take_prestarted
 
-__all__ = ["FTAgent", "NoProgressError", "RerunExit", "first_failures", "rerun_exit_code"]
+__all__ = [
+    "FTAgent",
+    "NoProgressError",
+    "NodeLostError",
+    "NodeUnhealthyError",
+    "RerunExit",
+    "first_failures",
+    "rerun_exit_code",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +73,16 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:  # a real-time signal has no name
         return f"SIG{number}"
+
+
+def _local_gpus(local_world_size: int) -> int:
+    """GPUs this node's workers use (0 on a CPU node): what the health check tests."""
+    import torch
+
+    try:
+        return min(int(torch.cuda.device_count()), local_world_size)
+    except Exception:
+        return 0
 
 
 class NoProgressError(RuntimeError):
@@ -65,6 +97,59 @@ class RerunExit(RuntimeError):
     def __init__(self, code: int) -> None:
         super().__init__(f"a worker exited {code}")
         self.code = code
+
+
+class NodeLostError(RuntimeError):
+    """A node of the job was lost (or this node was cut off from the job) and no round
+    could form again within ``node_lost_timeout``."""
+
+
+class NodeUnhealthyError(RuntimeError):
+    """This node failed its health check before a rendezvous: it leaves the job."""
+
+    def __init__(self, check: str, reason: str) -> None:
+        super().__init__(f"node health check {check!r} failed: {reason}")
+        self.check, self.reason = check, reason
+
+
+class _Rendezvous(RendezvousHandler):
+    """torch's rendezvous handler, except that a node that leaves the job (unhealthy,
+    or cut off) does not close the rendezvous for the others on its way out (torch's
+    ``launch_agent`` shuts it down on any error but a signal)."""
+
+    def __init__(self, wrapped: RendezvousHandler) -> None:
+        self.wrapped = wrapped
+        self.leaving = False
+
+    def get_backend(self) -> str:
+        return self.wrapped.get_backend()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return bool(self.wrapped.use_agent_store)
+
+    def next_rendezvous(self) -> Any:
+        return self.wrapped.next_rendezvous()
+
+    def is_closed(self) -> bool:
+        return self.wrapped.is_closed()
+
+    def set_closed(self) -> None:
+        self.wrapped.set_closed()  # type: ignore[no-untyped-call]
+
+    def num_nodes_waiting(self) -> int:
+        return self.wrapped.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self.wrapped.get_run_id()
+
+    def shutdown(self) -> bool:
+        if self.leaving:
+            return True
+        return self.wrapped.shutdown()
+
+    def __getattr__(self, name: str) -> Any:  # settings and the like
+        return getattr(self.wrapped, name)
 
 
 def first_failures(failures: Mapping[int, Any], exits: Mapping[int, float]) -> set[int]:
@@ -106,6 +191,8 @@ class FTAgent(LocalElasticAgent):
         *args: Any,
         ft: FaultToleranceConfig,
         term_timeout: float | None = None,
+        nnodes: int = 1,
+        local_addr: str | None = None,
         **kwargs: Any,
     ) -> None:
         # torch's agent stops the workers with this on a signal it got (NVRx's
@@ -115,6 +202,13 @@ class FTAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.ft = ft
         spec = self.get_worker_group().spec
+        self.rendezvous = _Rendezvous(spec.rdzv_handler)
+        spec.rdzv_handler = self.rendezvous
+        #: rounds of the rendezvous this node took part in
+        self.rounds = 0
+        self.roster = NodeRoster(ft, host=local_addr) if nnodes > 1 else None
+        self.lost: list[Loss] = []  # the nodes lost before the coming rendezvous
+        self._gpus = _local_gpus(spec.local_world_size)
         self.table = HeartbeatTable.create(rows=spec.local_world_size)
         # the workers inherit these from the launcher's environment
         os.environ[HB_TABLE_ENV] = str(self.table.path)
@@ -129,8 +223,10 @@ class FTAgent(LocalElasticAgent):
             self.template = take_prestarted() or Template()
 
     def close(self) -> None:
-        """Stop the watcher and remove the heartbeat table."""
+        """Stop the watcher and the node roster, and remove the heartbeat table."""
         self.watcher.stop()
+        if self.roster is not None:
+            self.roster.close()
         if self.template is not None:
             self.template.close()
         self.table.close()
@@ -143,9 +239,70 @@ class FTAgent(LocalElasticAgent):
                 return int(worker.global_rank)
         return local_rank
 
+    def run(self, role: str = "default") -> RunResult:
+        """torch's ``run``; a spare that never ran (the job ended while it waited: torch
+        returns nothing) succeeded with the job."""
+        result: RunResult | None = super().run(role)
+        if result is None:
+            return RunResult(state=WorkerState.SUCCEEDED)
+        return result
+
     # ------------------------------------------------------------------ life cycle hooks
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        handler = self.rendezvous.wrapped
+        problem = health_check(self.ft, self._gpus)
+        if problem is not None:
+            self._leave_unhealthy(*problem)
+        if self.roster is not None:
+            self.roster.leave_round()
+        lost, self.lost = self.lost, []
+        if not lost:
+            super()._rendezvous(worker_group)
+        else:
+            names = ", ".join(loss.peer.host for loss in lost)
+            try:
+                with seam.rendezvous_join_timeout(handler, self.ft.node_lost_timeout):
+                    super()._rendezvous(worker_group)
+            except RendezvousTimeoutError as exc:
+                raise NodeLostError(
+                    f"lost node(s) {names} and no round formed again within "
+                    f"node_lost_timeout={self.ft.node_lost_timeout:g} s (no spare, and fewer "
+                    "nodes than --nnodes' minimum)"
+                ) from exc
+            except RendezvousClosedError as exc:
+                raise NodeLostError(
+                    f"lost node(s) {names}, and another node ended the job"
+                ) from exc
+        self.rounds += 1
+        if self.roster is not None:
+            self.roster.enter_round(
+                worker_group.store,
+                int(worker_group.group_rank or 0),
+                int(worker_group.group_world_size or 1),
+                handler.get_run_id(),
+                seam.rendezvous_node_id(handler),
+            )
+
+    def _leave_unhealthy(self, check: str, reason: str) -> None:
+        """This node leaves the job: the event, its place in the rendezvous given up
+        (so that the others do not wait for it), the rendezvous left open for them."""
+        events.emit("node_unhealthy", cause=check, reason=reason)
+        handler = self.rendezvous.wrapped
+        if self.roster is not None:
+            self.roster.leave_round(reason=f"unhealthy ({check}): {reason}")
+        me = seam.rendezvous_node_id(handler)
+        if me is not None:
+            try:
+                seam.expire_rendezvous_nodes(handler, [me])
+            except Exception as exc:  # the others then wait for its keep-alive to expire
+                logger.warning("could not leave the rendezvous at once: %s", exc)
+        self.rendezvous.leaving = True
+        raise NodeUnhealthyError(check, reason)
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         ft = self.ft
+        if self.roster is not None:
+            os.environ.update(self.roster.env())
         for row in range(self.table.rows):
             self.table.reset(
                 row,
@@ -174,6 +331,29 @@ class FTAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result: RunResult = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.HEALTHY and self.roster is not None:
+            lost, isolated = self.roster.losses(), self.roster.isolated()
+            if lost or isolated:  # a collective with a dead peer may hang: stop them now
+                cause = self._loss_cause(lost, isolated)
+                for worker in worker_group.workers:
+                    events.emit(
+                        "rank_stopped",
+                        cause=cause,
+                        rank=int(worker.global_rank),
+                        local_rank=int(worker.local_rank),
+                    )
+                self.watcher.unwatch()
+                self._stop_workers(worker_group)
+                stopped = {
+                    int(w.global_rank): ProcessFailure(
+                        local_rank=int(w.local_rank),
+                        pid=int(w.id or 0),
+                        exitcode=-int(signal.SIGTERM),
+                        error_file="",
+                    )
+                    for w in worker_group.workers
+                }
+                return RunResult(state=WorkerState.FAILED, failures=stopped)
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed:
             self._record_failures(result.failures)
@@ -196,6 +376,26 @@ class FTAgent(LocalElasticAgent):
 
         The order is the watcher's (a pidfd per worker, ms resolution); without pidfds,
         torch's failure timestamps (1 s resolution) decide, and ties count as failed."""
+        if self.roster is not None:
+            # a rank that lost its peer exits as fast as the peer's node is seen lost:
+            # give the roster a moment to tell which it was
+            grace = min(1.0, self.ft.node_heartbeat_timeout)
+            lost = self.roster.wait_for_loss(grace)
+            isolated = self.roster.isolated()
+            if lost or isolated:
+                cause = self._loss_cause(lost, isolated)
+                for rank, failure in sorted(failures.items()):
+                    code = int(failure.exitcode)
+                    events.emit(
+                        "rank_stopped",
+                        cause=cause,
+                        rank=int(rank),
+                        exit_code=code,
+                        signal=_signal_name(-code) if code < 0 else None,
+                        local_rank=int(failure.local_rank),
+                        worker_pid=int(failure.pid),
+                    )
+                return
         exits = self.watcher.exit_times()
         deadline = time.monotonic() + 0.5  # the watcher thread records an exit within ms
         while any(int(f.local_rank) not in exits for f in failures.values()):
@@ -226,8 +426,35 @@ class FTAgent(LocalElasticAgent):
                     **fields,
                 )
 
+    @staticmethod
+    def _loss_cause(lost: list[Loss], isolated: str | None) -> str:
+        if lost:
+            return "after node(s) " + ", ".join(loss.peer.host for loss in lost) + " were lost"
+        return f"this node is cut off from the job: {isolated}"
+
+    def _expire_lost(self) -> None:
+        """Before the next rendezvous: the lost nodes are expired from torch's rendezvous
+        (a spare takes their place now, not when their keep-alive runs out), and the
+        join that follows is bounded by ``node_lost_timeout``."""
+        if self.roster is None:
+            return
+        lost = self.roster.losses()
+        if self.roster.isolated():  # cut off: nothing to expire, no round to wait for
+            self.rendezvous.leaving = True
+            raise NodeLostError(f"this node is cut off from the job: {self.roster.isolated()}")
+        if not lost:
+            return
+        self.lost = lost
+        ids = [loss.peer.rdzv for loss in lost if loss.peer.rdzv]
+        try:
+            seam.expire_rendezvous_nodes(self.rendezvous.wrapped, ids)
+        except Exception as exc:  # the keep-alive expiry removes them in the end
+            logger.warning("could not expire the lost nodes from the rendezvous: %s", exc)
+
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         failed = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+        if failed:
+            self._expire_lost()
         if not failed:  # a membership change (a node joined): not a fault
             self.restarts += 1
             events.emit(

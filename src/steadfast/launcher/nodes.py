@@ -1,0 +1,688 @@
+"""The node roster of one launcher: which nodes are in the running round, which of them
+are lost, and whether this node still holds the job's rendezvous.
+
+Each launcher of a job of more than one node runs a :class:`NodeRoster`:
+
+- a **beacon**: a TCP socket that the launchers watching this node connect to; it sends
+  them one byte every ``node_heartbeat_interval``;
+- a **ring watch**: after each rendezvous every launcher publishes its beacon in the
+  round's store and connects to the beacons of the next two nodes of the round (by node
+  rank, wrapping), so each node is watched by two others and each launcher holds two
+  connections whatever the job's size. A node killed outright (power loss, kernel panic,
+  OOM killer taking the launcher) resets those connections at once; one that goes silent
+  (a NIC, a partition) is lost after ``node_heartbeat_timeout`` without a beat;
+- **confirmation**: a watcher that sees a loss records it in the round's store (the
+  first to do so emits ``node_lost``), where the other launchers find it when their own
+  workers fail. A watcher that cannot reach the store either is the one cut off: it
+  emits ``node_isolated`` and stops its workers instead;
+- the **fence**: a local socket on which the launcher answers its ranks whether the node
+  is still in the job's current round (a live round trip to the rendezvous store: the
+  round's token must still be the job's). :mod:`steadfast.fence` is the ranks' side.
+
+Everything runs in one thread (a selector over the beacon, the watched and the
+watching connections and the fence socket) plus one thread for store calls, which can
+block for as long as the store's own timeout: a call that overruns its deadline is
+answered as failed and the thread goes on with it in the background.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import selectors
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .. import events
+from ..config import FaultToleranceConfig
+from ..fence import FENCE_ENV, FENCE_TIMEOUT_ENV
+
+__all__ = [
+    "Loss",
+    "NodeRoster",
+    "Peer",
+    "health_check",
+]
+
+logger = logging.getLogger(__name__)
+
+_BEAT = b"\x01"
+#: Successors each node watches (each node is watched by as many predecessors).
+WATCHERS = 2
+#: How long a fence answer is reused for the other ranks of the node.
+_FENCE_REUSE = 0.5
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A node of the running round, as its launcher published itself."""
+
+    rank: int
+    host: str
+    addr: str
+    port: int
+    pid: int
+    rdzv: list[Any] | None  # its node in torch's rendezvous (seam.rendezvous_node_id)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A node of the round seen lost (by this launcher or another)."""
+
+    peer: Peer
+    cause: str  # connection_reset, silent, left, unhealthy
+    how: str
+    latency: float | None
+
+
+@dataclass
+class _Watch:
+    peer: Peer
+    last_beat: float  # monotonic
+
+
+@dataclass
+class _Round:
+    store: Any  # the round's (prefixed) store
+    job_store: Any  # the job's store, across rounds
+    rank: int
+    nodes: int
+    peers: dict[int, Peer]
+    token: str
+    key: str  # the job-wide round record
+
+
+_Done = Callable[[Any, "BaseException | None"], None]
+
+
+class _StoreCalls:
+    """Store calls on a thread of their own, each with a deadline."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], Any], _Done] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="steadfast-node-store", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, done = job
+            try:
+                value = fn()
+            except BaseException as exc:
+                done(None, exc)
+            else:
+                done(value, None)
+
+    def submit(
+        self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]
+    ) -> None:
+        self._jobs.put((fn, done))
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """``fn()``'s value; raises its error, or TimeoutError after ``timeout``."""
+        box: dict[str, Any] = {}
+        finished = threading.Event()
+
+        def done(value: Any, exc: BaseException | None) -> None:
+            box["value"], box["exc"] = value, exc
+            finished.set()
+
+        self.submit(fn, done)
+        if not finished.wait(timeout):
+            raise TimeoutError(f"the store did not answer in {timeout:g} s")
+        if box["exc"] is not None:
+            raise box["exc"]
+        return box["value"]
+
+    def close(self) -> None:
+        self._jobs.put(None)  # a call stuck in the store keeps the (daemon) thread
+
+
+def _keepalive(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class NodeRoster:
+    """This launcher's view of the round's nodes (see the module's description)."""
+
+    def __init__(self, ft: FaultToleranceConfig, host: str | None = None) -> None:
+        self.interval = ft.node_heartbeat_interval
+        self.timeout = ft.node_heartbeat_timeout
+        self.host = host or socket.getfqdn()
+        self._lock = threading.Condition()
+        self._sel = selectors.DefaultSelector()
+        self._listener = socket.create_server(("", 0), family=socket.AF_INET, backlog=64)
+        self._listener.setblocking(False)
+        self.port = int(self._listener.getsockname()[1])
+        name = f"steadfast-fence-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.fence_address = "@" + name
+        self._fence = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._fence.bind("\0" + name)
+        self._fence.listen(64)
+        self._fence.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._listener, selectors.EVENT_READ, "accept")
+        self._sel.register(self._fence, selectors.EVENT_READ, "fence")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._watchers: set[socket.socket] = set()  # those that watch this node
+        self._watched: dict[socket.socket, _Watch] = {}
+        self._to_close: list[socket.socket] = []  # closed by the loop thread
+        self._round: _Round | None = None
+        self._losses: dict[int, Loss] = {}
+        self._isolated: str | None = None
+        self._fence_ok_at = -1.0
+        self._stopping = False
+        self._calls = _StoreCalls()
+        self._thread = threading.Thread(target=self._loop, name="steadfast-nodes", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ for the agent
+    def env(self) -> dict[str, str]:
+        """What the workers need: the fence's address and how long it may take."""
+        return {FENCE_ENV: self.fence_address, FENCE_TIMEOUT_ENV: f"{self.timeout + 1:g}"}
+
+    def enter_round(
+        self, store: Any, rank: int, nodes: int, run_id: str, rdzv: list[Any] | None
+    ) -> list[Peer]:
+        """Publish this node in the round that just formed, learn the others, start
+        watching the next ones and (node rank 0) record the round job-wide, emitting
+        ``node_joined`` for each node that the previous round did not have. Returns the
+        round's nodes by node rank."""
+        me = Peer(rank, self.host, self.host, self.port, os.getpid(), rdzv)
+        store.set(f"steadfast/node/{rank}", json.dumps(me.__dict__))
+        peers: dict[int, Peer] = {}
+        for r in range(nodes):
+            raw = store.get(f"steadfast/node/{r}")
+            peers[r] = Peer(**json.loads(raw))
+        job_store = getattr(store, "underlying_store", store)
+        key = f"steadfast/{run_id}/round"
+        if rank == 0:
+            token = uuid.uuid4().hex
+            previous = None
+            if job_store.check([key]):
+                previous = json.loads(job_store.get(key))
+            record = {"token": token, "nodes": [peers[r].host for r in range(nodes)]}
+            job_store.set(key, json.dumps(record))
+            store.set("steadfast/token", token)
+            if previous is not None:
+                self._joined(peers, previous.get("nodes", []))
+        else:
+            token = store.get("steadfast/token").decode()
+        with self._lock:
+            self._round = _Round(store, job_store, rank, nodes, peers, token, key)
+            self._losses = {}
+            self._isolated = None
+            self._fence_ok_at = -1.0
+        for k in range(1, min(WATCHERS, nodes - 1) + 1):
+            self._watch(peers[(rank + k) % nodes])
+        return [peers[r] for r in range(nodes)]
+
+    def leave_round(self, reason: str | None = None) -> None:
+        """Stop watching; the fence is closed until the next round. ``reason``: this node
+        leaves the job (unhealthy), recorded for the launchers that see it go."""
+        with self._lock:
+            current = self._round
+            self._round = None
+            watched = list(self._watched)
+            self._watched.clear()
+        if current is not None and reason is not None:
+            with contextlib.suppress(Exception):
+                self._calls.call(
+                    lambda: current.store.set(f"steadfast/left/{current.rank}", reason),
+                    self.timeout,
+                )
+        with self._lock:
+            self._to_close.extend(watched)
+            if current is not None and reason is not None:  # they see it go at once
+                self._to_close.extend(self._watchers)
+                self._watchers.clear()
+        self._wake()
+
+    def losses(self) -> list[Loss]:
+        """The round's confirmed losses so far."""
+        with self._lock:
+            return list(self._losses.values())
+
+    def isolated(self) -> str | None:
+        """Why this node is cut off from the job (None while it is not)."""
+        with self._lock:
+            return self._isolated
+
+    def wait_for_loss(self, timeout: float) -> list[Loss]:
+        """Wait up to ``timeout`` for a loss to be known (seen here, or recorded in the
+        store by another launcher); returns the round's losses (empty: none known)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._losses or self._isolated:
+                    return list(self._losses.values())
+                current = self._round
+            if current is None:
+                return []
+            self._learn_losses(current, max(0.05, deadline - time.monotonic()))
+            with self._lock:
+                if self._losses or self._isolated:
+                    return list(self._losses.values())
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._lock.wait(min(0.1, left))
+
+    def close(self) -> None:
+        """Close every socket and stop the threads."""
+        self._stopping = True
+        self._wake()
+        self._thread.join(timeout=5)
+        self._calls.close()
+        with self._lock:
+            socks = [*self._watched, *self._watchers]
+            self._watched.clear()
+            self._watchers.clear()
+        for sock in [*socks, self._listener, self._fence, self._wake_r, self._wake_w]:
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._sel.close()
+
+    # ------------------------------------------------------------------ the round
+    def _joined(self, peers: dict[int, Peer], before: list[str]) -> None:
+        hosts = [peers[r].host for r in sorted(peers)]
+        replaced = sorted(set(before) - set(hosts))
+        for rank, peer in sorted(peers.items()):
+            if peer.host not in before:
+                events.emit(
+                    "node_joined",
+                    cause="spare" if replaced else "scale_up",
+                    node=peer.host,
+                    node_rank=rank,
+                    nodes=len(hosts),
+                    replaced=replaced,
+                )
+
+    def _watch(self, peer: Peer) -> None:
+        try:
+            sock = socket.create_connection((peer.addr, peer.port), timeout=self.timeout)
+        except OSError as exc:
+            self._lost(peer, "connection_reset", f"its launcher did not answer ({exc})", 0.0)
+            return
+        _keepalive(sock)
+        sock.setblocking(False)
+        with self._lock:
+            self._watched[sock] = _Watch(peer, time.monotonic())
+        self._wake()
+
+    def _learn_losses(self, current: _Round, timeout: float) -> None:
+        """Losses recorded in the round's store by other launchers."""
+
+        def read() -> list[tuple[int, str]]:
+            found: list[tuple[int, str]] = []
+            if int(current.store.add("steadfast/lost_count", 0)) == 0:
+                return found
+            for r in range(current.nodes):
+                if r != current.rank and current.store.check([f"steadfast/lost/{r}"]):
+                    found.append((r, current.store.get(f"steadfast/lost_how/{r}").decode()))
+            return found
+
+        try:
+            found = self._calls.call(read, timeout)
+        except Exception:
+            return
+        with self._lock:
+            if self._round is not current:
+                return
+            for r, how in found:
+                if r not in self._losses:
+                    cause, _, words = how.partition(":")
+                    self._losses[r] = Loss(current.peers[r], cause, words, None)
+            self._lock.notify_all()
+
+    def _lost(self, peer: Peer, cause: str, how: str, latency: float | None) -> None:
+        """A watched node is gone: confirm it in the store (the first launcher to do so
+        reports it), or, with the store out of reach too, this node is the one cut off."""
+        with self._lock:
+            current = self._round
+        if current is None:
+            return
+
+        def confirm() -> tuple[bool, str, str]:
+            left = f"steadfast/left/{peer.rank}"
+            real_cause, real_how = cause, how
+            if current.store.check([left]):
+                real_cause = "unhealthy"
+                real_how = f"it left the job: {current.store.get(left).decode()}"
+            first = int(current.store.add(f"steadfast/lost/{peer.rank}", 1)) == 1
+            if first:
+                current.store.set(f"steadfast/lost_how/{peer.rank}", f"{real_cause}:{real_how}")
+                current.store.add("steadfast/lost_count", 1)
+            return first, real_cause, real_how
+
+        def done(value: Any, exc: BaseException | None) -> None:
+            with self._lock:
+                if self._round is not current:
+                    return
+                if exc is not None:
+                    first_time = self._isolated is None
+                    self._isolated = (
+                        f"lost {peer.host} ({how}) and cannot reach the rendezvous store "
+                        f"({type(exc).__name__}: {exc})"
+                    )
+                    self._lock.notify_all()
+                    if first_time:
+                        events.emit(
+                            "node_isolated",
+                            cause="partition",
+                            how=self._isolated,
+                            nodes=current.nodes,
+                        )
+                    return
+                first, real_cause, real_how = value
+                self._losses[peer.rank] = Loss(peer, real_cause, real_how, latency)
+                self._lock.notify_all()
+            if first:
+                events.emit(
+                    "node_lost",
+                    cause=real_cause,
+                    node=peer.host,
+                    node_rank=peer.rank,
+                    how=real_how,
+                    latency=latency,
+                    nodes=current.nodes,
+                )
+
+        deadline = time.monotonic() + self.timeout
+
+        def bounded() -> Any:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the store call waited too long to start")
+            return confirm()
+
+        # the deadline also covers a store call stuck in the store's own timeout
+        timer = threading.Timer(self.timeout, self._confirm_timeout, args=(current, peer, how))
+        timer.daemon = True
+        timer.start()
+
+        def finished(value: Any, exc: BaseException | None) -> None:
+            timer.cancel()
+            done(value, exc)
+
+        self._calls.submit(bounded, finished)
+
+    def _confirm_timeout(self, current: _Round, peer: Peer, how: str) -> None:
+        with self._lock:
+            if self._round is not current or peer.rank in self._losses or self._isolated:
+                return
+            self._isolated = (
+                f"lost {peer.host} ({how}) and the rendezvous store did not answer in "
+                f"{self.timeout:g} s"
+            )
+            self._lock.notify_all()
+            isolated = self._isolated
+        events.emit("node_isolated", cause="partition", how=isolated, nodes=current.nodes)
+
+    # ------------------------------------------------------------------ the fence
+    def _answer_fence(self, client: socket.socket) -> None:
+        with self._lock:
+            current = self._round
+            isolated = self._isolated
+            fresh = time.monotonic() - self._fence_ok_at < _FENCE_REUSE
+        if current is None:
+            self._reply(client, "fenced: this node is not in a running round of the job")
+            return
+        if isolated:
+            self._reply(client, f"fenced: {isolated}")
+            return
+        if fresh:
+            self._reply(client, "ok")
+            return
+
+        def probe() -> str:
+            # a write: only a store that holds the job (etcd: a quorum) takes it
+            current.job_store.add(current.key + "/fence", 1)
+            return str(json.loads(current.job_store.get(current.key))["token"])
+
+        def done(value: Any, exc: BaseException | None) -> None:
+            if exc is not None:
+                answer = f"fenced: the rendezvous store did not answer ({exc})"
+            elif value != current.token:
+                answer = "fenced: the job formed a newer round without this node"
+            else:
+                answer = "ok"
+                with self._lock:
+                    self._fence_ok_at = time.monotonic()
+            self._reply(client, answer)
+
+        deadline = time.monotonic() + self.timeout
+        timer = threading.Timer(
+            self.timeout, self._reply, args=(client, "fenced: the rendezvous store did not answer")
+        )
+        timer.daemon = True
+        timer.start()
+
+        def bounded() -> str:
+            if time.monotonic() > deadline:
+                raise TimeoutError("waited too long to start")
+            return probe()
+
+        def finished(value: Any, exc: BaseException | None) -> None:
+            timer.cancel()
+            done(value, exc)
+
+        self._calls.submit(bounded, finished)
+
+    @staticmethod
+    def _reply(client: socket.socket, answer: str) -> None:
+        with contextlib.suppress(OSError):
+            client.setblocking(True)
+            client.settimeout(1.0)
+            client.sendall(answer.encode() + b"\n")
+        with contextlib.suppress(OSError):
+            client.close()
+
+    # ------------------------------------------------------------------ the loop
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"w")
+
+    def _drop(self, sock: socket.socket) -> None:
+        """Unregister and close (the loop thread only)."""
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(sock)
+        with contextlib.suppress(OSError):
+            sock.close()
+
+    def _loop(self) -> None:
+        next_beat = time.monotonic()
+        registered: set[socket.socket] = set()
+        while not self._stopping:
+            with self._lock:
+                watched = dict(self._watched)
+                closing, self._to_close = self._to_close, []
+            for sock in closing:
+                registered.discard(sock)
+                self._drop(sock)
+            for sock in watched:  # newly watched
+                if sock not in registered:
+                    with contextlib.suppress(ValueError, KeyError, OSError):
+                        self._sel.register(sock, selectors.EVENT_READ, "watched")
+                        registered.add(sock)
+            registered &= set(watched)
+            now = time.monotonic()
+            until = min(
+                [next_beat, now + 1.0] + [w.last_beat + self.timeout for w in watched.values()]
+            )
+            wait = max(0.0, until - now)
+            try:
+                ready = self._sel.select(wait)
+            except OSError:
+                ready = []
+            now = time.monotonic()
+            for key, _ in ready:
+                sock = key.fileobj  # type: ignore[assignment]
+                if key.data == "wake":
+                    with contextlib.suppress(OSError):
+                        sock.recv(4096)
+                elif key.data == "accept":
+                    self._accept()
+                elif key.data == "fence":
+                    with contextlib.suppress(OSError):
+                        client, _ = self._fence.accept()
+                        client.setblocking(True)
+                        client.settimeout(1.0)
+                        with contextlib.suppress(OSError):
+                            client.recv(16)
+                        self._answer_fence(client)
+                elif key.data == "watcher":
+                    self._read_watcher(sock)
+                elif key.data == "watched":
+                    self._read_watched(sock, now)
+            if now >= next_beat:
+                self._beat()
+                next_beat = now + self.interval
+            with self._lock:
+                silent = [
+                    (s, w) for s, w in self._watched.items() if now - w.last_beat > self.timeout
+                ]
+                for sock, _ in silent:
+                    del self._watched[sock]
+            for sock, watch in silent:
+                registered.discard(sock)
+                self._drop(sock)
+                self._lost(
+                    watch.peer,
+                    "silent",
+                    f"no beat for {now - watch.last_beat:.1f} s (its link or its power)",
+                    now - watch.last_beat,
+                )
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = self._listener.accept()
+            _keepalive(conn)
+            conn.setblocking(False)
+            with self._lock:
+                self._watchers.add(conn)
+            self._sel.register(conn, selectors.EVENT_READ, "watcher")
+            with contextlib.suppress(OSError):
+                conn.send(_BEAT)
+
+    def _read_watcher(self, sock: socket.socket) -> None:
+        """A watcher never sends; readable means it closed (or reset)."""
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            with self._lock:
+                self._watchers.discard(sock)
+            self._drop(sock)
+
+    def _read_watched(self, sock: socket.socket, now: float) -> None:
+        with self._lock:
+            watch = self._watched.get(sock)
+        if watch is None:
+            self._drop(sock)
+            return
+        try:
+            data = sock.recv(4096)
+            error = None
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            data, error = b"", exc
+        if data:
+            watch.last_beat = now
+            return
+        with self._lock:
+            self._watched.pop(sock, None)
+        self._drop(sock)
+        how = "its launcher's connection was " + ("reset" if error else "closed")
+        self._lost(
+            watch.peer,
+            "connection_reset",
+            f"{how} (the node or its launcher died)",
+            now - watch.last_beat,
+        )
+
+    def _beat(self) -> None:
+        with self._lock:
+            watchers = list(self._watchers)
+        for sock in watchers:
+            try:
+                sock.send(_BEAT)
+            except BlockingIOError:
+                pass  # a slow watcher: its buffer is full of beats already
+            except OSError:
+                with self._lock:
+                    self._watchers.discard(sock)
+                self._drop(sock)
+
+
+# ---------------------------------------------------------------------- health check
+def health_check(ft: FaultToleranceConfig, gpus: int) -> tuple[str, str] | None:
+    """This node's health before it joins a rendezvous: ``(check, reason)`` for the
+    first check that failed, None when healthy. In order: ``node_health_check_dir``
+    writable with ``node_min_free_gb`` free; each of ``gpus`` GPUs
+    (:func:`~steadfast.health.check_gpu_health`, in a child process so that the launcher
+    holds no CUDA context); the user's ``node_health_check`` command."""
+    directory = ft.node_health_check_dir
+    if directory is not None:
+        try:
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".steadfast-health-") as f:
+                f.write(b"x")
+                f.flush()
+                os.fsync(f.fileno())
+            free = shutil.disk_usage(directory).free / 2**30
+        except OSError as exc:
+            return "checkpoint_dir", f"{directory} is not writable: {exc}"
+        if free < ft.node_min_free_gb:
+            return (
+                "checkpoint_dir",
+                f"{directory} has {free:.2f} GiB free, below node_min_free_gb="
+                f"{ft.node_min_free_gb:g}",
+            )
+    if gpus > 0:
+        done = _run(
+            [sys.executable, "-m", "steadfast.cli", "health", "--all-devices", str(gpus)], 300
+        )
+        if done is not None:
+            return "gpu", done
+    if ft.node_health_check:
+        done = _run(["sh", "-c", ft.node_health_check], 300)
+        if done is not None:
+            return "command", done
+    return None
+
+
+def _run(argv: list[str], timeout: float) -> str | None:
+    """None when ``argv`` exits 0; else why, with the last line of its output."""
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
+    except subprocess.TimeoutExpired:
+        return f"{argv[-1]!r} did not finish in {timeout:g} s"
+    except OSError as exc:
+        return f"cannot run {argv[0]}: {exc}"
+    if done.returncode == 0:
+        return None
+    lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+    tail = lines[-1].strip() if lines else "no output"
+    return f"exit {done.returncode}: {tail}"
