@@ -42,6 +42,7 @@ __all__ = [
     "FaultKind",
     "InjectedFault",
     "InjectedFaultError",
+    "NODE_FAULTS",
     "SimulatedFault",
     "SlowFault",
     "fail_at",
@@ -70,6 +71,15 @@ class FaultKind(str, enum.Enum):
     SLOW_RANK = "slow_rank"
     #: SIGTERM to itself: a preemption notice, the time limit of the job
     SIGTERM = "sigterm"
+    #: a whole node gone at once (power, kernel panic, a GPU off the bus taking the
+    #: host down): injected on the node (``scripts/nodes-localhost.sh kill``), not by
+    #: a rank
+    NODE_KILLED = "node_killed"
+    #: a node's network gone while it runs on (``nodes-localhost.sh partition``)
+    NODE_PARTITIONED = "node_partitioned"
+    #: a node that fails its health check before a rendezvous
+    #: (``--ft-node-health-check``, its checkpoint directory, its GPUs)
+    NODE_UNHEALTHY = "node_unhealthy"
 
     @property
     def detected_by(self) -> tuple[str, ...]:
@@ -92,7 +102,14 @@ _DETECTED_BY: dict[FaultKind, tuple[str, ...]] = {
     FaultKind.NAN_BURST: ("nan_detected", "rerun_result_rejected"),
     FaultKind.SLOW_RANK: ("straggler_detected",),
     FaultKind.SIGTERM: ("shutdown_requested", "preemption_signal"),
+    FaultKind.NODE_KILLED: ("node_lost",),
+    FaultKind.NODE_PARTITIONED: ("node_lost", "node_isolated"),
+    FaultKind.NODE_UNHEALTHY: ("node_unhealthy",),
 }
+#: Faults of a whole node: the node itself is the injector, not a rank's fail_at.
+NODE_FAULTS = frozenset(
+    {FaultKind.NODE_KILLED, FaultKind.NODE_PARTITIONED, FaultKind.NODE_UNHEALTHY}
+)
 _RECOVERY: dict[FaultKind, str] = {
     FaultKind.RANK_KILLED: "restart",
     FaultKind.RANK_HUNG: "restart",
@@ -101,6 +118,9 @@ _RECOVERY: dict[FaultKind, str] = {
     FaultKind.NAN_BURST: "in_place",
     FaultKind.SLOW_RANK: "reported",
     FaultKind.SIGTERM: "restart",
+    FaultKind.NODE_KILLED: "restart",
+    FaultKind.NODE_PARTITIONED: "restart",
+    FaultKind.NODE_UNHEALTHY: "restart",
 }
 
 #: Megatron Bridge's ``simulated_fault_type`` values (two of them are :class:`FaultKind`).
@@ -152,6 +172,12 @@ class InjectedFault:
         once_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.kind = _kind(kind)
+        if self.kind in NODE_FAULTS:
+            raise ConfigError(
+                f"fail_at.kind: {self.kind.value} is a fault of a whole node, injected on "
+                "the node, not by a rank (scripts/nodes-localhost.sh kill or partition DIR "
+                "NODE; a failing --ft-node-health-check CMD)"
+            )
         self.freeze = bool(freeze)
         self.rank = require_number("fail_at.rank", rank, minimum=0, integer=True)
         self.step = require_number("fail_at.step", step, minimum=0, integer=True)

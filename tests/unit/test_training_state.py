@@ -113,11 +113,12 @@ def test_data_position_resumes_mid_epoch(resumable: bool):
     first.set_epoch(1)
     head = _epoch(first, stop_after=4)
     saved = first.state_dict()
-    assert saved == {"epoch": 1, "batches": 4}
+    assert saved == {"epoch": 1, "batches": 4, "samples": 12 if resumable else None}
     resumed = DataPosition(loader())
     resumed.load_state_dict(saved)
     assert head + _epoch(resumed) == uninterrupted
-    assert resumed.state_dict() == {"epoch": 2, "batches": 0}  # the epoch completed
+    done = {"epoch": 2, "batches": 0, "samples": 0 if resumable else None}
+    assert resumed.state_dict() == done  # the epoch completed
 
 
 def test_data_position_after_a_complete_epoch_means_the_next_one():
@@ -125,7 +126,7 @@ def test_data_position_after_a_complete_epoch_means_the_next_one():
     pos = DataPosition(DataLoader(torch.arange(8), batch_size=2, sampler=sampler))
     first = _epoch(pos)
     saved = pos.state_dict()
-    assert saved == {"epoch": 1, "batches": 0}
+    assert saved == {"epoch": 1, "batches": 0, "samples": 0}
     second = _epoch(pos)
     resumed = DataPosition(
         DataLoader(torch.arange(8), batch_size=2, sampler=ResumableSampler(8, seed=1))
@@ -180,3 +181,61 @@ def test_stateful_dataloader_resumes_through_rank_state(tmp_path: Path):
         [8, 9],
         [10, 11],
     ]
+
+
+def test_resume_from_a_position_all_ranks_reached_is_skip():
+    """Same number of ranks: the global position resumes exactly where skip does."""
+    for rank in range(3):
+        skipped = ResumableSampler(30, num_replicas=3, rank=rank, seed=2)
+        skipped.skip(4)
+        resumed = ResumableSampler(30, num_replicas=3, rank=rank, seed=2)
+        resumed.resume_from(12)
+        assert list(resumed) == list(skipped)
+        assert list(resumed) == list(ResumableSampler(30, num_replicas=3, rank=rank, seed=2))
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4), (4, 1), (3, 2)])
+def test_elastic_resume_sees_each_sample_once(before: int, after: int):
+    """An epoch of 48 samples, batches of 2: ``before`` ranks take 3 steps and save the
+    (global) position; ``after`` ranks resume from it. Every sample is taken exactly
+    once across the change."""
+    n, batch = 48, 2
+
+    def loaders(world: int) -> list[DataPosition]:
+        return [
+            DataPosition(
+                DataLoader(
+                    torch.arange(n),
+                    batch_size=batch,
+                    sampler=ResumableSampler(n, num_replicas=world, rank=r, seed=9),
+                )
+            )
+            for r in range(world)
+        ]
+
+    seen: list[int] = []
+    first = loaders(before)
+    for pos in first:
+        for step in _epoch(pos, stop_after=3):
+            seen.extend(step)
+    states = [pos.state_dict() for pos in first]
+    assert all(s == states[0] for s in states)  # the same on every rank: replicated state
+    assert states[0]["samples"] == 3 * batch * before
+    for pos in loaders(after):
+        pos.load_state_dict(states[0])
+        for step in _epoch(pos):
+            seen.extend(step)
+        assert pos.state_dict()["epoch"] == 1
+    assert sorted(seen) == list(range(n))
+
+
+def test_elastic_resume_mid_run_position_keeps_counting():
+    """After a resume with other ranks, the saved position goes on from the global one."""
+    pos = DataPosition(
+        DataLoader(torch.arange(40), batch_size=2, sampler=ResumableSampler(40, num_replicas=2))
+    )
+    pos.load_state_dict({"epoch": 0, "batches": 2, "samples": 16})  # 4 ranks x 2 steps
+    it = iter(pos)
+    next(it)
+    next(it)
+    assert pos.state_dict() == {"epoch": 0, "batches": 6, "samples": 24}

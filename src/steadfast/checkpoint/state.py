@@ -124,9 +124,14 @@ class ResumableSampler(Sampler[int]):
 
     Like ``DistributedSampler``: each of ``num_replicas`` ranks gets a disjoint share of a
     permutation that depends only on ``seed`` and the epoch (:meth:`set_epoch`), padded
-    (or, with ``drop_last``, trimmed) to equal length. :meth:`skip` makes the next
-    iteration start after the first ``n`` indices of this rank's share, without reading
-    the skipped samples. :class:`DataPosition` drives it on resume.
+    (or, with ``drop_last``, trimmed) to equal length; rank ``r`` takes positions
+    ``r, r + num_replicas, ...`` of it. :meth:`skip` makes the next iteration start
+    after the first ``n`` indices of this rank's share, without reading the skipped
+    samples. :meth:`resume_from` starts it at a *global* position of the epoch's order
+    (the samples every rank consumed together): the remainder is shared out among this
+    sampler's ``num_replicas``, which need not be the number of ranks that consumed the
+    first part, so an elastic job that lost (or gained) ranks goes on with no sample
+    lost or seen twice. :class:`DataPosition` drives both on resume.
     """
 
     def __init__(
@@ -150,6 +155,7 @@ class ResumableSampler(Sampler[int]):
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         self.epoch = 0
         self._skip = 0
+        self._start = 0  # global position of the next iteration (resume_from)
         self.per_rank: int
         if self.drop_last:
             self.per_rank = self.dataset_len // self.num_replicas
@@ -163,21 +169,53 @@ class ResumableSampler(Sampler[int]):
     def skip(self, n: int) -> None:
         """Start the next iteration after this rank's first ``n`` indices."""
         self._skip = require_number("ResumableSampler.skip", n, minimum=0, integer=True)
+        self._start = 0
 
-    def _indices(self) -> list[int]:
+    def resume_from(self, position: int) -> None:
+        """Start the next iteration at global position ``position`` of the epoch's
+        order: the first ``position`` samples were consumed (by however many ranks);
+        the rest is shared out among this sampler's ``num_replicas`` as above (padded,
+        or trimmed with ``drop_last``, to equal shares). With the same number of ranks
+        and a position they reached together, this is :meth:`skip` of
+        ``position // num_replicas``."""
+        self._start = require_number(
+            "ResumableSampler.resume_from", position, minimum=0, integer=True
+        )
+        self._skip = 0
+
+    def _order(self) -> list[int]:
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_len, generator=g).tolist()
+            return list(torch.randperm(self.dataset_len, generator=g).tolist())
+        return list(range(self.dataset_len))
+
+    @staticmethod
+    def _even(order: list[int], source: list[int], per_rank: int, replicas: int) -> list[int]:
+        """``order`` cut or padded (repeating ``source`` from its start, like
+        ``DistributedSampler``) to ``per_rank * replicas``."""
+        total = per_rank * replicas
+        if total > len(order) and source:
+            order = order + (source * (total // len(source) + 1))[: total - len(order)]
+        return order[:total]
+
+    def _indices(self) -> list[int]:
+        order = self._order()
+        full = self._even(order, order, self.per_rank, self.num_replicas)
+        if not self._start:
+            return full[self.rank :: self.num_replicas]
+        rest = full[self._start :] if self._start < len(full) else []
+        if self.drop_last:
+            per_rank = len(rest) // self.num_replicas
         else:
-            order = list(range(self.dataset_len))
-        total = self.per_rank * self.num_replicas
-        if total > len(order):  # pad by repeating from the start, like DistributedSampler
-            order += (order * (total // len(order) + 1))[: total - len(order)]
-        return order[:total][self.rank :: self.num_replicas]
+            per_rank = -(-len(rest) // self.num_replicas)
+        rest = self._even(rest, order, per_rank, self.num_replicas)
+        return rest[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
         skip, self._skip = self._skip, 0
-        return iter(self._indices()[skip:])
+        indices = self._indices()
+        self._start = 0
+        return iter(indices[skip:])
 
     def __len__(self) -> int:
         return self.per_rank
@@ -189,9 +227,16 @@ class DataPosition:
     Wrap any re-iterable loader (a ``DataLoader``, a list of batches...) and iterate the
     wrapper instead; it counts the batches the *training loop* has taken, which is the
     true position even when a ``DataLoader``'s workers prefetch ahead. ``state_dict`` is
-    ``{"epoch", "batches"}``. After ``load_state_dict``, the next iteration resumes after
-    the batches already consumed: by telling a :class:`ResumableSampler` to skip them (no
-    data is read) when the loader uses one with a fixed ``batch_size``, otherwise by
+    ``{"epoch", "batches", "samples"}``: ``samples`` is the *global* position, the samples
+    all ranks consumed together in the epoch (when the loader has a
+    :class:`ResumableSampler` and a ``batch_size``; else None). It is the same on every
+    rank, so save the position in the replicated ``state`` of
+    :meth:`CheckpointManager.save <steadfast.CheckpointManager.save>`: a job that comes
+    back with another number of ranks (an elastic ``--nnodes MIN:MAX`` after a lost node)
+    then resumes where the epoch was, each sample once (:meth:`ResumableSampler.resume_from`).
+    After ``load_state_dict``, the next iteration resumes after the batches already
+    consumed: by positioning a :class:`ResumableSampler` (no data is read) when the
+    loader uses one with a fixed ``batch_size``, otherwise by
     drawing and discarding them (correct for any deterministic loader, but it reads the
     data; and only correct when a re-created loader yields the epoch's batches in the
     same order, as with :class:`ResumableSampler` or any sampler whose order follows
@@ -208,6 +253,17 @@ class DataPosition:
         self.epoch = 0
         self.batches = 0
         self._resume_at = 0
+        self._resume_samples: int | None = None  # a global position to resume from
+        self._base_samples = 0  # global position where this iteration began
+        self._base_batches = 0
+
+    def _global(self) -> tuple[ResumableSampler, int] | None:
+        """The loader's ResumableSampler and samples per step of all ranks together."""
+        sampler = getattr(self.loader, "sampler", None)
+        batch_size = getattr(self.loader, "batch_size", None)
+        if isinstance(sampler, ResumableSampler) and batch_size:
+            return sampler, int(batch_size) * sampler.num_replicas
+        return None
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first batch (forwarded to the sampler). Optional:
@@ -216,20 +272,35 @@ class DataPosition:
         if epoch != self.epoch:
             self.batches = 0
             self._resume_at = 0
+            self._resume_samples = None
         self.epoch = int(epoch)
         self._sampler_epoch()
 
     def __iter__(self) -> Iterator[Any]:
         skip, self._resume_at = self._resume_at, 0
-        self.batches = skip
+        samples, self._resume_samples = self._resume_samples, None
         self._sampler_epoch()
-        it = self._resume(skip) if skip else iter(self.loader)
+        position = self._global()
+        if samples is not None and position is not None:  # global: any number of ranks
+            sampler, per_step = position
+            rng = RNGState()
+            saved = rng.state_dict()
+            sampler.resume_from(samples)
+            it = iter(self.loader)
+            rng.load_state_dict(saved)
+            self._base_samples, self._base_batches = samples, samples // per_step
+        else:
+            it = self._resume(skip) if skip else iter(self.loader)
+            per_step = position[1] if position is not None else 0
+            self._base_samples, self._base_batches = skip * per_step, skip
+        self.batches = self._base_batches
         for batch in it:
             self.batches += 1
             yield batch
         # the epoch is complete: a checkpoint from now on means "the next one, from its
         # start", not "this one, from its start"
         self.epoch, self.batches = self.epoch + 1, 0
+        self._base_samples = self._base_batches = 0
 
     def _sampler_epoch(self) -> None:
         set_epoch = getattr(getattr(self.loader, "sampler", None), "set_epoch", None)
@@ -260,17 +331,27 @@ class DataPosition:
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
-    def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "batches"}``: batches of the epoch the loop has consumed."""
-        return {"epoch": self.epoch, "batches": self.batches}
+    def state_dict(self) -> dict[str, int | None]:
+        """``{"epoch", "batches", "samples"}``: batches of the epoch this rank's loop has
+        consumed, and the global position (None without a ResumableSampler)."""
+        position = self._global()
+        samples = None
+        if position is not None:
+            samples = self._base_samples + (self.batches - self._base_batches) * position[1]
+        return {"epoch": self.epoch, "batches": self.batches, "samples": samples}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Resume at ``state_dict``'s position on the next iteration."""
+        """Resume at ``state_dict``'s position on the next iteration: its global
+        ``samples`` when it has them and the loader has a :class:`ResumableSampler`,
+        else its ``batches`` (a position from the same number of ranks)."""
         try:
             epoch, batches = int(state_dict["epoch"]), int(state_dict["batches"])
+            raw = state_dict.get("samples")
+            samples = None if raw is None else int(raw)
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(
                 f"DataPosition state must have int 'epoch' and 'batches': {exc}"
             ) from exc
         self.set_epoch(epoch)
         self.batches = self._resume_at = batches
+        self._resume_samples = samples if self._global() is not None else None
