@@ -389,9 +389,15 @@ def test_a_table_left_by_a_killed_launcher_is_removed(tmp_path: Path):
     dead = int(proc.stdout)  # a pid that no longer runs
     orphan = tmp_path / f"steadfast-hb-{dead}-deadbeef"
     orphan.write_bytes(b"\0" * 4096)
+    os.mkfifo(tmp_path / f"steadfast-hbwake-{dead}-deadbeef")  # its wake channel, just made
     mine = HeartbeatTable.create(rows=1, directory=tmp_path)
     try:
         assert not orphan.exists() and mine.path.exists()
+        # the channel goes with its table at once, however young (a requeued job's
+        # launcher sweeps the killed one's within seconds)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [mine.path.name, f"steadfast-hbwake-{mine.path.name.removeprefix('steadfast-hb-')}"]
+        )
     finally:
         mine.close()
 

@@ -97,6 +97,7 @@ def _remove_orphans(base: Path) -> None:
         finally:
             os.close(fd)
         entry.unlink(missing_ok=True)
+        wake_path(entry).unlink(missing_ok=True)
     for fifo in base.glob(_WAKE_PREFIX + "*"):  # a wake channel whose table is gone
         table = fifo.with_name(_TABLE_PREFIX + fifo.name.removeprefix(_WAKE_PREFIX))
         with contextlib.suppress(OSError):
