@@ -15,6 +15,13 @@ faulty GPU: persistent).
 
 The data of a step depends only on (step, rank), so a run that is restarted from its
 latest checkpoint ends bit-identical to one that never failed.
+
+``--data N`` trains one epoch of an N-sample dataset instead: a ResumableSampler over
+the world, the global data position (DataPosition) in the replicated state, and a
+sharded DTensor (``seen``: how often each sample was trained on, sharded over the ranks)
+saved through DCP. Restarted with another number of ranks (an elastic job that lost a
+node), the position is shared out among the new ranks and ``seen`` resharded, so the
+output's ``seen`` is all ones exactly when every sample was trained on once.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ def main() -> int:
     ap.add_argument("--simulate", default=None, help="a Megatron Bridge simulated_fault_type")
     ap.add_argument("--graceful", action="store_true", help="save and stop on SIGTERM")
     ap.add_argument("--rerun", action="store_true", help="steps under the re-run state machine")
+    ap.add_argument("--data", type=int, default=0, help="one epoch of N samples (see above)")
+    ap.add_argument("--batch", type=int, default=1, help="with --data: samples per rank and step")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     once = None if args.every_generation else args.ckpt.parent / "faults"
@@ -97,7 +106,9 @@ def main() -> int:
                 result_rejected_tracker_filename=str(args.ckpt / "rerun_tracker.jsonl"),
             )
         )
-    objects = {"model": model.module, "optim": opt}
+    objects: dict = {"model": model.module, "optim": opt}
+    if args.data:
+        return _epoch(args, rank, model, opt, ckpt, ft, strike)
     rank_state = {"rerun": machine} if machine is not None else None
     restored = ckpt.restore({**objects, **(rank_state or {})})
     start = restored[0] if restored else 0
@@ -173,6 +184,59 @@ def main() -> int:
     ckpt.close()
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, args.out)
+    ft.shutdown_workload_monitoring()
+    dist.destroy_process_group()
+    return 0
+
+
+def _epoch(args, rank, model, opt, ckpt, ft, strike) -> int:
+    """``--data N``: one epoch with a global data position and a sharded ``seen``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from steadfast import DataPosition, ResumableSampler
+
+    world, n = dist.get_world_size(), args.data
+    g = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+    sampler = ResumableSampler(n, num_replicas=world, rank=rank, seed=3)
+    loader = DataLoader(
+        TensorDataset(torch.arange(n), xs, ys), batch_size=args.batch, sampler=sampler
+    )
+    data = DataPosition(loader)
+    mesh = init_device_mesh("cpu", (world,))
+    seen = distribute_tensor(torch.zeros(n), mesh, [Shard(0)])
+    objects = {"model": model.module, "optim": opt, "data": data, "seen": seen}
+    restored = ckpt.restore(objects)
+    step = restored[0] if restored else 0
+    strike("setup", args.fault_step)
+    ft.end_section("setup")
+    for idx, x, y in data:
+        ft.send_heartbeat()
+        ft.start_section("step")
+        strike("step", step)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        trained = torch.zeros(n)
+        trained[idx] += 1
+        dist.all_reduce(trained)
+        mine = DTensor.from_local(trained, mesh, [Replicate()]).redistribute(mesh, [Shard(0)])
+        seen.to_local().add_(mine.to_local())
+        time.sleep(args.step_sleep)
+        ft.end_section("step")
+        step += 1
+        if step % 2 == 0:
+            ft.start_section("checkpointing")
+            strike("checkpointing", step)
+            ckpt.save(step, objects)
+            ft.end_section("checkpointing")
+    full = seen.full_tensor()
+    ckpt.close()
+    if rank == 0:
+        out = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        torch.save({**out, "seen": full, "steps": torch.tensor(step)}, args.out)
     ft.shutdown_workload_monitoring()
     dist.destroy_process_group()
     return 0
