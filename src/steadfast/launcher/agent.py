@@ -354,6 +354,8 @@ class FTAgent(LocalElasticAgent):
                     for w in worker_group.workers
                 }
                 return RunResult(state=WorkerState.FAILED, failures=stopped)
+        if result.state == WorkerState.SUCCEEDED and self.roster is not None:
+            self.roster.finish()  # its launcher leaving now is not a lost node
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed:
             self._record_failures(result.failures)

@@ -10,7 +10,9 @@ Each launcher of a job of more than one node runs a :class:`NodeRoster`:
   rank, wrapping), so each node is watched by two others and each launcher holds two
   connections whatever the job's size. A node killed outright (power loss, kernel panic,
   OOM killer taking the launcher) resets those connections at once; one that goes silent
-  (a NIC, a partition) is lost after ``node_heartbeat_timeout`` without a beat;
+  (a NIC, a partition) is lost after ``node_heartbeat_timeout`` without a beat. A
+  launcher whose workers finished says goodbye (one byte) before it closes, so that its
+  leaving at the end of the job is not taken for a loss;
 - **confirmation**: a watcher that sees a loss records it in the round's store (the
   first to do so emits ``node_lost``), where the other launchers find it when their own
   workers fail. A watcher that cannot reach the store either is the one cut off: it
@@ -59,6 +61,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _BEAT = b"\x01"
+_BYE = b"\x02"  # instead of beats once this node's workers finished
 #: Successors each node watches (each node is watched by as many predecessors).
 WATCHERS = 2
 #: How long a fence answer is reused for the other ranks of the node.
@@ -188,6 +191,7 @@ class NodeRoster:
         self._losses: dict[int, Loss] = {}
         self._isolated: str | None = None
         self._fence_ok_at = -1.0
+        self._finished = False
         self._stopping = False
         self._calls = _StoreCalls()
         self._thread = threading.Thread(target=self._loop, name="steadfast-nodes", daemon=True)
@@ -254,6 +258,13 @@ class NodeRoster:
                 self._to_close.extend(self._watchers)
                 self._watchers.clear()
         self._wake()
+
+    def finish(self) -> None:
+        """This node's workers finished the job: say goodbye to the launchers that watch
+        it, so that its launcher exiting is not reported as a lost node."""
+        with self._lock:
+            self._finished = True
+        self._wake()  # the loop sends the goodbye at once, then instead of beats
 
     def losses(self) -> list[Loss]:
         """The round's confirmed losses so far."""
@@ -508,6 +519,7 @@ class NodeRoster:
 
     def _loop(self) -> None:
         next_beat = time.monotonic()
+        said_bye = False
         registered: set[socket.socket] = set()
         while not self._stopping:
             with self._lock:
@@ -551,7 +563,8 @@ class NodeRoster:
                     self._read_watcher(sock)
                 elif key.data == "watched":
                     self._read_watched(sock, now)
-            if now >= next_beat:
+            if now >= next_beat or (self._finished and not said_bye):
+                said_bye = self._finished
                 self._beat()
                 next_beat = now + self.interval
             with self._lock:
@@ -579,7 +592,7 @@ class NodeRoster:
                 self._watchers.add(conn)
             self._sel.register(conn, selectors.EVENT_READ, "watcher")
             with contextlib.suppress(OSError):
-                conn.send(_BEAT)
+                conn.send(_BYE if self._finished else _BEAT)
 
     def _read_watcher(self, sock: socket.socket) -> None:
         """A watcher never sends; readable means it closed (or reset)."""
@@ -607,12 +620,15 @@ class NodeRoster:
             return
         except OSError as exc:
             data, error = b"", exc
-        if data:
+        if data and _BYE not in data:
             watch.last_beat = now
             return
         with self._lock:
             self._watched.pop(sock, None)
         self._drop(sock)
+        if data:  # its workers finished: it leaves, it is not lost
+            logger.info("%s finished", watch.peer.host)
+            return
         how = "its launcher's connection was " + ("reset" if error else "closed")
         self._lost(
             watch.peer,
@@ -624,9 +640,10 @@ class NodeRoster:
     def _beat(self) -> None:
         with self._lock:
             watchers = list(self._watchers)
+            beat = _BYE if self._finished else _BEAT
         for sock in watchers:
             try:
-                sock.send(_BEAT)
+                sock.send(beat)
             except BlockingIOError:
                 pass  # a slow watcher: its buffer is full of beats already
             except OSError:

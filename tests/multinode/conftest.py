@@ -1,0 +1,209 @@
+"""Nodes on one machine for the tests in this folder (``scripts/nodes-localhost.sh``).
+
+Each node is its own network, UTS, PID and mount namespace on a private bridge: its own
+IP and host name, a power loss that kills all of its processes at once, a link that can
+go down (a partition) and come back. The tests run the real launcher on several nodes,
+kill or cut them for real and look at what the launchers did.
+
+Without root or network namespaces the tests are skipped with the reason, except in CI
+(``CI=true``), where that is a failure: `make test` installs what the script needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "nodes-localhost.sh"
+TRAIN = REPO / "tests" / "e2e" / "ft_train.py"
+LAUNCH = [sys.executable, "-m", "steadfast.cli", "launch"]
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _script(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _bed_interfaces(prefix: str) -> list[str]:
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line for line in (links + spaces).splitlines() if prefix in line]
+
+
+class Launch:
+    """One launcher started on one node; its output goes to ``log``."""
+
+    def __init__(self, node: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.node, self.proc, self.log = node, proc, log
+
+    def wait(self, timeout: float = 120) -> int:
+        """The launcher's exit status (a node killed under it: the signal's 128 + n)."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher on {self.node} did not end in {timeout} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Bed:
+    """A bed of ``n`` nodes under ``root``; ``shared`` stands for the shared file system."""
+
+    def __init__(self, root: Path, n: int) -> None:
+        self.root, self.n = root, n
+        self.shared = root / "shared"
+        self.events_path = self.shared / "events.jsonl"
+        self.launches: list[Launch] = []
+        self.prefix = ""
+
+    def up(self) -> None:
+        made = _script("up", str(self.root), str(self.n))
+        if made.returncode != 0:
+            _script("down", str(self.root))
+            pytest.fail(f"the bed did not come up: {made.stderr}")
+        env = (self.root / "bed.env").read_text()
+        self.prefix = next(
+            v for k, _, v in (ln.partition("=") for ln in env.split()) if k == "PREFIX"
+        )
+
+    def do(self, *args: str) -> None:
+        """Run one of the script's node commands (kill, boot, partition, heal, etcd)."""
+        done = _script(args[0], str(self.root), *args[1:])
+        assert done.returncode == 0, f"nodes-localhost.sh {' '.join(args)}: {done.stderr}"
+
+    def launch(self, node: str, *args: str, script: list[str] | None = None) -> Launch:
+        """Start ``steadfast launch ARGS ft_train.py SCRIPT`` on ``node``."""
+        log = self.root / f"{node}-{len(self.launches)}.log"
+        cmd = [*LAUNCH, "--events", str(self.events_path), *args, str(TRAIN), *(script or [])]
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                ["bash", str(SCRIPT), "run", str(self.root), node, *cmd],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO,
+            )
+        launch = Launch(node, proc, log)
+        self.launches.append(launch)
+        return launch
+
+    def events(self, kind: str | None = None, **match: Any) -> list[dict[str, Any]]:
+        """The events every launcher and rank wrote so far (of ``kind``, with ``match``)."""
+        try:
+            lines = self.events_path.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        found = []
+        for line in lines:
+            try:
+                e = json.loads(line)
+            except ValueError:  # a line another node is writing this instant
+                continue
+            if (kind is None or e["kind"] == kind) and all(e.get(k) == v for k, v in match.items()):
+                found.append(e)
+        return found
+
+    def wait_event(self, kind: str, timeout: float = 60, **match: Any) -> dict[str, Any]:
+        """The first ``kind`` event with ``match``, waiting for it."""
+        end = time.monotonic() + timeout
+        while not (found := self.events(kind, **match)):
+            if time.monotonic() > end:
+                pytest.fail(f"no {kind} event {match or ''} in {timeout} s:\n{self.logs()}")
+            time.sleep(0.1)
+        return found[0]
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {lc.node} ({lc.log.name})\n{lc.tail()}" for lc in self.launches)
+
+    def down(self) -> None:
+        for lc in self.launches:
+            if lc.proc.poll() is None:
+                lc.proc.kill()
+        _script("down", str(self.root))
+        for lc in self.launches:  # the node's processes went with its PID namespace
+            lc.proc.wait(30)
+
+
+@pytest.fixture(scope="session")
+def can_make_nodes() -> None:
+    checked = _script("check")
+    if checked.returncode != 0:
+        reason = f"cannot make nodes on this machine: {checked.stderr.strip()}"
+        if IN_CI:
+            pytest.fail(f"{reason}; CI must run the multi-node tests")
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def bed_factory(can_make_nodes: None, tmp_path: Path) -> Iterator[Any]:
+    """``bed_factory(n)`` makes a bed of n nodes; every bed is taken down after the test,
+    and nothing of it (namespace, interface, process) may outlive it."""
+    beds: list[Bed] = []
+
+    def make(n: int) -> Bed:
+        bed = Bed(tmp_path / f"bed{len(beds)}", n)
+        beds.append(bed)
+        bed.up()
+        bed.shared.mkdir(exist_ok=True)
+        return bed
+
+    yield make
+    for bed in beds:
+        bed.down()
+    for bed in beds:
+        left = _bed_interfaces(bed.prefix) if bed.prefix else []
+        assert not left, f"the bed left namespaces or interfaces behind: {left}"
+        pids = subprocess.run(
+            ["pgrep", "-f", str(bed.root)], capture_output=True, text=True
+        ).stdout.split()
+        assert not pids, f"the bed left processes behind: {pids}"
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``reference(steps)``: the model a fault-free 2-rank run of ft_train.py ends with on
+    this host (one run per step count), for the bit-for-bit comparisons."""
+    made: dict[int, dict[str, Any]] = {}
+
+    def get(steps: int) -> dict[str, Any]:
+        if steps not in made:
+            import torch
+
+            root = tmp_path_factory.mktemp(f"reference{steps}")
+            done = subprocess.run(
+                [
+                    *LAUNCH,
+                    "--nproc-per-node",
+                    "2",
+                    "--events",
+                    str(root / "events.jsonl"),
+                    str(TRAIN),
+                    "--ckpt",
+                    str(root / "ck"),
+                    "--out",
+                    str(root / "out.pt"),
+                    "--steps",
+                    str(steps),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                cwd=REPO,
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+            made[steps] = torch.load(root / "out.pt")
+        return made[steps]
+
+    return get
