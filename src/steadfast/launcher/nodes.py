@@ -306,6 +306,7 @@ class NodeRoster:
             socks = [*self._watched, *self._watchers]
             self._watched.clear()
             self._watchers.clear()
+            self._round = None  # and the round's store connection with it
         for sock in [*socks, self._listener, self._fence, self._wake_r, self._wake_w]:
             with contextlib.suppress(OSError):
                 sock.close()

@@ -1,0 +1,219 @@
+"""The node roster and the checkpoint fence on one host: real rosters (each its beacon,
+its ring watch and its fence socket) entering a round over a real TCPStore, a peer that
+closes or goes silent, a store that dies; the fence as the ranks see it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sfharness import read_events, wait_for
+from steadfast import CheckpointFenced, CheckpointManager
+from steadfast.config import ConfigError, FaultToleranceConfig
+from steadfast.fence import FENCE_ENV, FENCE_TIMEOUT_ENV, check
+from steadfast.launcher.nodes import NodeRoster
+
+FT = FaultToleranceConfig(node_heartbeat_interval=0.05, node_heartbeat_timeout=0.6)
+
+
+STORE_SERVER = (
+    "import time, torch.distributed as d\n"
+    "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+    "print(s.port, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+@pytest.fixture
+def server() -> Iterator[subprocess.Popen[str]]:
+    """The rendezvous store, in a process of its own (as on the rendezvous host)."""
+    proc = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.port = int(proc.stdout.readline())  # type: ignore[attr-defined]
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    proc.stdout.close()
+
+
+def client(server: subprocess.Popen[str], prefix: str | None = "round1") -> dist.Store:
+    """One launcher's connection to the store, under the round's prefix."""
+    conn = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=_td(1))  # type: ignore[attr-defined]
+    return dist.PrefixStore(prefix, conn) if prefix else conn
+
+
+def _td(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+def enter(rosters: list[NodeRoster], stores: list[dist.Store]) -> None:
+    """Every roster enters the same round at once, as the launchers do after a rendezvous."""
+    threads = [
+        threading.Thread(target=r.enter_round, args=(s, i, len(rosters), "job", None))
+        for i, (r, s) in enumerate(zip(rosters, stores, strict=True))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+
+
+@pytest.fixture
+def rosters(server) -> Iterator[list[NodeRoster]]:
+    made = [NodeRoster(FT, host=f"127.0.0.{i + 1}") for i in range(3)]
+    enter(made, [client(server) for _ in made])
+    yield made
+    for r in made:
+        r.close()
+
+
+def kinds(path: Path, kind: str) -> list[dict]:
+    return [e for e in read_events(path) if e["kind"] == kind]
+
+
+def test_a_node_whose_launcher_closes_is_lost_once_and_every_watcher_knows(rosters, event_log):
+    a, b, c = rosters
+    b.close()  # its sockets close without a goodbye: a launcher that died
+    wait_for(lambda: bool(a.losses()) and bool(c.losses()), timeout=5, what="the loss")
+    assert [loss.peer.rank for loss in a.losses()] == [1]
+    assert a.losses()[0].cause == "connection_reset"
+    wait_for(lambda: bool(kinds(event_log, "node_lost")), timeout=5, what="node_lost")
+    time.sleep(0.3)
+    lost = kinds(event_log, "node_lost")
+    assert len(lost) == 1, lost  # two watchers saw it; the first to confirm reports
+    assert lost[0]["node"] == "127.0.0.2" and lost[0]["node_rank"] == 1
+    assert lost[0]["cause"] == "connection_reset" and lost[0]["nodes"] == 3
+
+
+def test_a_node_whose_workers_finished_leaves_without_being_lost(rosters, event_log):
+    a, b, c = rosters
+    b.finish()
+    time.sleep(0.2)
+    b.close()
+    time.sleep(FT.node_heartbeat_timeout * 2)  # past a silence, too
+    assert not a.losses() and not c.losses()
+    assert not kinds(event_log, "node_lost")
+
+
+def test_a_silent_node_is_lost_after_the_heartbeat_timeout(server, event_log):
+    """A peer whose beacon accepts and then says nothing (its link or power went)."""
+    mute = socket.create_server(("127.0.0.1", 0))
+    peer = {"rank": 1, "host": "mute", "addr": "127.0.0.1", "port": mute.getsockname()[1]}
+    try:
+        s = client(server)
+        s.set("steadfast/node/1", json.dumps({**peer, "pid": 1, "rdzv": None}))
+        roster = NodeRoster(FT, host="127.0.0.1")
+        try:
+            started = time.monotonic()
+            roster.enter_round(s, 0, 2, "job", None)
+            conn, _ = mute.accept()
+            wait_for(lambda: bool(roster.losses()), timeout=5, what="the silent node")
+            assert time.monotonic() - started >= FT.node_heartbeat_timeout
+            conn.close()
+        finally:
+            roster.close()
+    finally:
+        mute.close()
+    (lost,) = kinds(event_log, "node_lost")
+    assert lost["cause"] == "silent" and lost["node"] == "mute"
+    assert lost["latency"] >= FT.node_heartbeat_timeout
+
+
+def test_the_fence_lets_the_current_round_write_and_no_one_else(server, rosters, monkeypatch):
+    a, b, _ = rosters
+    monkeypatch.setenv(FENCE_TIMEOUT_ENV, "3")
+    monkeypatch.setenv(FENCE_ENV, a.env()[FENCE_ENV])
+    assert check() is None
+    # the job formed a newer round without these nodes (a spare took their place)
+    job = client(server, prefix=None)
+    record = json.loads(job.get("steadfast/job/round"))
+    job.set("steadfast/job/round", json.dumps({**record, "token": "newer"}))
+    del job
+    time.sleep(0.6)  # past the reuse of the last answer
+    assert "newer round" in (check() or "")
+    b.leave_round()
+    monkeypatch.setenv(FENCE_ENV, b.env()[FENCE_ENV])
+    assert "not in a running round" in (check() or "")
+    monkeypatch.setenv(FENCE_ENV, "@steadfast-fence-nobody")
+    assert "did not answer" in (check(timeout=1) or "")
+
+
+def test_a_node_that_loses_its_peer_and_the_store_is_isolated_and_fenced(
+    server, event_log, monkeypatch
+):
+    """The store (another process) dies with a peer: the launcher that sees the loss
+    cannot confirm it, so it is the one cut off: node_isolated, and its ranks fenced."""
+    a, b = rosters = [NodeRoster(FT, host=f"127.0.0.{i + 1}") for i in range(2)]
+    try:
+        enter(rosters, [client(server, prefix="r") for _ in rosters])
+        monkeypatch.setenv(FENCE_ENV, a.env()[FENCE_ENV])
+        assert check(timeout=3) is None
+        server.kill()
+        server.wait()
+        b.close()
+        wait_for(lambda: a.isolated() is not None, timeout=10, what="isolation")
+        assert "cannot reach the rendezvous store" in (a.isolated() or "")
+        (isolated,) = kinds(event_log, "node_isolated")
+        assert isolated["cause"] == "partition"
+        assert not kinds(event_log, "node_lost")
+        assert check(timeout=3)  # fenced
+    finally:
+        for r in rosters:
+            r.close()
+
+
+def test_a_fenced_rank_writes_no_checkpoint(tmp_path, monkeypatch, event_log):
+    """CheckpointManager asks the fence before it writes anything: a fenced rank raises
+    CheckpointFenced and leaves the directory as it was."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0steadfast-test-fence")
+    listener.listen(1)
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(16)
+            conn.sendall(b"fenced: the job formed a newer round without this node\n")
+
+    responder = threading.Thread(target=answer)
+    responder.start()
+    monkeypatch.setenv(FENCE_ENV, "@steadfast-test-fence")
+    ckpt = CheckpointManager(tmp_path / "ck")
+    try:
+        with pytest.raises(CheckpointFenced, match="newer round"):
+            ckpt.save(2, {"model": torch.nn.Linear(2, 2)})
+    finally:
+        ckpt.close()
+        responder.join(5)
+        listener.close()
+    assert not list((tmp_path / "ck").rglob("*")), "a fenced rank wrote to the directory"
+    (fenced,) = kinds(event_log, "checkpoint_fenced")
+    assert "step_2" in fenced["path"] and "newer round" in fenced["reason"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"node_heartbeat_interval": 0.0}, "node_heartbeat_interval"),
+        ({"node_heartbeat_interval": 1.0, "node_heartbeat_timeout": 0.5}, "node_heartbeat_timeout"),
+        ({"node_lost_timeout": -1}, "node_lost_timeout"),
+        ({"node_health_check": "  "}, "node_health_check"),
+        ({"node_min_free_gb": -2}, "node_min_free_gb"),
+    ],
+)
+def test_bad_node_settings_name_the_field(fields, named):
+    with pytest.raises(ConfigError, match=named):
+        FaultToleranceConfig(**fields)
