@@ -10,14 +10,16 @@ BIN     = $(VENV)/bin
 # The stamp's name carries the torch requirement, so `make test TORCH=...` reinstalls.
 STAMP   = $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint shellcheck typecheck pytest bench clean slurm
+.PHONY: demo test lint shellcheck typecheck pytest bench clean slurm nodes
 
-# Debian packages: tests/slurm/ runs a real single-node Slurm (slurm-wlm and munge) and
-# `make lint` runs shellcheck. Their install steps run on EVERY `make test` (a no-op when
+# Debian packages: tests/slurm/ runs a real single-node Slurm (slurm-wlm and munge),
+# tests/multinode/ makes nodes from network namespaces (iproute2, util-linux) with an
+# etcd member on each (etcd-server, etcd-client), and `make lint` runs shellcheck. Their install steps run on EVERY `make test` (a no-op when
 # the packages are there), so that a broken install fails on any machine, not only a new
 # one. Where they cannot be installed (no root or apt-get) the tests and checks that need
 # them are skipped with the reason; in CI (CI=true) that is a failure.
 SLURM_SCRIPT = scripts/slurm-localhost.sh
+NODES_SCRIPT = scripts/nodes-localhost.sh
 DEBIAN       = scripts/debian-packages.sh
 SHELL_SCRIPTS = $(wildcard scripts/*.sh) .ci/run
 IS_CI := $(filter 1 true yes,$(shell printf '%s' '$(CI)' | tr A-Z a-z))
@@ -52,7 +54,10 @@ typecheck: $(STAMP)
 slurm:
 	@bash $(SLURM_SCRIPT) install || $(call optional,Slurm (tests/slurm))
 
-pytest: $(STAMP) slurm
+nodes:
+	@bash $(NODES_SCRIPT) install || $(call optional,iproute2 util-linux etcd (tests/multinode))
+
+pytest: $(STAMP) slurm nodes
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest

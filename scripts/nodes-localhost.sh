@@ -8,8 +8,8 @@
 #   scripts/nodes-localhost.sh check                 exit 0 when this machine can make
 #                                                     nodes (root, ip, unshare, nsenter,
 #                                                     tc, network namespaces), else say why
-#   scripts/nodes-localhost.sh install               install iproute2 and util-linux
-#                                                     (a no-op when present)
+#   scripts/nodes-localhost.sh install               install iproute2, util-linux and
+#                                                     etcd (a no-op when present)
 #   scripts/nodes-localhost.sh up DIR N [SUBNET]     make nodes node1..nodeN (SUBNET:
 #                                                     a /24 prefix, default 10.213.0);
 #                                                     state under DIR, DIR/shared shared
@@ -65,7 +65,8 @@ check() {
 }
 
 install() {
-    bash "$PACKAGES" ensure iproute2 util-linux || die "cannot install iproute2 util-linux"
+    bash "$PACKAGES" ensure iproute2 util-linux etcd-server etcd-client ||
+        die "cannot install iproute2 util-linux etcd-server etcd-client"
 }
 
 # ------------------------------------------------------------------------ bed state

@@ -136,6 +136,19 @@ class Bed:
             lc.proc.wait(30)
 
 
+@pytest.fixture
+def etcd_installed() -> None:
+    """etcd (Debian's etcd-server) for the members and python-etcd for torch's backend."""
+    import importlib.util
+    import shutil
+
+    if shutil.which("etcd") is None or importlib.util.find_spec("etcd") is None:
+        reason = "etcd or python-etcd is not installed (`make test` installs both)"
+        if IN_CI:
+            pytest.fail(f"{reason}; CI must run the etcd tests")
+        pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def can_make_nodes() -> None:
     checked = _script("check")

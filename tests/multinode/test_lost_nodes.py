@@ -87,7 +87,9 @@ def test_a_killed_node_is_replaced_by_a_spare_and_the_run_ends_bit_exact(bed_fac
     assert_bit_exact(bed.shared / "out.pt", reference(STEPS))
 
 
-def test_the_rendezvous_host_lost_under_etcd_a_spare_takes_its_place(bed_factory, reference):
+def test_the_rendezvous_host_lost_under_etcd_a_spare_takes_its_place(
+    etcd_installed, bed_factory, reference
+):
     """etcd-v2: the rendezvous lives in an etcd cluster (a member per node), so losing
     node1, whose address every launcher was given, costs nothing but the node."""
     bed = bed_factory(3)
