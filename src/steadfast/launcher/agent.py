@@ -33,7 +33,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -259,20 +259,18 @@ class FTAgent(LocalElasticAgent):
         if not lost:
             super()._rendezvous(worker_group)
         else:
-            names = ", ".join(loss.peer.host for loss in lost)
+            names = _nodes(loss.peer.host for loss in lost)
             try:
                 with seam.rendezvous_join_timeout(handler, self.ft.node_lost_timeout):
                     super()._rendezvous(worker_group)
             except RendezvousTimeoutError as exc:
                 raise NodeLostError(
-                    f"lost node(s) {names} and no round formed again within "
-                    f"node_lost_timeout={self.ft.node_lost_timeout:g} s (no spare, and fewer "
-                    "nodes than --nnodes' minimum)"
+                    f"lost {names}, and no round formed again within "
+                    f"node_lost_timeout={self.ft.node_lost_timeout:g} s: no spare came, and "
+                    "the nodes left are fewer than --nnodes' minimum"
                 ) from exc
             except RendezvousClosedError as exc:
-                raise NodeLostError(
-                    f"lost node(s) {names}, and another node ended the job"
-                ) from exc
+                raise NodeLostError(f"lost {names}, and another node ended the job") from exc
         self.rounds += 1
         if self.roster is not None:
             self.roster.enter_round(
@@ -431,7 +429,7 @@ class FTAgent(LocalElasticAgent):
     @staticmethod
     def _loss_cause(lost: list[Loss], isolated: str | None) -> str:
         if lost:
-            return "after node(s) " + ", ".join(loss.peer.host for loss in lost) + " were lost"
+            return f"after the loss of {_nodes(loss.peer.host for loss in lost)}"
         return f"this node is cut off from the job: {isolated}"
 
     def _expire_lost(self) -> None:
@@ -491,3 +489,9 @@ class FTAgent(LocalElasticAgent):
             remaining_restarts=seam.agent_remaining_restarts(self),
         )
         super()._restart_workers(worker_group)
+
+
+def _nodes(hosts: Iterable[str]) -> str:
+    """``node node2`` / ``nodes node2, node5``, for messages."""
+    names = list(hosts)
+    return ("node " if len(names) == 1 else "nodes ") + ", ".join(names)

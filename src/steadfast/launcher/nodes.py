@@ -421,7 +421,7 @@ class NodeRoster:
 
         def bounded() -> Any:
             if time.monotonic() > deadline:
-                raise TimeoutError("the store call waited too long to start")
+                raise TimeoutError("the store did not answer in time")
             return confirm()
 
         # the deadline also covers a store call stuck in the store's own timeout
@@ -488,7 +488,7 @@ class NodeRoster:
 
         def bounded() -> str:
             if time.monotonic() > deadline:
-                raise TimeoutError("waited too long to start")
+                raise TimeoutError("the store did not answer in time")
             return probe()
 
         def finished(value: Any, exc: BaseException | None) -> None:
