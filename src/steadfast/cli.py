@@ -172,6 +172,16 @@ def _add_slurm_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument("--rdzv-port", type=int, help="default: 29400 + the job id %% 1000")
     p.add_argument(
+        "--rdzv-backend",
+        default=d["rdzv_backend"].default,
+        help="c10d (the store on the first node), or etcd-v2 with --rdzv-endpoint: an etcd "
+        "cluster outside the job, so that losing the first node does not end it",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        help="with etcd-v2: the etcd cluster's client addresses, host1:2379,host2:2379,...",
+    )
+    p.add_argument(
         "--run-dir", help="event log and output of every incarnation (default runs/JOB_NAME)"
     )
     p.add_argument(

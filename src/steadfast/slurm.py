@@ -294,6 +294,11 @@ def _signal_name(value: str | int, field_name: str) -> str:
     return name
 
 
+#: The rendezvous backends a batch script can name: c10d (the store on the first node),
+#: etcd-v2 and etcd (torch's backends on an etcd cluster; ``steadfast[etcd]``).
+RDZV_BACKENDS = ("c10d", "etcd-v2", "etcd")
+
+
 @dataclass
 class SbatchSpec:
     """What ``steadfast slurm`` writes into a batch script (see :func:`render_sbatch`).
@@ -307,6 +312,10 @@ class SbatchSpec:
     the output); ``sbatch_lines`` are extra ``#SBATCH`` options, ``setup`` shell lines run
     before srun (``module load``, ``source venv/bin/activate``), ``launcher_args`` extra
     ``steadfast launch`` flags (``--ft-cfg-path ft.yaml``), ``srun_args`` extra srun flags.
+    ``rdzv_backend`` is ``c10d`` (the store on the allocation's first node, at
+    ``rdzv_port``) or ``etcd-v2`` / ``etcd`` with ``rdzv_endpoint`` naming an etcd cluster
+    (``host1:2379,host2:2379,host3:2379``) outside the job: then losing any node, the
+    first included, leaves the rendezvous standing.
     """
 
     script: str
@@ -326,6 +335,8 @@ class SbatchSpec:
     max_restarts: int = 3
     num_job_retries_on_failure: int = 2
     rdzv_port: int | None = None
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str | None = None
     run_dir: str | None = None
     python: str = sys.executable
     sbatch_lines: list[str] = field(default_factory=list)
@@ -354,6 +365,19 @@ class SbatchSpec:
             self.rdzv_port = require_number("rdzv_port", self.rdzv_port, minimum=1, integer=True)
             if self.rdzv_port > 65535:
                 raise ConfigError(f"rdzv_port: {self.rdzv_port} is not a TCP port (1-65535)")
+        if self.rdzv_backend not in RDZV_BACKENDS:
+            raise ConfigError(
+                f"rdzv_backend: {self.rdzv_backend!r} (expected one of {', '.join(RDZV_BACKENDS)})"
+            )
+        if self.rdzv_endpoint is not None and (
+            not self.rdzv_endpoint.strip() or re.search(r"\s", self.rdzv_endpoint.strip())
+        ):
+            raise ConfigError(f"rdzv_endpoint: {self.rdzv_endpoint!r} must be one word")
+        if self.rdzv_backend != "c10d" and not self.rdzv_endpoint:
+            raise ConfigError(
+                f"rdzv_endpoint: rdzv_backend={self.rdzv_backend} needs the etcd cluster's "
+                "client addresses (host1:2379,host2:2379,host3:2379)"
+            )
         nproc = str(self.nproc_per_node).strip()
         digits = nproc.isascii() and nproc.isdigit()
         if not (nproc in ("gpu", "auto", "cpu") or (digits and int(nproc) > 0)):
@@ -450,7 +474,9 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
         srun,
         '"$SF_PYTHON" -m steadfast.cli launch',
         f"--nnodes={spec.nodes} --nproc-per-node={spec.nproc_per_node}",
-        '--rdzv-backend=c10d --rdzv-endpoint="$SF_HEAD:$SF_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID"',
+        f"--rdzv-backend={spec.rdzv_backend} --rdzv-endpoint="
+        + (q(spec.rdzv_endpoint) if spec.rdzv_endpoint else '"$SF_HEAD:$SF_RDZV_PORT"')
+        + ' --rdzv-id="$SLURM_JOB_ID"',
         f"--max-restarts={spec.max_restarts} "
         f"--ft-num-job-retries-on-failure={spec.num_job_retries_on_failure}",
         f"--signals-to-handle={','.join(handled)}",
@@ -503,7 +529,13 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
         '[ -n "$SF_HEAD" ] || { echo "steadfast: no first node in $SLURM_JOB_NODELIST" >&2;'
         " exit 1; }",
         'echo "steadfast: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on'
-        ' $SLURM_JOB_NUM_NODES node(s), rendezvous $SF_HEAD:$SF_RDZV_PORT"',
+        " $SLURM_JOB_NUM_NODES node(s), rendezvous "
+        + (
+            f"{spec.rdzv_backend} {spec.rdzv_endpoint}"
+            if spec.rdzv_endpoint
+            else "$SF_HEAD:$SF_RDZV_PORT"
+        )
+        + '"',
         "",
         "sf_preempted=''",
         "sf_forward() {  # Slurm signalled this shell only. srun would pass on only USR1",

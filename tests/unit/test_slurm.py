@@ -144,6 +144,9 @@ def test_parse_time_limit_rejects(text):
         ({"max_restarts": -1}, "max_restarts"),
         ({"num_job_retries_on_failure": 1.5}, "num_job_retries_on_failure"),
         ({"rdzv_port": 70000}, "rdzv_port: 70000 is not a TCP port"),
+        ({"rdzv_backend": "zookeeper"}, "rdzv_backend: 'zookeeper' .expected one of c10d"),
+        ({"rdzv_backend": "etcd-v2"}, "rdzv_endpoint: rdzv_backend=etcd-v2 needs the etcd"),
+        ({"rdzv_endpoint": "a:1, b:2"}, "rdzv_endpoint: 'a:1, b:2' must be one word"),
         ({"job_name": "my job"}, "job_name"),
         ({"preempt_signal": "KILL"}, "preempt_signal: SIGKILL cannot be the preemption"),
         ({"preempt_signal": "CHLD"}, "preempt_signal: SIGCHLD cannot be the preemption"),
@@ -228,6 +231,22 @@ def test_without_a_time_limit_there_is_no_signal_option():
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in text
     assert "trap 'sf_forward USR1' USR1" in text
     assert "SF_RDZV_PORT=$((29400 + SLURM_JOB_ID % 1000))" in text  # jobs sharing a node
+
+
+def test_an_etcd_rendezvous_outside_the_job_replaces_the_first_nodes_store(tmp_path):
+    import subprocess
+
+    from steadfast.slurm import SbatchSpec, render_sbatch
+
+    endpoint = "etcd1:2379,etcd2:2379,etcd3:2379"
+    text = render_sbatch(
+        SbatchSpec(script="t.py", nodes=4, rdzv_backend="etcd-v2", rdzv_endpoint=endpoint)
+    )
+    (tmp_path / "job.sbatch").write_text(text)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
+    assert f'--rdzv-backend=etcd-v2 --rdzv-endpoint={endpoint} --rdzv-id="$SLURM_JOB_ID"' in text
+    assert '--rdzv-endpoint="$SF_HEAD' not in text
+    assert f"rendezvous etcd-v2 {endpoint}" in text
 
 
 def test_slurm_command_writes_the_script_and_names_a_bad_flag(tmp_path, capsys, monkeypatch):
