@@ -70,6 +70,7 @@ def main() -> int:
     ap.add_argument("--simulate", default=None, help="a Megatron Bridge simulated_fault_type")
     ap.add_argument("--graceful", action="store_true", help="save and stop on SIGTERM")
     ap.add_argument("--rerun", action="store_true", help="steps under the re-run state machine")
+    ap.add_argument("--step-log", type=Path, default=None, help="append 'rank step time' per step")
     ap.add_argument("--data", type=int, default=0, help="one epoch of N samples (see above)")
     ap.add_argument("--batch", type=int, default=1, help="with --data: samples per rank and step")
     args = ap.parse_args()
@@ -165,6 +166,9 @@ def main() -> int:
         opt.step()
         time.sleep(args.step_sleep)
         ft.end_section("step")
+        if args.step_log is not None:  # for bench_node_loss.py: when each step ended
+            with args.step_log.open("a") as log:
+                log.write(f"{rank} {step} {time.time()}\n")
         strike("out_of_section", step)
         if stop is not None and stop.should_shutdown(step):  # every rank, the same step
             ft.start_section("checkpointing")
