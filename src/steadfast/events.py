@@ -205,8 +205,9 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     }),
     ("node_unhealthy", "this node failed its health check before a rendezvous: it does not "
      "join (cause: the check)", {"reason": "what failed"}),
-    ("node_isolated", "this node lost its peers and the rendezvous at once (a partition on "
-     "its side): its workers are stopped and write nothing", {
+    ("node_isolated", "this node lost its peers and the rendezvous at once (cause "
+     "partition: a partition on its side), or found the job went on without it (cause "
+     "replaced: a healed partition): its workers are stopped and write nothing", {
         "how": "in words", "nodes": "nodes in the round it was cut off from",
     }),
     ("job_requeued", "the Slurm job was requeued (cause: restarts_exhausted, node_lost, or "

@@ -78,15 +78,23 @@ class CheckpointFenced(CheckpointError):
     was not moved (:mod:`steadfast.fence`)."""
 
 
-def _fence(path: Path) -> None:
-    """Raise :class:`CheckpointFenced` (after a ``checkpoint_fenced`` event) when this
-    node's launcher says the node no longer holds the job's rendezvous."""
+def _fenced(path: Path) -> str | None:
+    """Why this rank may not write ``path`` (after a ``checkpoint_fenced`` event): its
+    node's launcher says the node no longer holds the job's rendezvous. None: it may."""
     from .. import fence
 
     reason = fence.check()
     if reason is not None:
         events.emit("checkpoint_fenced", cause="fence", path=str(path), reason=reason)
-        raise CheckpointFenced(f"not writing {path}: {reason}")
+        return f"not writing {path}: {reason}"
+    return None
+
+
+def _fence(path: Path) -> None:
+    """Raise :class:`CheckpointFenced` where :func:`_fenced` says so."""
+    refused = _fenced(path)
+    if refused is not None:
+        raise CheckpointFenced(refused)
 
 
 # ---------------------------------------------------------------------- file helpers
@@ -476,9 +484,9 @@ class CheckpointManager:
         require_number("CheckpointManager.save step", step, minimum=0, integer=True)
         self.wait()
         # before anything is written (the temporary folder included): a rank whose node
-        # no longer holds the rendezvous writes nothing (it raises, as its group's
-        # collectives below could not complete anyway)
-        _fence(self.dir / f"step_{step}")
+        # no longer holds the rendezvous writes nothing, and every rank learns it in the
+        # agreement below (no rank is left waiting in a collective)
+        fenced = _fenced(self.dir / f"step_{step}")
         start = time.monotonic()
         bad_state: ConfigError | None = None
         try:  # a bad key must not leave the other ranks waiting in the collective below
@@ -488,15 +496,17 @@ class CheckpointManager:
         sharded = self.sharded if self.sharded is not None else _has_dtensor(replicated)
         tmp = self.dir / f"{_TMP_PREFIX}{step}"
         prepared = None
-        if self._rank == 0 and bad_state is None:
+        if self._rank == 0 and bad_state is None and fenced is None:
             try:
                 if tmp.exists():
                     shutil.rmtree(tmp)
                 tmp.mkdir(parents=True)
             except OSError as exc:
                 prepared = _describe(exc, tmp)
-        failed = prepared is not None or bad_state is not None
+        failed = prepared is not None or bad_state is not None or fenced is not None
         agreed = self._agree(step, failed, sharded)
+        if fenced is not None:
+            raise CheckpointFenced(fenced)
         if bad_state is not None:
             raise bad_state
         if agreed is None:
@@ -504,7 +514,11 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(
                 f"saving checkpoint step {step} failed before writing: "
-                + (f"cannot create {tmp}: {prepared}" if prepared else "another rank failed")
+                + (
+                    f"cannot create {tmp}: {prepared}"
+                    if prepared
+                    else "another rank failed (or its node was fenced)"
+                )
             )
         sharded = agreed
         keys = {"state": sorted(replicated), "rank_state": sorted(local)}

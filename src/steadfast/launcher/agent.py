@@ -41,6 +41,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousTimeoutError,
 )
@@ -115,11 +116,16 @@ class NodeUnhealthyError(RuntimeError):
 class _Rendezvous(RendezvousHandler):
     """torch's rendezvous handler, except that a node that leaves the job (unhealthy,
     or cut off) does not close the rendezvous for the others on its way out (torch's
-    ``launch_agent`` shuts it down on any error but a signal)."""
+    ``launch_agent`` shuts it down on any error but a signal), and that a backend that
+    does not answer for a moment (an etcd cluster electing a new leader after losing
+    one, a store host's brief stall) does not end the launcher, and with it the job:
+    a join is tried again for up to ``retry_window`` seconds, and a failed count of the
+    waiting nodes counts none this time."""
 
-    def __init__(self, wrapped: RendezvousHandler) -> None:
+    def __init__(self, wrapped: RendezvousHandler, retry_window: float = 60.0) -> None:
         self.wrapped = wrapped
         self.leaving = False
+        self.retry_window = retry_window
 
     def get_backend(self) -> str:
         return self.wrapped.get_backend()
@@ -129,7 +135,17 @@ class _Rendezvous(RendezvousHandler):
         return bool(self.wrapped.use_agent_store)
 
     def next_rendezvous(self) -> Any:
-        return self.wrapped.next_rendezvous()
+        deadline = time.monotonic() + self.retry_window
+        pause = 0.2
+        while True:
+            try:
+                return self.wrapped.next_rendezvous()
+            except RendezvousConnectionError as exc:
+                if time.monotonic() + pause > deadline:
+                    raise
+                logger.warning("the rendezvous backend did not answer (%s); joining again", exc)
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
 
     def is_closed(self) -> bool:
         return self.wrapped.is_closed()
@@ -138,7 +154,11 @@ class _Rendezvous(RendezvousHandler):
         self.wrapped.set_closed()  # type: ignore[no-untyped-call]
 
     def num_nodes_waiting(self) -> int:
-        return self.wrapped.num_nodes_waiting()
+        try:
+            return self.wrapped.num_nodes_waiting()
+        except RendezvousConnectionError as exc:  # asked again at the next check
+            logger.warning("could not count the nodes waiting to join: %s", exc)
+            return 0
 
     def get_run_id(self) -> str:
         return self.wrapped.get_run_id()
@@ -202,7 +222,7 @@ class FTAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.ft = ft
         spec = self.get_worker_group().spec
-        self.rendezvous = _Rendezvous(spec.rdzv_handler)
+        self.rendezvous = _Rendezvous(spec.rdzv_handler, retry_window=ft.node_lost_timeout)
         spec.rdzv_handler = self.rendezvous
         #: rounds of the rendezvous this node took part in
         self.rounds = 0
@@ -242,10 +262,25 @@ class FTAgent(LocalElasticAgent):
     def run(self, role: str = "default") -> RunResult:
         """torch's ``run``; a spare that never ran (the job ended while it waited: torch
         returns nothing) succeeded with the job."""
-        result: RunResult | None = super().run(role)
+        try:
+            result: RunResult | None = super().run(role)
+        except (NodeLostError, NodeUnhealthyError):
+            raise  # cut off or lost (nothing to tell), or it said so already
+        except BaseException as exc:  # exit 16/17, no progress, an error of its own
+            self._leave(f"its launcher stopped ({type(exc).__name__}: {exc})")
+            raise
         if result is None:
             return RunResult(state=WorkerState.SUCCEEDED)
+        if result.state != WorkerState.SUCCEEDED:
+            self._leave(f"its workers {result.state.name}, no restarts left")
         return result
+
+    def _leave(self, reason: str) -> None:
+        """This node's launcher stops on a fault of its own: record it for the nodes
+        that watch it, which report it (``node_lost``, cause ``left``, with the reason)
+        instead of a silent loss, and go on without it."""
+        if self.roster is not None and not self.rendezvous.leaving:
+            self.roster.leave_round(reason=reason, cause="left")
 
     # ------------------------------------------------------------------ life cycle hooks
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -279,6 +314,9 @@ class FTAgent(LocalElasticAgent):
                 int(worker_group.group_world_size or 1),
                 handler.get_run_id(),
                 seam.rendezvous_node_id(handler),
+                # static hands out one store for every round: the round's number, the
+                # same on every node (they all restart together), keeps rounds apart
+                generation=self.rounds if handler.get_backend() == "static" else None,
             )
 
     def _leave_unhealthy(self, check: str, reason: str) -> None:
@@ -438,7 +476,7 @@ class FTAgent(LocalElasticAgent):
         join that follows is bounded by ``node_lost_timeout``."""
         if self.roster is None:
             return
-        lost = self.roster.losses()
+        lost = self.roster.settle(self.roster.confirm_timeout + 1.0)
         if self.roster.isolated():  # cut off: nothing to expire, no round to wait for
             self.rendezvous.leaving = True
             raise NodeLostError(f"this node is cut off from the job: {self.roster.isolated()}")

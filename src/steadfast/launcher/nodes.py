@@ -64,6 +64,8 @@ _BEAT = b"\x01"
 _BYE = b"\x02"  # instead of beats once this node's workers finished
 #: Successors each node watches (each node is watched by as many predecessors).
 WATCHERS = 2
+#: The least time a loss gets to be confirmed in the store (see NodeRoster).
+CONFIRM_MIN = 5.0
 #: How long a fence answer is reused for the other ranks of the node.
 _FENCE_REUSE = 0.5
 
@@ -105,6 +107,7 @@ class _Round:
     peers: dict[int, Peer]
     token: str
     key: str  # the job-wide round record
+    prefix: str  # the roster's keys in the round's store
 
 
 _Done = Callable[[Any, "BaseException | None"], None]
@@ -126,10 +129,17 @@ class _StoreCalls:
             fn, done = job
             try:
                 value = fn()
-            except BaseException as exc:
-                done(None, exc)
+            except BaseException as exc:  # handed over inside the block: no cycle kept
+                self._finish(done, None, exc)
             else:
-                done(value, None)
+                self._finish(done, value, None)
+
+    @staticmethod
+    def _finish(done: _Done, value: Any, exc: BaseException | None) -> None:
+        try:
+            done(value, exc)
+        except Exception:  # a bug in a callback must not stop the store calls
+            logger.exception("node roster: a store call's callback failed")
 
     def submit(
         self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]
@@ -148,9 +158,13 @@ class _StoreCalls:
         self.submit(fn, done)
         if not finished.wait(timeout):
             raise TimeoutError(f"the store did not answer in {timeout:g} s")
-        if box["exc"] is not None:
-            raise box["exc"]
-        return box["value"]
+        error, value = box.pop("exc"), box.pop("value")
+        if error is not None:
+            try:
+                raise error
+            finally:  # no frame -> error -> traceback -> frame cycle holding the store
+                del error
+        return value
 
     def close(self) -> None:
         self._jobs.put(None)  # a call stuck in the store keeps the (daemon) thread
@@ -167,6 +181,10 @@ class NodeRoster:
     def __init__(self, ft: FaultToleranceConfig, host: str | None = None) -> None:
         self.interval = ft.node_heartbeat_interval
         self.timeout = ft.node_heartbeat_timeout
+        #: how long a loss may take to confirm in the store before this node takes
+        #: itself for the one cut off: an etcd cluster that lost its leader (with the
+        #: node) needs a second or two to elect another
+        self.confirm_timeout = max(self.timeout, CONFIRM_MIN)
         self.host = host or socket.getfqdn()
         self._lock = threading.Condition()
         self._sel = selectors.DefaultSelector()
@@ -189,11 +207,14 @@ class NodeRoster:
         self._to_close: list[socket.socket] = []  # closed by the loop thread
         self._round: _Round | None = None
         self._losses: dict[int, Loss] = {}
+        self._pending: set[int] = set()  # node ranks seen gone, not yet confirmed
         self._isolated: str | None = None
         self._fence_ok_at = -1.0
         self._finished = False
         self._stopping = False
-        self._calls = _StoreCalls()
+        self._calls = _StoreCalls()  # fence probes, round bookkeeping
+        self._confirms = _StoreCalls()  # loss confirmations: never queued behind probes
+        self._probing: list[socket.socket] | None = None  # ranks waiting on a fence probe
         self._thread = threading.Thread(target=self._loop, name="steadfast-nodes", daemon=True)
         self._thread.start()
 
@@ -203,17 +224,25 @@ class NodeRoster:
         return {FENCE_ENV: self.fence_address, FENCE_TIMEOUT_ENV: f"{self.timeout + 1:g}"}
 
     def enter_round(
-        self, store: Any, rank: int, nodes: int, run_id: str, rdzv: list[Any] | None
+        self,
+        store: Any,
+        rank: int,
+        nodes: int,
+        run_id: str,
+        rdzv: list[Any] | None,
+        generation: int | None = None,
     ) -> list[Peer]:
         """Publish this node in the round that just formed, learn the others, start
         watching the next ones and (node rank 0) record the round job-wide, emitting
         ``node_joined`` for each node that the previous round did not have. Returns the
-        round's nodes by node rank."""
+        round's nodes by node rank. ``generation``: the round's number, the same on every
+        node, where the rendezvous hands out one store for every round (static)."""
+        prefix = "steadfast/" if generation is None else f"steadfast/g{generation}/"
         me = Peer(rank, self.host, self.host, self.port, os.getpid(), rdzv)
-        store.set(f"steadfast/node/{rank}", json.dumps(me.__dict__))
+        store.set(f"{prefix}node/{rank}", json.dumps(me.__dict__))
         peers: dict[int, Peer] = {}
         for r in range(nodes):
-            raw = store.get(f"steadfast/node/{r}")
+            raw = store.get(f"{prefix}node/{r}")
             peers[r] = Peer(**json.loads(raw))
         job_store = getattr(store, "underlying_store", store)
         key = f"steadfast/{run_id}/round"
@@ -224,32 +253,35 @@ class NodeRoster:
                 previous = json.loads(job_store.get(key))
             record = {"token": token, "nodes": [peers[r].host for r in range(nodes)]}
             job_store.set(key, json.dumps(record))
-            store.set("steadfast/token", token)
+            store.set(f"{prefix}token", token)
             if previous is not None:
                 self._joined(peers, previous.get("nodes", []))
         else:
-            token = store.get("steadfast/token").decode()
+            token = store.get(f"{prefix}token").decode()
         with self._lock:
-            self._round = _Round(store, job_store, rank, nodes, peers, token, key)
+            self._round = _Round(store, job_store, rank, nodes, peers, token, key, prefix)
             self._losses = {}
+            self._pending = set()
             self._isolated = None
             self._fence_ok_at = -1.0
         for k in range(1, min(WATCHERS, nodes - 1) + 1):
             self._watch(peers[(rank + k) % nodes])
         return [peers[r] for r in range(nodes)]
 
-    def leave_round(self, reason: str | None = None) -> None:
+    def leave_round(self, reason: str | None = None, cause: str = "unhealthy") -> None:
         """Stop watching; the fence is closed until the next round. ``reason``: this node
-        leaves the job (unhealthy), recorded for the launchers that see it go."""
+        leaves the job (``cause``: ``unhealthy``, or ``left`` when its launcher stops on
+        a fault of its own), recorded for the launchers that see it go."""
         with self._lock:
             current = self._round
             self._round = None
             watched = list(self._watched)
             self._watched.clear()
         if current is not None and reason is not None:
+            record = json.dumps({"cause": cause, "reason": reason})
             with contextlib.suppress(Exception):
                 self._calls.call(
-                    lambda: current.store.set(f"steadfast/left/{current.rank}", reason),
+                    lambda: current.store.set(f"{current.prefix}left/{current.rank}", record),
                     self.timeout,
                 )
         with self._lock:
@@ -296,16 +328,33 @@ class NodeRoster:
                     return []
                 self._lock.wait(min(0.1, left))
 
+    def settle(self, timeout: float) -> list[Loss]:
+        """Wait up to ``timeout`` for the losses being confirmed now (a store electing a
+        leader may take seconds) to be confirmed or found out as isolation; returns the
+        round's losses. The agent asks before its next rendezvous, so that it expires
+        every node it saw go."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending and not self._isolated:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(min(0.1, left))
+            return list(self._losses.values())
+
     def close(self) -> None:
         """Close every socket and stop the threads."""
         self._stopping = True
         self._wake()
         self._thread.join(timeout=5)
         self._calls.close()
+        self._confirms.close()
         with self._lock:
-            socks = [*self._watched, *self._watchers]
+            socks = [*self._watched, *self._watchers, *self._to_close, *(self._probing or [])]
             self._watched.clear()
             self._watchers.clear()
+            self._to_close = []
+            self._probing = None
             self._round = None  # and the round's store connection with it
         for sock in [*socks, self._listener, self._fence, self._wake_r, self._wake_w]:
             with contextlib.suppress(OSError):
@@ -344,11 +393,12 @@ class NodeRoster:
 
         def read() -> list[tuple[int, str]]:
             found: list[tuple[int, str]] = []
-            if int(current.store.add("steadfast/lost_count", 0)) == 0:
+            if int(current.store.add(f"{current.prefix}lost_count", 0)) == 0:
                 return found
             for r in range(current.nodes):
-                if r != current.rank and current.store.check([f"steadfast/lost/{r}"]):
-                    found.append((r, current.store.get(f"steadfast/lost_how/{r}").decode()))
+                if current.store.check([f"{current.prefix}lost/{r}"]):
+                    how = current.store.get(f"{current.prefix}lost_how/{r}").decode()
+                    found.append((r, how))
             return found
 
         try:
@@ -359,8 +409,10 @@ class NodeRoster:
             if self._round is not current:
                 return
             for r, how in found:
-                if r not in self._losses:
-                    cause, _, words = how.partition(":")
+                cause, _, words = how.partition(":")
+                if r == current.rank and self._isolated is None:  # the others lost this one
+                    self._isolated = f"the other nodes found this node lost ({cause}: {words})"
+                elif r != current.rank and r not in self._losses:
                     self._losses[r] = Loss(current.peers[r], cause, words, None)
             self._lock.notify_all()
 
@@ -369,44 +421,65 @@ class NodeRoster:
         reports it), or, with the store out of reach too, this node is the one cut off."""
         with self._lock:
             current = self._round
-        if current is None:
-            return
+            if current is None:
+                return
+            self._pending.add(peer.rank)
 
-        def confirm() -> tuple[bool, str, str]:
-            left = f"steadfast/left/{peer.rank}"
+        def confirm() -> tuple[bool, str, str] | None:
+            """(first to confirm, cause, how); None: the job went on without this node."""
+            if json.loads(current.job_store.get(current.key))["token"] != current.token:
+                return None  # a stale claim (a partition healed): this node was replaced
+            p = current.prefix
+            left = f"{p}left/{peer.rank}"
             real_cause, real_how = cause, how
             if current.store.check([left]):
-                real_cause = "unhealthy"
-                real_how = f"it left the job: {current.store.get(left).decode()}"
-            first = int(current.store.add(f"steadfast/lost/{peer.rank}", 1)) == 1
+                record = json.loads(current.store.get(left))
+                real_cause = str(record["cause"])
+                real_how = f"it left the job: {record['reason']}"
+            # the description first: whoever reads lost/R finds lost_how/R
+            if not current.store.check([f"{p}lost_how/{peer.rank}"]):
+                current.store.set(f"{p}lost_how/{peer.rank}", f"{real_cause}:{real_how}")
+            first = int(current.store.add(f"{p}lost/{peer.rank}", 1)) == 1
             if first:
-                current.store.set(f"steadfast/lost_how/{peer.rank}", f"{real_cause}:{real_how}")
-                current.store.add("steadfast/lost_count", 1)
+                current.store.add(f"{p}lost_count", 1)
             return first, real_cause, real_how
 
         def done(value: Any, exc: BaseException | None) -> None:
             with self._lock:
-                if self._round is not current:
-                    return
-                if exc is not None:
+                if self._round is current:
+                    self._pending.discard(peer.rank)
+                    self._lock.notify_all()
+                if self._round is not current and exc is not None:
+                    return  # this node has left that round since: nothing to say
+                if exc is not None or value is None:
                     first_time = self._isolated is None
-                    self._isolated = (
-                        f"lost {peer.host} ({how}) and cannot reach the rendezvous store "
-                        f"({type(exc).__name__}: {exc})"
-                    )
+                    if value is None and exc is None:
+                        cause, self._isolated = (
+                            "replaced",
+                            (
+                                f"lost {peer.host} ({how}), and the job formed a newer round "
+                                "without this node meanwhile"
+                            ),
+                        )
+                    else:
+                        cause, self._isolated = (
+                            "partition",
+                            (
+                                f"lost {peer.host} ({how}) and cannot reach the rendezvous store "
+                                f"({type(exc).__name__}: {exc})"
+                            ),
+                        )
                     self._lock.notify_all()
                     if first_time:
                         events.emit(
-                            "node_isolated",
-                            cause="partition",
-                            how=self._isolated,
-                            nodes=current.nodes,
+                            "node_isolated", cause=cause, how=self._isolated, nodes=current.nodes
                         )
                     return
                 first, real_cause, real_how = value
-                self._losses[peer.rank] = Loss(peer, real_cause, real_how, latency)
-                self._lock.notify_all()
-            if first:
+                if self._round is current:
+                    self._losses[peer.rank] = Loss(peer, real_cause, real_how, latency)
+                    self._lock.notify_all()
+            if first:  # reported even when confirmed after this node left the round
                 events.emit(
                     "node_lost",
                     cause=real_cause,
@@ -417,15 +490,23 @@ class NodeRoster:
                     nodes=current.nodes,
                 )
 
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.confirm_timeout
 
         def bounded() -> Any:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the store did not answer in time")
-            return confirm()
+            while True:  # a store that fails for a moment (etcd electing a leader): again
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the store did not answer in time")
+                try:
+                    return confirm()
+                except Exception:
+                    if time.monotonic() + 0.2 > deadline:
+                        raise
+                    time.sleep(0.2)
 
         # the deadline also covers a store call stuck in the store's own timeout
-        timer = threading.Timer(self.timeout, self._confirm_timeout, args=(current, peer, how))
+        timer = threading.Timer(
+            self.confirm_timeout, self._confirm_timeout, args=(current, peer, how)
+        )
         timer.daemon = True
         timer.start()
 
@@ -433,15 +514,16 @@ class NodeRoster:
             timer.cancel()
             done(value, exc)
 
-        self._calls.submit(bounded, finished)
+        self._confirms.submit(bounded, finished)
 
     def _confirm_timeout(self, current: _Round, peer: Peer, how: str) -> None:
         with self._lock:
             if self._round is not current or peer.rank in self._losses or self._isolated:
                 return
+            self._pending.discard(peer.rank)
             self._isolated = (
                 f"lost {peer.host} ({how}) and the rendezvous store did not answer in "
-                f"{self.timeout:g} s"
+                f"{self.confirm_timeout:g} s"
             )
             self._lock.notify_all()
             isolated = self._isolated
@@ -449,10 +531,18 @@ class NodeRoster:
 
     # ------------------------------------------------------------------ the fence
     def _answer_fence(self, client: socket.socket) -> None:
+        """Answer a rank: ``ok`` while this node holds the job's current round. One live
+        probe of the store answers every rank that asks while it runs (a save asks from
+        every rank at once), and an ``ok`` is reused for ``_FENCE_REUSE`` seconds."""
         with self._lock:
             current = self._round
             isolated = self._isolated
             fresh = time.monotonic() - self._fence_ok_at < _FENCE_REUSE
+            if current is not None and not isolated and not fresh:
+                if self._probing is not None:  # a probe runs: its answer is this one's
+                    self._probing.append(client)
+                    return
+                self._probing = [client]
         if current is None:
             self._reply(client, "fenced: this node is not in a running round of the job")
             return
@@ -466,22 +556,35 @@ class NodeRoster:
         def probe() -> str:
             # a write: only a store that holds the job (etcd: a quorum) takes it
             current.job_store.add(current.key + "/fence", 1)
+            if current.store.check([f"{current.prefix}lost/{current.rank}"]):
+                return "lost"  # the others found this node lost: they go on without it
             return str(json.loads(current.job_store.get(current.key))["token"])
 
-        def done(value: Any, exc: BaseException | None) -> None:
-            if exc is not None:
-                answer = f"fenced: the rendezvous store did not answer ({exc})"
-            elif value != current.token:
-                answer = "fenced: the job formed a newer round without this node"
-            else:
-                answer = "ok"
-                with self._lock:
+        def answer(text: str) -> None:
+            with self._lock:
+                waiting, self._probing = self._probing or [], None
+                if text == "ok" and (self._round is not current or self._isolated):
+                    text = "fenced: " + (self._isolated or "this node left the round")
+                if text == "ok":
                     self._fence_ok_at = time.monotonic()
-            self._reply(client, answer)
+            for waiter in waiting:
+                self._reply(waiter, text)
+
+        def done(value: Any, exc: BaseException | None) -> None:
+            timer.cancel()
+            if exc is not None:
+                answer(f"fenced: the rendezvous store did not answer ({exc})")
+            elif value == "lost":
+                answer("fenced: the other nodes found this node lost and went on without it")
+            elif value != current.token:
+                answer("fenced: the job formed a newer round without this node")
+            else:
+                answer("ok")
 
         deadline = time.monotonic() + self.timeout
+        # the deadline also covers a store call stuck in the store's own timeout
         timer = threading.Timer(
-            self.timeout, self._reply, args=(client, "fenced: the rendezvous store did not answer")
+            self.timeout, answer, args=("fenced: the rendezvous store did not answer in time",)
         )
         timer.daemon = True
         timer.start()
@@ -491,11 +594,7 @@ class NodeRoster:
                 raise TimeoutError("the store did not answer in time")
             return probe()
 
-        def finished(value: Any, exc: BaseException | None) -> None:
-            timer.cancel()
-            done(value, exc)
-
-        self._calls.submit(bounded, finished)
+        self._calls.submit(bounded, done)
 
     @staticmethod
     def _reply(client: socket.socket, answer: str) -> None:
@@ -523,66 +622,70 @@ class NodeRoster:
         said_bye = False
         registered: set[socket.socket] = set()
         while not self._stopping:
-            with self._lock:
-                watched = dict(self._watched)
-                closing, self._to_close = self._to_close, []
-            for sock in closing:
-                registered.discard(sock)
-                self._drop(sock)
-            for sock in watched:  # newly watched
-                if sock not in registered:
-                    with contextlib.suppress(ValueError, KeyError, OSError):
-                        self._sel.register(sock, selectors.EVENT_READ, "watched")
-                        registered.add(sock)
-            registered &= set(watched)
-            now = time.monotonic()
-            until = min(
-                [next_beat, now + 1.0] + [w.last_beat + self.timeout for w in watched.values()]
-            )
-            wait = max(0.0, until - now)
             try:
-                ready = self._sel.select(wait)
-            except OSError:
-                ready = []
-            now = time.monotonic()
-            for key, _ in ready:
-                sock = key.fileobj  # type: ignore[assignment]
-                if key.data == "wake":
-                    with contextlib.suppress(OSError):
-                        sock.recv(4096)
-                elif key.data == "accept":
-                    self._accept()
-                elif key.data == "fence":
-                    with contextlib.suppress(OSError):
-                        client, _ = self._fence.accept()
-                        client.setblocking(True)
-                        client.settimeout(1.0)
-                        with contextlib.suppress(OSError):
-                            client.recv(16)
-                        self._answer_fence(client)
-                elif key.data == "watcher":
-                    self._read_watcher(sock)
-                elif key.data == "watched":
-                    self._read_watched(sock, now)
-            if now >= next_beat or (self._finished and not said_bye):
-                said_bye = self._finished
-                self._beat()
-                next_beat = now + self.interval
-            with self._lock:
-                silent = [
-                    (s, w) for s, w in self._watched.items() if now - w.last_beat > self.timeout
-                ]
-                for sock, _ in silent:
-                    del self._watched[sock]
-            for sock, watch in silent:
-                registered.discard(sock)
-                self._drop(sock)
-                self._lost(
-                    watch.peer,
-                    "silent",
-                    f"no beat for {now - watch.last_beat:.1f} s (its link or its power)",
-                    now - watch.last_beat,
+                with self._lock:
+                    watched = dict(self._watched)
+                    closing, self._to_close = self._to_close, []
+                for sock in closing:
+                    registered.discard(sock)
+                    self._drop(sock)
+                for sock in watched:  # newly watched
+                    if sock not in registered:
+                        with contextlib.suppress(ValueError, KeyError, OSError):
+                            self._sel.register(sock, selectors.EVENT_READ, "watched")
+                            registered.add(sock)
+                registered &= set(watched)
+                now = time.monotonic()
+                until = min(
+                    [next_beat, now + 1.0] + [w.last_beat + self.timeout for w in watched.values()]
                 )
+                wait = max(0.0, until - now)
+                try:
+                    ready = self._sel.select(wait)
+                except OSError:
+                    ready = []
+                now = time.monotonic()
+                for key, _ in ready:
+                    sock = key.fileobj  # type: ignore[assignment]
+                    if key.data == "wake":
+                        with contextlib.suppress(OSError):
+                            sock.recv(4096)
+                    elif key.data == "accept":
+                        self._accept()
+                    elif key.data == "fence":
+                        with contextlib.suppress(OSError):
+                            client, _ = self._fence.accept()
+                            client.setblocking(True)
+                            client.settimeout(1.0)
+                            with contextlib.suppress(OSError):
+                                client.recv(16)
+                            self._answer_fence(client)
+                    elif key.data == "watcher":
+                        self._read_watcher(sock)
+                    elif key.data == "watched":
+                        self._read_watched(sock, now)
+                if now >= next_beat or (self._finished and not said_bye):
+                    said_bye = self._finished
+                    self._beat()
+                    next_beat = now + self.interval
+                with self._lock:
+                    silent = [
+                        (s, w) for s, w in self._watched.items() if now - w.last_beat > self.timeout
+                    ]
+                    for sock, _ in silent:
+                        del self._watched[sock]
+                for sock, watch in silent:
+                    registered.discard(sock)
+                    self._drop(sock)
+                    self._lost(
+                        watch.peer,
+                        "silent",
+                        f"no beat for {now - watch.last_beat:.1f} s: its link or its power went",
+                        now - watch.last_beat,
+                    )
+            except Exception:  # the beats must go on: a dead loop reads as a lost node
+                logger.exception("node roster: an error in the loop")
+                time.sleep(0.1)
 
     def _accept(self) -> None:
         with contextlib.suppress(OSError):
@@ -634,7 +737,7 @@ class NodeRoster:
         self._lost(
             watch.peer,
             "connection_reset",
-            f"{how} (the node or its launcher died)",
+            f"{how}: the node or its launcher died",
             now - watch.last_beat,
         )
 

@@ -1,0 +1,55 @@
+"""The checkpoint fence in a real 2-rank gloo group: a rank whose node is fenced makes
+the whole save fail on every rank at once (no rank waits in a collective for it), and
+nothing is written."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+import torch
+
+from sfharness import run_ranks
+
+
+def _save(rank: int, world: int, workdir: Path, ckpt: str) -> str:
+    from steadfast import CheckpointFenced, CheckpointManager
+    from steadfast.checkpoint import CheckpointError
+    from steadfast.fence import FENCE_ENV
+
+    if rank == 1:  # this rank's launcher says its node was left behind
+        name = f"steadfast-test-fence-{os.getpid()}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind("\0" + name)
+        listener.listen(1)
+
+        def answer() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(16)
+                conn.sendall(b"fenced: the job formed a newer round without this node\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        os.environ[FENCE_ENV] = "@" + name
+    mgr = CheckpointManager(ckpt)
+    try:
+        mgr.save(4, {"model": torch.nn.Linear(2, 2)})
+    except CheckpointFenced as exc:
+        return f"fenced: {exc}"
+    except CheckpointError as exc:
+        return f"failed: {exc}"
+    finally:
+        mgr.close()
+        if rank == 1:
+            listener.close()
+    return "saved"
+
+
+def test_one_fenced_rank_fails_the_save_on_every_rank_and_nothing_is_written(tmp_path):
+    ckpt = tmp_path / "ck"
+    fenced, other = run_ranks(_save, tmp_path / "w", args=(str(ckpt),), timeout=60)[::-1]
+    assert fenced.startswith("fenced: ") and "newer round" in fenced
+    assert other.startswith("failed: ") and "fenced" in other
+    assert not list(ckpt.rglob("*")), "a checkpoint was written"
