@@ -1,0 +1,343 @@
+"""steadfast for PyTorch Lightning: a callback that gives a ``Trainer.fit`` run under
+``steadfast launch`` what ``examples/train.py`` has by hand (``pip install
+steadfast[lightning]``).
+
+    trainer = L.Trainer(callbacks=[FaultToleranceCallback(exp_dir=ckpt_dir),
+                                   ModelCheckpoint(ckpt_dir, save_last=True)])
+    trainer.fit(model, ckpt_path="last")  # resumes after an in-job restart
+
+:class:`FaultToleranceCallback` (NVRx's ``ptl_resiliency`` name and arguments):
+
+- **heartbeats and sections** through :class:`~steadfast.monitor.RankMonitorClient`:
+  ``setup`` from the Trainer's setup to the first batch, ``step`` around each training
+  batch (forward, backward, optimizer step), ``checkpointing`` around the strategy's
+  checkpoint save (whoever asks for it: ``ModelCheckpoint``, a shutdown) and
+  ``evaluation`` around validation, and a heartbeat per batch, so the launcher catches a
+  rank hung in any of them by its section timeout;
+- **calculated timeouts**: at the end of each training epoch and of ``fit`` (once enough
+  steps were seen: ``skip_if_not_ready``), the ``step`` section's timeout from the steps
+  seen on every rank, kept in ``exp_dir/_ft_state.json`` (NVRx's file name) and in the
+  Lightning checkpoint, and loaded again by the next run;
+- **simulated faults** with NVRx's ``simulated_fault_params`` (``fault_type``
+  ``rank_killed`` / ``rank_hung`` / ``random``, ``base_delay``, ``rand_delay``,
+  ``rank_to_fail``), through :func:`steadfast.setup_simulated_fault`;
+- **events** for ``steadfast report``: ``job_start`` once the Trainer restored its state
+  (with the checkpoint it resumed from) and ``step_done`` per training batch.
+
+:class:`GracefulShutdownCallback`: SIGTERM or SIGUSR1 (a preemption notice, a time
+limit, ``scancel --signal``) on any rank makes every rank stop after the same training
+batch (:class:`~steadfast.ShutdownHandler` with ``agree=True``; the callback takes both
+signals over from Lightning's own handlers for the run), save a checkpoint through the
+Trainer where ``ModelCheckpoint`` keeps its last one, and exit 0, so that the requeued
+job resumes there; a save that hangs is cut short by the forced exit after
+``timeout_sec``. Lightning resumes mid-epoch exactly only with a resumable dataloader
+(one with ``state_dict``/``load_state_dict``); with a plain ``DataLoader`` it runs the
+epoch's remaining steps on its first batches again (its own warning says so).
+
+:class:`NaNCallback`: NaN/Inf gradients checked before each optimizer step on every
+rank at once (:class:`~steadfast.NaNDetector`, one fused check and one all-reduce):
+``skip`` drops the gradients so the step is a no-op, ``raise`` stops; after
+``max_consecutive`` bad steps in a row the rank raises :class:`NaNRollback`, and the
+launcher's in-job restart rolls every rank back to the latest checkpoint.
+
+Outside ``steadfast launch`` (no heartbeat table) the monitoring is off and the events
+are still written. The callbacks never import anything from Lightning's internals.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+
+from .. import events
+from ..monitor import HB_TABLE_ENV, RankMonitorClient, load_ft_state, save_ft_state
+
+__all__ = ["FaultToleranceCallback", "GracefulShutdownCallback", "NaNCallback", "NaNRollback"]
+
+#: The calculated timeouts' file in ``exp_dir`` (NVRx's name).
+FT_STATE_FILE = "_ft_state.json"
+
+
+class FaultToleranceCallback(Callback):
+    """Heartbeats, sections, calculated timeouts and the run's events for a Lightning
+    ``fit`` (see the module's description).
+
+    ``calculate_timeouts``: set the ``step`` section's timeout from the steps seen
+    (NVRx's ``safety_factor`` x the longest, across ranks). ``exp_dir``: where
+    ``ft_state.json`` is kept (default: the Trainer's ``default_root_dir``).
+    ``autoresume`` is NVRx's and taken: it has nothing to do here (``steadfast
+    launch`` restarts in the job and its Slurm script requeues). ``simulated_fault_params``
+    (a dict or an object with NVRx's fields) arms one simulated fault when ``fit`` starts.
+    """
+
+    def __init__(
+        self,
+        autoresume: bool = False,
+        calculate_timeouts: bool = True,
+        simulated_fault_params: Any = None,
+        exp_dir: str | os.PathLike[str] | None = None,
+        logger_name: str | None = None,
+    ) -> None:
+        self.simulated_fault_params = _fault_params(simulated_fault_params)
+        self.autoresume = autoresume
+        self.calculate_timeouts = calculate_timeouts
+        self.exp_dir = Path(exp_dir) if exp_dir is not None else None
+        self.logger_name = logger_name
+        self.client: RankMonitorClient | None = None
+        self._state: dict[str, Any] | None = None  # from a checkpoint, until setup
+        self._step_began: float | None = None
+        self._open_sections: set[str] = set()
+        self._save: Any = None  # the strategy's own save_checkpoint, while wrapped
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def state_key(self) -> str:
+        return "steadfast_ft"
+
+    def _state_file(self, trainer: Trainer) -> Path:
+        return (self.exp_dir or Path(trainer.default_root_dir)) / FT_STATE_FILE
+
+    def _open(self, name: str) -> None:
+        if name in self._open_sections:
+            return
+        self._open_sections.add(name)
+        if self.client is not None:
+            self.client.start_section(name)
+
+    def _close(self, name: str) -> None:
+        if name not in self._open_sections:
+            return
+        self._open_sections.discard(name)
+        if self.client is not None:
+            self.client.end_section(name)
+
+    # ------------------------------------------------------------------ the hooks
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Start monitoring (under ``steadfast launch``) with the timeouts an earlier
+        run calculated, and open the ``setup`` section."""
+        if stage != "fit":
+            return
+        if os.environ.get(HB_TABLE_ENV) and self.client is None:
+            self.client = RankMonitorClient()
+            self.client.init_workload_monitoring()
+            load_ft_state(self.client, self._state_file(trainer))
+        self._open("setup")
+        strategy = trainer.strategy
+        if self._save is None:  # every save, whoever asks for it, in "checkpointing"
+            self._save = strategy.save_checkpoint
+
+            def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+                self._close("step")
+                self._open("checkpointing")
+                try:
+                    return self._save(*args, **kwargs)
+                finally:
+                    self._close("checkpointing")
+
+            strategy.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+        if self.simulated_fault_params is not None:
+            from ..faults import setup_simulated_fault
+
+            setup_simulated_fault(simulate_fault=True, **self.simulated_fault_params)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The Trainer restored its state: ``job_start`` with where it resumed from."""
+        if self.client is not None and self._state is not None:
+            self.client.load_state_dict(self._state)
+        events.job_start(int(trainer.global_step), int(trainer.world_size), _resumed_from(trainer))
+        self._started = True
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._close("setup")
+        if self.client is not None:
+            self.client.send_heartbeat()
+        self._open("step")
+        self._step_began = time.monotonic()
+
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self._close("step")
+        began, self._step_began = self._step_began, None
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        fields: dict[str, Any] = {}
+        if loss is not None and hasattr(loss, "item"):
+            fields["loss"] = float(loss.detach().item())
+        events.emit(
+            "step_done",
+            step=int(trainer.global_step) - 1,
+            seconds=round(time.monotonic() - began, 6) if began is not None else None,
+            **fields,
+        )
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._open("evaluation")
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close("evaluation")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.client.state_dict() if self.client is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._state = dict(state_dict) or None
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._calculate(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._calculate(trainer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Stop monitoring (the rank leaves its row closed: not a hang) and give the
+        strategy its own save back."""
+        if stage != "fit":
+            return
+        if self._save is not None:
+            trainer.strategy.save_checkpoint = self._save  # type: ignore[method-assign]
+            self._save = None
+        for name in list(self._open_sections):
+            self._close(name)
+        if self.client is not None:
+            self.client.shutdown_workload_monitoring()
+            self.client = None
+
+    def _calculate(self, trainer: Trainer) -> None:
+        if self.client is None or not self.calculate_timeouts:
+            return
+        self.client.calculate_and_set_section_timeouts(
+            ["step"], calc_out_of_section=False, skip_if_not_ready=True
+        )
+        if trainer.is_global_zero:
+            target = self._state_file(trainer)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            save_ft_state(self.client, target)
+
+
+def _fault_params(params: Any) -> dict[str, Any] | None:
+    """NVRx's ``SimulatedFaultParams`` (or its dict) as setup_simulated_fault's
+    arguments."""
+    if params is None:
+        return None
+    get = params.get if isinstance(params, dict) else lambda k, d=None: getattr(params, k, d)
+    fault_type = get("fault_type")
+    if fault_type not in ("rank_killed", "rank_hung", "random"):
+        raise ValueError(
+            f"simulated_fault_params.fault_type: {fault_type!r} (expected rank_killed, "
+            "rank_hung or random)"
+        )
+    return {
+        "simulated_fault_type": fault_type,
+        "simulated_fault_base_delay": float(get("base_delay", 0.0)),
+        "extra_delay_max": float(get("rand_delay", 0.0) or 0.0),
+        "simulated_fault_rank": get("rank_to_fail"),
+    }
+
+
+def _resumed_from(trainer: Trainer) -> str | None:
+    path = getattr(trainer, "ckpt_path", None)
+    return str(path) if path else None
+
+
+class GracefulShutdownCallback(Callback):
+    """Stop every rank after the same batch on SIGTERM/SIGUSR1, with a checkpoint (see
+    the module's description). ``timeout_sec``: the forced exit if the save hangs."""
+
+    def __init__(self, timeout_sec: float = 600.0) -> None:
+        from ..signals import ShutdownHandler
+
+        self.handler = ShutdownHandler(timeout_sec=timeout_sec, agree=True)
+        self._registered = False
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Take SIGTERM and SIGUSR1 over from Lightning, which installs its own handlers
+        after the callbacks' ``setup`` and ``on_fit_start``: Lightning's SIGTERM handler
+        (2.6) broadcasts from inside the handler on the signalled rank alone, which
+        deadlocks a DDP job, and raises out of the loop without a checkpoint."""
+        if not self._registered:
+            self.handler.register()
+            self._registered = True
+
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """After every batch, on every rank (a collective): stop here if any rank was
+        signalled, saving where the next run resumes."""
+        if not self.handler.should_shutdown(int(trainer.global_step)):
+            return
+        trainer.save_checkpoint(_last_checkpoint(trainer))
+        self.handler.finish()
+        self._registered = False
+        # not trainer.should_stop: that ends the epoch early, and the epoch-end
+        # checkpoint it triggers would mark the epoch done (its last batches never run)
+        raise SystemExit(0)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and self._registered:
+            self.handler.unregister()
+            self._registered = False
+
+
+class NaNRollback(RuntimeError):
+    """NaN/Inf gradients for ``max_consecutive`` steps in a row: the rank stops so that
+    the launcher restarts every rank from the latest checkpoint."""
+
+
+class NaNCallback(Callback):
+    """NaN/Inf gradients checked before each optimizer step (see the module's
+    description). ``action``: ``skip`` (the default), ``warn`` or ``raise``."""
+
+    def __init__(self, action: str = "skip", max_consecutive: int = 5) -> None:
+        from ..health import NaNDetector
+
+        self.detector = NaNDetector(action=action, max_consecutive=max_consecutive)
+
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: Any
+    ) -> None:
+        step = int(trainer.global_step)
+        if self.detector.check_gradients(pl_module, step):
+            return
+        if self.detector.should_rollback:  # the detector reported it (an event)
+            raise NaNRollback(
+                f"NaN/Inf gradients for {self.detector.state.consecutive_nans} steps in a "
+                f"row (max_consecutive={self.detector.max_consecutive}): restarting from "
+                "the latest checkpoint"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.detector.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict:
+            self.detector.load_state_dict(state_dict)
+
+
+def _last_checkpoint(trainer: Trainer) -> Path:
+    """Where ``ModelCheckpoint`` keeps its last checkpoint (``ckpt_path="last"`` finds
+    it), or ``default_root_dir/last.ckpt`` without one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+            name = callback.CHECKPOINT_NAME_LAST or "last"
+            return Path(callback.dirpath) / f"{name}{callback.FILE_EXTENSION}"
+    return Path(trainer.default_root_dir) / "last.ckpt"

@@ -1,0 +1,39 @@
+"""The framework integrations are extras: ``import steadfast`` never imports them (nor
+their frameworks), and their arguments fail with a readable error."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+
+def test_import_steadfast_imports_no_framework():
+    code = (
+        "import sys, steadfast, steadfast.integrations\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('lightning', 'pytorch_lightning', 'transformers')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="no Lightning")
+def test_nvrx_simulated_fault_params_are_checked_and_mapped():
+    from steadfast.integrations.lightning import FaultToleranceCallback
+
+    with pytest.raises(ValueError, match=r"simulated_fault_params\.fault_type: 'bogus'"):
+        FaultToleranceCallback(simulated_fault_params={"fault_type": "bogus", "base_delay": 1})
+    cb = FaultToleranceCallback(
+        autoresume=False,
+        calculate_timeouts=True,
+        simulated_fault_params={"fault_type": "rank_hung", "base_delay": 2, "rank_to_fail": 1},
+    )
+    assert cb.simulated_fault_params == {
+        "simulated_fault_type": "rank_hung",
+        "simulated_fault_base_delay": 2.0,
+        "extra_delay_max": 0.0,
+        "simulated_fault_rank": 1,
+    }
