@@ -37,3 +37,15 @@ def test_nvrx_simulated_fault_params_are_checked_and_mapped():
         "extra_delay_max": 0.0,
         "simulated_fault_rank": 1,
     }
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
+def test_the_trainer_callbacks_are_trainer_callbacks():
+    from transformers import TrainerCallback
+
+    from steadfast.integrations import transformers as hf
+
+    for cls in (hf.FaultToleranceCallback, hf.GracefulShutdownCallback, hf.NaNCallback):
+        assert issubclass(cls, TrainerCallback)
+    with pytest.raises(Exception, match=r"NaNDetector\.action"):
+        hf.NaNCallback(action="ignore")

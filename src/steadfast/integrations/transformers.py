@@ -1,0 +1,254 @@
+"""steadfast for the Hugging Face ``Trainer``: callbacks that give a ``trainer.train()``
+run under ``steadfast launch`` what ``examples/train.py`` has by hand (``pip install
+steadfast[transformers]``).
+
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[
+        FaultToleranceCallback(), GracefulShutdownCallback(), NaNCallback()])
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))
+
+:class:`FaultToleranceCallback`:
+
+- **heartbeats and sections** through :class:`~steadfast.monitor.RankMonitorClient`:
+  ``setup`` from the Trainer's creation to the first step, ``step`` around each
+  optimizer step (its gradient-accumulation micro-batches included), ``evaluation``
+  and ``checkpointing`` from the step that asks for them until the Trainer reports them
+  done (``on_evaluate``, ``on_save``: the Trainer has no hook before a save);
+- **calculated timeouts**: at the end of each epoch and of training, the ``step``
+  section's timeout from the steps seen on every rank, kept in
+  ``output_dir/_ft_state.json`` and loaded by the next run;
+- **events** for ``steadfast report``: ``job_start`` once the Trainer restored its state
+  (with the checkpoint it resumed from) and ``step_done`` per optimizer step.
+
+:class:`GracefulShutdownCallback`: SIGTERM or SIGUSR1 on any rank makes every rank stop
+after the same step (:class:`~steadfast.ShutdownHandler` with ``agree=True``): the
+Trainer saves a checkpoint there, and once it is written every rank exits 0, so that
+the requeued job resumes from it (the Trainer skips the batches the epoch already
+trained: a mid-epoch resume is exact).
+
+:class:`NaNCallback`: NaN/Inf gradients checked before each optimizer step on every
+rank at once (:class:`~steadfast.NaNDetector`); ``skip`` drops the gradients so the
+step changes nothing, and no checkpoint is saved while NaN steps run in a row, so
+that after ``max_consecutive`` of them the ranks raise :class:`NaNRollback` and the
+launcher restarts them from the latest checkpoint *before* the burst.
+
+Outside ``steadfast launch`` the monitoring is off and the events are still written.
+Only the Trainer's public callback interface is used.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from .. import events
+from ..monitor import HB_TABLE_ENV, RankMonitorClient, load_ft_state, save_ft_state
+
+__all__ = ["FaultToleranceCallback", "GracefulShutdownCallback", "NaNCallback", "NaNRollback"]
+
+#: The calculated timeouts' file in ``output_dir`` (NVRx's name).
+FT_STATE_FILE = "_ft_state.json"
+
+
+class FaultToleranceCallback(TrainerCallback):
+    """Heartbeats, sections, calculated timeouts and the run's events for a Hugging
+    Face ``Trainer`` (see the module's description). ``calculate_timeouts``: set the
+    ``step`` section's timeout from the steps seen; ``exp_dir``: where
+    ``_ft_state.json`` is kept (default: the Trainer's ``output_dir``)."""
+
+    def __init__(
+        self, calculate_timeouts: bool = True, exp_dir: str | os.PathLike[str] | None = None
+    ) -> None:
+        self.calculate_timeouts = calculate_timeouts
+        self.exp_dir = Path(exp_dir) if exp_dir is not None else None
+        self.client: RankMonitorClient | None = None
+        self._open_sections: set[str] = set()
+        self._step_began: float | None = None
+
+    def _state_file(self, args: TrainingArguments) -> Path:
+        return (self.exp_dir or Path(str(args.output_dir))) / FT_STATE_FILE
+
+    def _open(self, name: str) -> None:
+        if name not in self._open_sections:
+            self._open_sections.add(name)
+            if self.client is not None:
+                self.client.start_section(name)
+
+    def _close(self, name: str) -> None:
+        if name in self._open_sections:
+            self._open_sections.discard(name)
+            if self.client is not None:
+                self.client.end_section(name)
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        """Start monitoring (under ``steadfast launch``) with the timeouts an earlier run
+        calculated; ``job_start`` with the state the Trainer restored."""
+        if os.environ.get(HB_TABLE_ENV) and self.client is None:
+            self.client = RankMonitorClient()
+            self.client.init_workload_monitoring()
+            load_ft_state(self.client, self._state_file(args))
+        self._open("setup")
+        events.job_start(int(state.global_step), int(args.world_size), _resumed_from(args, state))
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        for name in ("setup", "evaluation", "checkpointing"):
+            self._close(name)
+        if self.client is not None:
+            self.client.send_heartbeat()
+        self._open("step")
+        self._step_began = time.monotonic()
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._close("step")
+        began, self._step_began = self._step_began, None
+        events.emit(
+            "step_done",
+            step=int(state.global_step) - 1,
+            seconds=round(time.monotonic() - began, 6) if began is not None else None,
+        )
+        if control.should_evaluate:  # the Trainer evaluates, then saves, after this hook
+            self._open("evaluation")
+        elif control.should_save:
+            self._open("checkpointing")
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._close("evaluation")
+        if control.should_save:
+            self._open("checkpointing")
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._close("checkpointing")
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._calculate(args, state)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        """Calculate the timeouts a last time and stop monitoring (a closed row: not a
+        hang)."""
+        self._calculate(args, state)
+        for name in list(self._open_sections):
+            self._close(name)
+        if self.client is not None:
+            self.client.shutdown_workload_monitoring()
+            self.client = None
+
+    def _calculate(self, args: TrainingArguments, state: TrainerState) -> None:
+        if self.client is None or not self.calculate_timeouts:
+            return
+        self.client.calculate_and_set_section_timeouts(
+            ["step"], calc_out_of_section=False, skip_if_not_ready=True
+        )
+        if state.is_world_process_zero:
+            target = self._state_file(args)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            save_ft_state(self.client, target)
+
+
+class GracefulShutdownCallback(TrainerCallback):
+    """Stop every rank after the same step on SIGTERM/SIGUSR1, with a checkpoint, and
+    exit 0 (see the module's description). ``timeout_sec``: the forced exit if the
+    save hangs."""
+
+    def __init__(self, timeout_sec: float = 600.0) -> None:
+        from ..signals import ShutdownHandler
+
+        self.handler = ShutdownHandler(timeout_sec=timeout_sec, agree=True)
+        self._registered = False
+        self._stopping = False
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if not self._registered:
+            self.handler.register()
+            self._registered = True
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        """After every step, on every rank (a collective): stop here if any rank was
+        signalled; the Trainer saves right after this hook."""
+        if self._registered and self.handler.should_shutdown(int(state.global_step)):
+            self._stopping = True
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        """The checkpoint is written: leave now, exit 0, for the requeued job."""
+        if self._stopping:
+            self.handler.finish()
+            self._registered = False
+            raise SystemExit(0)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if self._registered:
+            self.handler.unregister()
+            self._registered = False
+
+
+class NaNRollback(RuntimeError):
+    """NaN/Inf gradients for ``max_consecutive`` steps in a row: the rank stops so that
+    the launcher restarts every rank from the latest checkpoint."""
+
+
+class NaNCallback(TrainerCallback):
+    """NaN/Inf gradients checked before each optimizer step (see the module's
+    description). ``action``: ``skip`` (the default), ``warn`` or ``raise``."""
+
+    def __init__(self, action: str = "skip", max_consecutive: int = 5) -> None:
+        from ..health import NaNDetector
+
+        self.detector = NaNDetector(action=action, max_consecutive=max_consecutive)
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        model = kw.get("model")
+        if model is None:
+            return
+        if self.detector.check_gradients(model, int(state.global_step)):
+            return
+        if self.detector.should_rollback:  # the detector reported it (an event)
+            raise NaNRollback(
+                f"NaN/Inf gradients for {self.detector.state.consecutive_nans} steps in a "
+                f"row (max_consecutive={self.detector.max_consecutive}): restarting from "
+                "the latest checkpoint"
+            )
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        """No checkpoint in the middle of a NaN streak: a rollback must land before it
+        (this runs after the Trainer's own flow callback set ``should_save``)."""
+        if self.detector.state.consecutive_nans > 0:
+            control.should_save = False
+
+
+def _resumed_from(args: TrainingArguments, state: TrainerState) -> str | None:
+    """The checkpoint the Trainer resumed from (its newest in ``output_dir``), if any."""
+    if not state.global_step or not args.output_dir:
+        return None
+    found = get_last_checkpoint(str(args.output_dir))  # type: ignore[no-untyped-call]
+    return str(found) if found else None
