@@ -27,6 +27,7 @@ from steadfast.integrations.transformers import (
     FaultToleranceCallback,
     GracefulShutdownCallback,
     NaNCallback,
+    StragglerDetectionCallback,
 )
 
 
@@ -69,7 +70,9 @@ def main() -> int:
     ap.add_argument("--fault", choices=[k.value for k in FaultKind], default=None)
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--fault-step", type=int, default=5)
-    ap.add_argument("--fault-length", type=int, default=1, help="steps a NaN burst lasts")
+    ap.add_argument("--fault-length", type=int, default=1, help="steps a fault lasts")
+    ap.add_argument("--fault-seconds", type=float, default=0.0, help="a slow step's extra")
+    ap.add_argument("--straggler", action="store_true", help="with straggler reports (1 s)")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
@@ -79,7 +82,11 @@ def main() -> int:
             args.fault_step,
             args.fault,
             once_dir=args.ckpt.parent / "faults",
-            **({"length": args.fault_length} if args.fault == FaultKind.NAN_BURST.value else {}),
+            **(
+                {"length": args.fault_length, "seconds": args.fault_seconds}
+                if args.fault in (FaultKind.NAN_BURST.value, FaultKind.SLOW_RANK.value)
+                else {}
+            ),
         )
         if args.fault
         else None
@@ -88,6 +95,8 @@ def main() -> int:
     def strike(step: int) -> bool:
         """The fault, if it strikes now; True while a NaN burst lasts."""
         hit = fault is not None and fault.check(step, rank)
+        if hit and args.fault == FaultKind.SLOW_RANK.value:  # a slow GPU: its forward
+            time.sleep(args.fault_seconds)
         return bool(hit) and args.fault == FaultKind.NAN_BURST.value
 
     torch.manual_seed(0)
@@ -122,6 +131,7 @@ def main() -> int:
             FaultToleranceCallback(),
             GracefulShutdownCallback(timeout_sec=60),
             NaNCallback(action="skip", max_consecutive=3),
+            *([StragglerDetectionCallback(report_time_interval=1.0)] if args.straggler else []),
         ],
     )
     last = get_last_checkpoint(str(args.ckpt)) if args.ckpt.is_dir() else None

@@ -28,6 +28,7 @@ from steadfast.integrations.lightning import (
     FaultToleranceCallback,
     GracefulShutdownCallback,
     NaNCallback,
+    StragglerDetectionCallback,
 )
 
 
@@ -61,7 +62,9 @@ def main() -> int:
     ap.add_argument("--fault", choices=[k.value for k in FaultKind], default=None)
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--fault-step", type=int, default=5)
-    ap.add_argument("--fault-length", type=int, default=1, help="steps a NaN burst lasts")
+    ap.add_argument("--fault-length", type=int, default=1, help="steps a fault lasts")
+    ap.add_argument("--fault-seconds", type=float, default=0.0, help="a slow step's extra")
+    ap.add_argument("--straggler", action="store_true", help="with straggler reports (1 s)")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
@@ -71,7 +74,11 @@ def main() -> int:
             args.fault_step,
             args.fault,
             once_dir=args.ckpt.parent / "faults",
-            **({"length": args.fault_length} if args.fault == FaultKind.NAN_BURST.value else {}),
+            **(
+                {"length": args.fault_length, "seconds": args.fault_seconds}
+                if args.fault in (FaultKind.NAN_BURST.value, FaultKind.SLOW_RANK.value)
+                else {}
+            ),
         )
         if args.fault
         else None
@@ -80,6 +87,8 @@ def main() -> int:
     def strike(step: int) -> bool:
         """The fault, if it strikes now; True while a NaN burst lasts."""
         hit = fault is not None and fault.check(step, rank)
+        if hit and args.fault == FaultKind.SLOW_RANK.value:  # a slow GPU: its forward
+            time.sleep(args.fault_seconds)
         return bool(hit) and args.fault == FaultKind.NAN_BURST.value
 
     torch.manual_seed(0)
@@ -99,6 +108,22 @@ def main() -> int:
             GracefulShutdownCallback(timeout_sec=60),
             NaNCallback(action="skip", max_consecutive=3),
             ModelCheckpoint(dirpath=args.ckpt, save_last=True, save_top_k=-1, every_n_epochs=1),
+            *(
+                [
+                    StragglerDetectionCallback(
+                        report_time_interval=1.0,
+                        calc_relative_gpu_perf=True,
+                        calc_individual_gpu_perf=True,
+                        num_gpu_perf_scores_to_print=2,
+                        gpu_relative_perf_threshold=0.7,
+                        gpu_individual_perf_threshold=0.7,
+                        stop_if_detected=False,
+                        enable_ptl_logging=False,
+                    )
+                ]
+                if args.straggler
+                else []
+            ),
         ],
         enable_progress_bar=False,
         enable_model_summary=False,

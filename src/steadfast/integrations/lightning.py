@@ -40,6 +40,14 @@ rank at once (:class:`~steadfast.NaNDetector`, one fused check and one all-reduc
 ``max_consecutive`` bad steps in a row the rank raises :class:`NaNRollback`, and the
 launcher's in-job restart rolls every rank back to the latest checkpoint.
 
+:class:`StragglerDetectionCallback` (NVRx's name and arguments): the strategy's
+``training_step`` (the forward, where no collective makes a fast rank wait for a slow
+one) timed on every rank, a report every ``report_time_interval`` seconds (relative and
+individual performance scores, printed and logged as ``straggler_report`` /
+``straggler_detected`` events), and with ``stop_if_detected`` every rank saves
+``last.ckpt`` and exits 16 ("resume on other hardware": ``steadfast launch`` does not
+restart it in place, its Slurm script requeues it; NVRx exits 1).
+
 Outside ``steadfast launch`` (no heartbeat table) the monitoring is off and the events
 are still written. The callbacks never import anything from Lightning's internals.
 """
@@ -57,7 +65,13 @@ from lightning.pytorch.callbacks import Callback
 from .. import events
 from ..monitor import HB_TABLE_ENV, RankMonitorClient, load_ft_state, save_ft_state
 
-__all__ = ["FaultToleranceCallback", "GracefulShutdownCallback", "NaNCallback", "NaNRollback"]
+__all__ = [
+    "FaultToleranceCallback",
+    "GracefulShutdownCallback",
+    "NaNCallback",
+    "NaNRollback",
+    "StragglerDetectionCallback",
+]
 
 #: The calculated timeouts' file in ``exp_dir`` (NVRx's name).
 FT_STATE_FILE = "_ft_state.json"
@@ -341,3 +355,86 @@ def _last_checkpoint(trainer: Trainer) -> Path:
             name = callback.CHECKPOINT_NAME_LAST or "last"
             return Path(callback.dirpath) / f"{name}{callback.FILE_EXTENSION}"
     return Path(trainer.default_root_dir) / "last.ckpt"
+
+
+class StragglerDetectionCallback(Callback):
+    """NVRx's ``StragglerDetectionCallback`` (see the module's description); with
+    ``enable_ptl_logging`` the scores' min/median/max are logged through the module."""
+
+    def __init__(
+        self,
+        report_time_interval: float,
+        calc_relative_gpu_perf: bool,
+        calc_individual_gpu_perf: bool,
+        num_gpu_perf_scores_to_print: int,
+        gpu_relative_perf_threshold: float,
+        gpu_individual_perf_threshold: float,
+        stop_if_detected: bool,
+        enable_ptl_logging: bool,
+        profiling_interval: int = 1,
+        logger_name: str | None = "nemo_logger.StragglerDetectionCallback",
+    ) -> None:
+        from ._straggler import StepTimer
+
+        self.enable_ptl_logging = enable_ptl_logging
+        self.timer = StepTimer(
+            report_time_interval,
+            calc_relative_gpu_perf,
+            calc_individual_gpu_perf,
+            num_gpu_perf_scores_to_print,
+            gpu_relative_perf_threshold,
+            gpu_individual_perf_threshold,
+            stop_if_detected,
+            True,
+            profiling_interval,
+            logger_name or "steadfast.straggler",
+        )
+
+        self._step: Any = None  # the strategy's own training_step, while wrapped
+        self._logged: Any = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Time the strategy's ``training_step`` as the ``train_step`` section."""
+        if stage == "fit" and self._step is None:
+            strategy = trainer.strategy
+            self._step = strategy.training_step
+            strategy.training_step = self.timer.manager.wrap_train_step(self._step)  # type: ignore[method-assign]
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and self._step is not None:
+            trainer.strategy.training_step = self._step  # type: ignore[method-assign]
+            self._step = None
+
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        from ._straggler import EXIT_STRAGGLERS
+
+        stop = self.timer.manager.check(int(trainer.global_step))
+        report = self.timer.manager.last_report
+        if self.enable_ptl_logging and report is not None and report is not self._logged:
+            self._logged = report
+            import statistics
+
+            for name, scores in (
+                ("gpu_relative_perf", report.gpu_relative_perf_scores),
+                ("gpu_individual_perf", report.gpu_individual_perf_scores),
+            ):
+                if scores:
+                    values = list(scores.values())
+                    pl_module.log_dict(
+                        {
+                            f"{name}/min": min(values),
+                            f"{name}/median": statistics.median(values),
+                            f"{name}/max": max(values),
+                        },
+                        rank_zero_only=True,
+                    )
+        if stop:
+            trainer.save_checkpoint(_last_checkpoint(trainer))
+            raise SystemExit(EXIT_STRAGGLERS)

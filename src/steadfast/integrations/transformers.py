@@ -31,6 +31,16 @@ step changes nothing, and no checkpoint is saved while NaN steps run in a row, s
 that after ``max_consecutive`` of them the ranks raise :class:`NaNRollback` and the
 launcher restarts them from the latest checkpoint *before* the burst.
 
+:class:`StragglerDetectionCallback` (NVRx's Lightning callback's arguments): every
+optimizer step timed on every rank (a callback sees only whole steps: their gradient
+all-reduce makes every rank wait for the slowest, so a slow rank lowers every rank's
+*individual* score, against its own best, while the *relative* scores, which compare
+ranks, cannot single it out as they can under Lightning, where the forward is timed),
+a report every ``report_time_interval`` seconds (``straggler_report`` /
+``straggler_detected`` events), and with ``stop_if_detected``
+the Trainer saves a checkpoint at that step and every rank exits 16 ("resume on other
+hardware": ``steadfast launch`` does not restart it in place, its Slurm script requeues).
+
 Outside ``steadfast launch`` the monitoring is off and the events are still written.
 Only the Trainer's public callback interface is used.
 """
@@ -48,7 +58,13 @@ from transformers.trainer_utils import get_last_checkpoint
 from .. import events
 from ..monitor import HB_TABLE_ENV, RankMonitorClient, load_ft_state, save_ft_state
 
-__all__ = ["FaultToleranceCallback", "GracefulShutdownCallback", "NaNCallback", "NaNRollback"]
+__all__ = [
+    "FaultToleranceCallback",
+    "GracefulShutdownCallback",
+    "NaNCallback",
+    "NaNRollback",
+    "StragglerDetectionCallback",
+]
 
 #: The calculated timeouts' file in ``output_dir`` (NVRx's name).
 FT_STATE_FILE = "_ft_state.json"
@@ -252,3 +268,56 @@ def _resumed_from(args: TrainingArguments, state: TrainerState) -> str | None:
         return None
     found = get_last_checkpoint(str(args.output_dir))  # type: ignore[no-untyped-call]
     return str(found) if found else None
+
+
+class StragglerDetectionCallback(TrainerCallback):
+    """Straggler reports for the Trainer (see the module's description)."""
+
+    def __init__(
+        self,
+        report_time_interval: float = 300.0,
+        calc_relative_gpu_perf: bool = True,
+        calc_individual_gpu_perf: bool = True,
+        num_gpu_perf_scores_to_print: int = 5,
+        gpu_relative_perf_threshold: float = 0.7,
+        gpu_individual_perf_threshold: float = 0.7,
+        stop_if_detected: bool = False,
+        profiling_interval: int = 1,
+        logger_name: str = "steadfast.straggler",
+    ) -> None:
+        from ._straggler import StepTimer
+
+        self.timer = StepTimer(
+            report_time_interval,
+            calc_relative_gpu_perf,
+            calc_individual_gpu_perf,
+            num_gpu_perf_scores_to_print,
+            gpu_relative_perf_threshold,
+            gpu_individual_perf_threshold,
+            stop_if_detected,
+            True,
+            profiling_interval,
+            logger_name,
+        )
+        self._stopping = False
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self.timer.begin()
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if self.timer.end(int(state.global_step)):
+            self._stopping = True
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        from ._straggler import EXIT_STRAGGLERS
+
+        if self._stopping:
+            raise SystemExit(EXIT_STRAGGLERS)
