@@ -55,7 +55,6 @@ are still written. The callbacks never import anything from Lightning's internal
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +62,15 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
 from .. import events
-from ..monitor import HB_TABLE_ENV, RankMonitorClient, load_ft_state, save_ft_state
+from ..straggler.manager import NVRxStragglerDetectionConfig
+from ._common import (
+    EXIT_STRAGGLERS,
+    FT_STATE_FILE,
+    Monitoring,
+    NaNGuard,
+    NaNRollback,
+    StepTimer,
+)
 
 __all__ = [
     "FaultToleranceCallback",
@@ -72,9 +79,6 @@ __all__ = [
     "NaNRollback",
     "StragglerDetectionCallback",
 ]
-
-#: The calculated timeouts' file in ``exp_dir`` (NVRx's name).
-FT_STATE_FILE = "_ft_state.json"
 
 
 class FaultToleranceCallback(Callback):
@@ -99,13 +103,10 @@ class FaultToleranceCallback(Callback):
     ) -> None:
         self.simulated_fault_params = _fault_params(simulated_fault_params)
         self.autoresume = autoresume
-        self.calculate_timeouts = calculate_timeouts
         self.exp_dir = Path(exp_dir) if exp_dir is not None else None
         self.logger_name = logger_name
-        self.client: RankMonitorClient | None = None
+        self.monitoring = Monitoring(calculate_timeouts)
         self._state: dict[str, Any] | None = None  # from a checkpoint, until setup
-        self._step_began: float | None = None
-        self._open_sections: set[str] = set()
         self._save: Any = None  # the strategy's own save_checkpoint, while wrapped
 
     # ------------------------------------------------------------------ helpers
@@ -116,42 +117,25 @@ class FaultToleranceCallback(Callback):
     def _state_file(self, trainer: Trainer) -> Path:
         return (self.exp_dir or Path(trainer.default_root_dir)) / FT_STATE_FILE
 
-    def _open(self, name: str) -> None:
-        if name in self._open_sections:
-            return
-        self._open_sections.add(name)
-        if self.client is not None:
-            self.client.start_section(name)
-
-    def _close(self, name: str) -> None:
-        if name not in self._open_sections:
-            return
-        self._open_sections.discard(name)
-        if self.client is not None:
-            self.client.end_section(name)
-
     # ------------------------------------------------------------------ the hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Start monitoring (under ``steadfast launch``) with the timeouts an earlier
         run calculated, and open the ``setup`` section."""
         if stage != "fit":
             return
-        if os.environ.get(HB_TABLE_ENV) and self.client is None:
-            self.client = RankMonitorClient()
-            self.client.init_workload_monitoring()
-            load_ft_state(self.client, self._state_file(trainer))
-        self._open("setup")
+        monitoring = self.monitoring
+        monitoring.start(self._state_file(trainer))
         strategy = trainer.strategy
         if self._save is None:  # every save, whoever asks for it, in "checkpointing"
             self._save = strategy.save_checkpoint
 
             def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-                self._close("step")
-                self._open("checkpointing")
+                monitoring.close("step")
+                monitoring.open("checkpointing")
                 try:
                     return self._save(*args, **kwargs)
                 finally:
-                    self._close("checkpointing")
+                    monitoring.close("checkpointing")
 
             strategy.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
         if self.simulated_fault_params is not None:
@@ -161,19 +145,15 @@ class FaultToleranceCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The Trainer restored its state: ``job_start`` with where it resumed from."""
-        if self.client is not None and self._state is not None:
-            self.client.load_state_dict(self._state)
+        client = self.monitoring.client
+        if client is not None and self._state is not None:
+            client.load_state_dict(self._state)
         events.job_start(int(trainer.global_step), int(trainer.world_size), _resumed_from(trainer))
-        self._started = True
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._close("setup")
-        if self.client is not None:
-            self.client.send_heartbeat()
-        self._open("step")
-        self._step_began = time.monotonic()
+        self.monitoring.step_begin()
 
     def on_train_batch_end(
         self,
@@ -183,37 +163,31 @@ class FaultToleranceCallback(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self._close("step")
-        began, self._step_began = self._step_began, None
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         fields: dict[str, Any] = {}
         if loss is not None and hasattr(loss, "item"):
             fields["loss"] = float(loss.detach().item())
-        events.emit(
-            "step_done",
-            step=int(trainer.global_step) - 1,
-            seconds=round(time.monotonic() - began, 6) if began is not None else None,
-            **fields,
-        )
+        self.monitoring.step_end(int(trainer.global_step) - 1, **fields)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._open("evaluation")
+            self.monitoring.open("evaluation")
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._close("evaluation")
+        self.monitoring.close("evaluation")
 
     def state_dict(self) -> dict[str, Any]:
-        return self.client.state_dict() if self.client is not None else {}
+        client = self.monitoring.client
+        return client.state_dict() if client is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._state = dict(state_dict) or None
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._calculate(trainer)
+        self.monitoring.calculate(self._state_file(trainer), trainer.is_global_zero)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._calculate(trainer)
+        self.monitoring.calculate(self._state_file(trainer), trainer.is_global_zero)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Stop monitoring (the rank leaves its row closed: not a hang) and give the
@@ -223,22 +197,7 @@ class FaultToleranceCallback(Callback):
         if self._save is not None:
             trainer.strategy.save_checkpoint = self._save  # type: ignore[method-assign]
             self._save = None
-        for name in list(self._open_sections):
-            self._close(name)
-        if self.client is not None:
-            self.client.shutdown_workload_monitoring()
-            self.client = None
-
-    def _calculate(self, trainer: Trainer) -> None:
-        if self.client is None or not self.calculate_timeouts:
-            return
-        self.client.calculate_and_set_section_timeouts(
-            ["step"], calc_out_of_section=False, skip_if_not_ready=True
-        )
-        if trainer.is_global_zero:
-            target = self._state_file(trainer)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            save_ft_state(self.client, target)
+        self.monitoring.stop()
 
 
 def _fault_params(params: Any) -> dict[str, Any] | None:
@@ -310,39 +269,24 @@ class GracefulShutdownCallback(Callback):
             self._registered = False
 
 
-class NaNRollback(RuntimeError):
-    """NaN/Inf gradients for ``max_consecutive`` steps in a row: the rank stops so that
-    the launcher restarts every rank from the latest checkpoint."""
-
-
 class NaNCallback(Callback):
     """NaN/Inf gradients checked before each optimizer step (see the module's
     description). ``action``: ``skip`` (the default), ``warn`` or ``raise``."""
 
     def __init__(self, action: str = "skip", max_consecutive: int = 5) -> None:
-        from ..health import NaNDetector
-
-        self.detector = NaNDetector(action=action, max_consecutive=max_consecutive)
+        self.guard = NaNGuard(action, max_consecutive)
 
     def on_before_optimizer_step(
         self, trainer: Trainer, pl_module: LightningModule, optimizer: Any
     ) -> None:
-        step = int(trainer.global_step)
-        if self.detector.check_gradients(pl_module, step):
-            return
-        if self.detector.should_rollback:  # the detector reported it (an event)
-            raise NaNRollback(
-                f"NaN/Inf gradients for {self.detector.state.consecutive_nans} steps in a "
-                f"row (max_consecutive={self.detector.max_consecutive}): restarting from "
-                "the latest checkpoint"
-            )
+        self.guard.check(pl_module, int(trainer.global_step))
 
     def state_dict(self) -> dict[str, Any]:
-        return self.detector.state_dict()
+        return self.guard.detector.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
-            self.detector.load_state_dict(state_dict)
+            self.guard.detector.load_state_dict(state_dict)
 
 
 def _last_checkpoint(trainer: Trainer) -> Path:
@@ -374,20 +318,20 @@ class StragglerDetectionCallback(Callback):
         profiling_interval: int = 1,
         logger_name: str | None = "nemo_logger.StragglerDetectionCallback",
     ) -> None:
-        from ._straggler import StepTimer
-
         self.enable_ptl_logging = enable_ptl_logging
         self.timer = StepTimer(
-            report_time_interval,
-            calc_relative_gpu_perf,
-            calc_individual_gpu_perf,
-            num_gpu_perf_scores_to_print,
-            gpu_relative_perf_threshold,
-            gpu_individual_perf_threshold,
-            stop_if_detected,
-            True,
-            profiling_interval,
-            logger_name or "steadfast.straggler",
+            NVRxStragglerDetectionConfig(
+                enabled=True,
+                report_time_interval=report_time_interval,
+                calc_relative_gpu_perf=calc_relative_gpu_perf,
+                calc_individual_gpu_perf=calc_individual_gpu_perf,
+                num_gpu_perf_scores_to_print=num_gpu_perf_scores_to_print,
+                gpu_relative_perf_threshold=gpu_relative_perf_threshold,
+                gpu_individual_perf_threshold=gpu_individual_perf_threshold,
+                stop_if_detected=stop_if_detected,
+                profiling_interval=profiling_interval,
+                logger_name=logger_name or "steadfast.straggler",
+            )
         )
 
         self._step: Any = None  # the strategy's own training_step, while wrapped
@@ -413,8 +357,6 @@ class StragglerDetectionCallback(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        from ._straggler import EXIT_STRAGGLERS
-
         stop = self.timer.manager.check(int(trainer.global_step))
         report = self.timer.manager.last_report
         if self.enable_ptl_logging and report is not None and report is not self._logged:

@@ -48,7 +48,6 @@ Only the Trainer's public callback interface is used.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +55,15 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import get_last_checkpoint
 
 from .. import events
-from ..monitor import HB_TABLE_ENV, RankMonitorClient, load_ft_state, save_ft_state
+from ..straggler.manager import NVRxStragglerDetectionConfig
+from ._common import (
+    EXIT_STRAGGLERS,
+    FT_STATE_FILE,
+    Monitoring,
+    NaNGuard,
+    NaNRollback,
+    StepTimer,
+)
 
 __all__ = [
     "FaultToleranceCallback",
@@ -65,9 +72,6 @@ __all__ = [
     "NaNRollback",
     "StragglerDetectionCallback",
 ]
-
-#: The calculated timeouts' file in ``output_dir`` (NVRx's name).
-FT_STATE_FILE = "_ft_state.json"
 
 
 class FaultToleranceCallback(TrainerCallback):
@@ -79,103 +83,58 @@ class FaultToleranceCallback(TrainerCallback):
     def __init__(
         self, calculate_timeouts: bool = True, exp_dir: str | os.PathLike[str] | None = None
     ) -> None:
-        self.calculate_timeouts = calculate_timeouts
         self.exp_dir = Path(exp_dir) if exp_dir is not None else None
-        self.client: RankMonitorClient | None = None
-        self._open_sections: set[str] = set()
-        self._step_began: float | None = None
+        self.monitoring = Monitoring(calculate_timeouts)
 
     def _state_file(self, args: TrainingArguments) -> Path:
         return (self.exp_dir or Path(str(args.output_dir))) / FT_STATE_FILE
-
-    def _open(self, name: str) -> None:
-        if name not in self._open_sections:
-            self._open_sections.add(name)
-            if self.client is not None:
-                self.client.start_section(name)
-
-    def _close(self, name: str) -> None:
-        if name in self._open_sections:
-            self._open_sections.discard(name)
-            if self.client is not None:
-                self.client.end_section(name)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         """Start monitoring (under ``steadfast launch``) with the timeouts an earlier run
         calculated; ``job_start`` with the state the Trainer restored."""
-        if os.environ.get(HB_TABLE_ENV) and self.client is None:
-            self.client = RankMonitorClient()
-            self.client.init_workload_monitoring()
-            load_ft_state(self.client, self._state_file(args))
-        self._open("setup")
+        self.monitoring.start(self._state_file(args))
         events.job_start(int(state.global_step), int(args.world_size), _resumed_from(args, state))
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        for name in ("setup", "evaluation", "checkpointing"):
-            self._close(name)
-        if self.client is not None:
-            self.client.send_heartbeat()
-        self._open("step")
-        self._step_began = time.monotonic()
+        self.monitoring.step_begin("evaluation", "checkpointing")
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self._close("step")
-        began, self._step_began = self._step_began, None
-        events.emit(
-            "step_done",
-            step=int(state.global_step) - 1,
-            seconds=round(time.monotonic() - began, 6) if began is not None else None,
-        )
+        self.monitoring.step_end(int(state.global_step) - 1)
         if control.should_evaluate:  # the Trainer evaluates, then saves, after this hook
-            self._open("evaluation")
+            self.monitoring.open("evaluation")
         elif control.should_save:
-            self._open("checkpointing")
+            self.monitoring.open("checkpointing")
 
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self._close("evaluation")
+        self.monitoring.close("evaluation")
         if control.should_save:
-            self._open("checkpointing")
+            self.monitoring.open("checkpointing")
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self._close("checkpointing")
+        self.monitoring.close("checkpointing")
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self._calculate(args, state)
+        self.monitoring.calculate(self._state_file(args), state.is_world_process_zero)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         """Calculate the timeouts a last time and stop monitoring (a closed row: not a
         hang)."""
-        self._calculate(args, state)
-        for name in list(self._open_sections):
-            self._close(name)
-        if self.client is not None:
-            self.client.shutdown_workload_monitoring()
-            self.client = None
-
-    def _calculate(self, args: TrainingArguments, state: TrainerState) -> None:
-        if self.client is None or not self.calculate_timeouts:
-            return
-        self.client.calculate_and_set_section_timeouts(
-            ["step"], calc_out_of_section=False, skip_if_not_ready=True
-        )
-        if state.is_world_process_zero:
-            target = self._state_file(args)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            save_ft_state(self.client, target)
+        self.monitoring.calculate(self._state_file(args), state.is_world_process_zero)
+        self.monitoring.stop()
 
 
 class GracefulShutdownCallback(TrainerCallback):
@@ -224,41 +183,26 @@ class GracefulShutdownCallback(TrainerCallback):
             self._registered = False
 
 
-class NaNRollback(RuntimeError):
-    """NaN/Inf gradients for ``max_consecutive`` steps in a row: the rank stops so that
-    the launcher restarts every rank from the latest checkpoint."""
-
-
 class NaNCallback(TrainerCallback):
     """NaN/Inf gradients checked before each optimizer step (see the module's
     description). ``action``: ``skip`` (the default), ``warn`` or ``raise``."""
 
     def __init__(self, action: str = "skip", max_consecutive: int = 5) -> None:
-        from ..health import NaNDetector
-
-        self.detector = NaNDetector(action=action, max_consecutive=max_consecutive)
+        self.guard = NaNGuard(action, max_consecutive)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         model = kw.get("model")
-        if model is None:
-            return
-        if self.detector.check_gradients(model, int(state.global_step)):
-            return
-        if self.detector.should_rollback:  # the detector reported it (an event)
-            raise NaNRollback(
-                f"NaN/Inf gradients for {self.detector.state.consecutive_nans} steps in a "
-                f"row (max_consecutive={self.detector.max_consecutive}): restarting from "
-                "the latest checkpoint"
-            )
+        if model is not None:
+            self.guard.check(model, int(state.global_step))
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         """No checkpoint in the middle of a NaN streak: a rollback must land before it
         (this runs after the Trainer's own flow callback set ``should_save``)."""
-        if self.detector.state.consecutive_nans > 0:
+        if self.guard.in_streak:
             control.should_save = False
 
 
@@ -285,19 +229,19 @@ class StragglerDetectionCallback(TrainerCallback):
         profiling_interval: int = 1,
         logger_name: str = "steadfast.straggler",
     ) -> None:
-        from ._straggler import StepTimer
-
         self.timer = StepTimer(
-            report_time_interval,
-            calc_relative_gpu_perf,
-            calc_individual_gpu_perf,
-            num_gpu_perf_scores_to_print,
-            gpu_relative_perf_threshold,
-            gpu_individual_perf_threshold,
-            stop_if_detected,
-            True,
-            profiling_interval,
-            logger_name,
+            NVRxStragglerDetectionConfig(
+                enabled=True,
+                report_time_interval=report_time_interval,
+                calc_relative_gpu_perf=calc_relative_gpu_perf,
+                calc_individual_gpu_perf=calc_individual_gpu_perf,
+                num_gpu_perf_scores_to_print=num_gpu_perf_scores_to_print,
+                gpu_relative_perf_threshold=gpu_relative_perf_threshold,
+                gpu_individual_perf_threshold=gpu_individual_perf_threshold,
+                stop_if_detected=stop_if_detected,
+                profiling_interval=profiling_interval,
+                logger_name=logger_name,
+            )
         )
         self._stopping = False
 
@@ -317,7 +261,5 @@ class StragglerDetectionCallback(TrainerCallback):
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        from ._straggler import EXIT_STRAGGLERS
-
         if self._stopping:
             raise SystemExit(EXIT_STRAGGLERS)
