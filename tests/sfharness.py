@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -141,6 +141,36 @@ def assert_none_left(text: str, timeout: float = 10.0) -> None:
     while (left := processes_mentioning(text)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"processes of this test still running: {left}"
+
+
+@contextlib.contextmanager
+def refusing_fence(answer: str) -> Iterator[str]:
+    """A launcher's fence (``steadfast.fence``) that answers its one caller ``answer``
+    (e.g. ``fenced: ...``); yields the address to put in ``$STEADFAST_FENCE``."""
+    import socket
+    import threading
+
+    name = f"steadfast-test-fence-{os.getpid()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(1)
+
+    def reply() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(16)
+                conn.sendall(answer.encode() + b"\n")
+
+    responder = threading.Thread(target=reply, name="refusing-fence")
+    responder.start()
+    try:
+        yield "@" + name
+    finally:
+        with contextlib.suppress(OSError):  # wakes an accept still waiting for a caller
+            listener.shutdown(socket.SHUT_RDWR)
+        responder.join(5)
+        listener.close()
 
 
 def write_atomic(path: Path, text: str) -> None:

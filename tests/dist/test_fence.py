@@ -4,14 +4,13 @@ nothing is written."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
-import threading
 from pathlib import Path
 
 import torch
 
-from sfharness import run_ranks
+from sfharness import refusing_fence, run_ranks
 
 
 def _save(rank: int, world: int, workdir: Path, ckpt: str) -> str:
@@ -19,31 +18,19 @@ def _save(rank: int, world: int, workdir: Path, ckpt: str) -> str:
     from steadfast.checkpoint import CheckpointError
     from steadfast.fence import FENCE_ENV
 
-    if rank == 1:  # this rank's launcher says its node was left behind
-        name = f"steadfast-test-fence-{os.getpid()}"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind("\0" + name)
-        listener.listen(1)
-
-        def answer() -> None:
-            conn, _ = listener.accept()
-            with conn:
-                conn.recv(16)
-                conn.sendall(b"fenced: the job formed a newer round without this node\n")
-
-        threading.Thread(target=answer, daemon=True).start()
-        os.environ[FENCE_ENV] = "@" + name
-    mgr = CheckpointManager(ckpt)
-    try:
-        mgr.save(4, {"model": torch.nn.Linear(2, 2)})
-    except CheckpointFenced as exc:
-        return f"fenced: {exc}"
-    except CheckpointError as exc:
-        return f"failed: {exc}"
-    finally:
-        mgr.close()
-        if rank == 1:
-            listener.close()
+    with contextlib.ExitStack() as stack:
+        if rank == 1:  # this rank's launcher says its node was left behind
+            answer = "fenced: the job formed a newer round without this node"
+            os.environ[FENCE_ENV] = stack.enter_context(refusing_fence(answer))
+        mgr = CheckpointManager(ckpt)
+        try:
+            mgr.save(4, {"model": torch.nn.Linear(2, 2)})
+        except CheckpointFenced as exc:
+            return f"fenced: {exc}"
+        except CheckpointError as exc:
+            return f"failed: {exc}"
+        finally:
+            mgr.close()
     return "saved"
 
 

@@ -13,16 +13,13 @@ those of a run that never failed.
 
 from __future__ import annotations
 
-import argparse
-import os
 import time
-from pathlib import Path
 
 import torch
+from framework_run import data, parse_args, striker
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from steadfast.faults import FaultKind, fail_at
 from steadfast.integrations.transformers import (
     FaultToleranceCallback,
     GracefulShutdownCallback,
@@ -63,47 +60,13 @@ class StepCounter:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--epochs", type=int, default=4)
-    ap.add_argument("--fault", choices=[k.value for k in FaultKind], default=None)
-    ap.add_argument("--fault-rank", type=int, default=1)
-    ap.add_argument("--fault-step", type=int, default=5)
-    ap.add_argument("--fault-length", type=int, default=1, help="steps a fault lasts")
-    ap.add_argument("--fault-seconds", type=float, default=0.0, help="a slow step's extra")
-    ap.add_argument("--straggler", action="store_true", help="with straggler reports (1 s)")
-    ap.add_argument("--step-sleep", type=float, default=0.0)
-    args = ap.parse_args()
-    rank = int(os.environ.get("RANK", "0"))
-    fault = (
-        fail_at(
-            args.fault_rank,
-            args.fault_step,
-            args.fault,
-            once_dir=args.ckpt.parent / "faults",
-            **(
-                {"length": args.fault_length, "seconds": args.fault_seconds}
-                if args.fault in (FaultKind.NAN_BURST.value, FaultKind.SLOW_RANK.value)
-                else {}
-            ),
-        )
-        if args.fault
-        else None
-    )
-
-    def strike(step: int) -> bool:
-        """The fault, if it strikes now; True while a NaN burst lasts."""
-        hit = fault is not None and fault.check(step, rank)
-        if hit and args.fault == FaultKind.SLOW_RANK.value:  # a slow GPU: its forward
-            time.sleep(args.fault_seconds)
-        return bool(hit) and args.fault == FaultKind.NAN_BURST.value
+    args = parse_args()
+    strike = striker(args)
 
     torch.manual_seed(0)
     net = Net(strike, args.step_sleep)
-    g = torch.Generator().manual_seed(7)
-    xs, ys = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
-    data = [{"x": xs[i], "labels": ys[i]} for i in range(len(xs))]
+    xs, ys = data()
+    samples = [{"x": xs[i], "labels": ys[i]} for i in range(len(xs))]
     training = TrainingArguments(
         output_dir=str(args.ckpt),
         per_device_train_batch_size=4,
@@ -125,7 +88,7 @@ def main() -> int:
     trainer = Trainer(
         model=net,
         args=training,
-        train_dataset=data,
+        train_dataset=samples,
         callbacks=[
             StepCounter(net).callback,
             FaultToleranceCallback(),

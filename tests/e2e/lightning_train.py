@@ -13,17 +13,15 @@ epoch), so the final parameters equal those of a run that never failed.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
-from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from framework_run import data, parse_args, striker
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from steadfast.faults import FaultKind, fail_at
 from steadfast.integrations.lightning import (
     FaultToleranceCallback,
     GracefulShutdownCallback,
@@ -55,45 +53,11 @@ class Net(pl.LightningModule):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--epochs", type=int, default=4)
-    ap.add_argument("--fault", choices=[k.value for k in FaultKind], default=None)
-    ap.add_argument("--fault-rank", type=int, default=1)
-    ap.add_argument("--fault-step", type=int, default=5)
-    ap.add_argument("--fault-length", type=int, default=1, help="steps a fault lasts")
-    ap.add_argument("--fault-seconds", type=float, default=0.0, help="a slow step's extra")
-    ap.add_argument("--straggler", action="store_true", help="with straggler reports (1 s)")
-    ap.add_argument("--step-sleep", type=float, default=0.0)
-    args = ap.parse_args()
-    rank = int(os.environ.get("RANK", "0"))
-    fault = (
-        fail_at(
-            args.fault_rank,
-            args.fault_step,
-            args.fault,
-            once_dir=args.ckpt.parent / "faults",
-            **(
-                {"length": args.fault_length, "seconds": args.fault_seconds}
-                if args.fault in (FaultKind.NAN_BURST.value, FaultKind.SLOW_RANK.value)
-                else {}
-            ),
-        )
-        if args.fault
-        else None
-    )
-
-    def strike(step: int) -> bool:
-        """The fault, if it strikes now; True while a NaN burst lasts."""
-        hit = fault is not None and fault.check(step, rank)
-        if hit and args.fault == FaultKind.SLOW_RANK.value:  # a slow GPU: its forward
-            time.sleep(args.fault_seconds)
-        return bool(hit) and args.fault == FaultKind.NAN_BURST.value
+    args = parse_args()
+    strike = striker(args)
 
     torch.manual_seed(0)
-    g = torch.Generator().manual_seed(7)
-    data = TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g))
+    dataset = TensorDataset(*data())
     model = Net(strike, args.step_sleep)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -132,7 +96,7 @@ def main() -> int:
     )
     last = args.ckpt / "last.ckpt"
     trainer.fit(
-        model, DataLoader(data, batch_size=4), ckpt_path=str(last) if last.exists() else None
+        model, DataLoader(dataset, batch_size=4), ckpt_path=str(last) if last.exists() else None
     )
     if trainer.is_global_zero:
         torch.save({k: v.detach().clone() for k, v in model.net.state_dict().items()}, args.out)

@@ -57,6 +57,16 @@ def assert_bit_exact(out: Path, reference: dict[str, Any]) -> None:
         assert torch.equal(got[name], value), f"{name} differs from the fault-free run"
 
 
+def start(bed: Any, flags: list[str], script: list[str], spare: bool = False) -> list[Any]:
+    """node1 and node2 start the job; with ``spare``, node3 joins once they train (it
+    waits in the rendezvous: the round is full). Their launches, node1 first."""
+    launches = [bed.launch(node, *flags, script=script) for node in ("node1", "node2")]
+    if spare:
+        bed.wait_event("checkpoint_saved", step=2)
+        launches.append(bed.launch("node3", *flags, script=script))
+    return launches
+
+
 def saved_steps(bed: Any, host: str, after: float) -> list[int]:
     return [e["step"] for e in bed.events("checkpoint_saved", host=host) if e["time"] > after]
 
@@ -64,12 +74,7 @@ def saved_steps(bed: Any, host: str, after: float) -> list[int]:
 def test_a_killed_node_is_replaced_by_a_spare_and_the_run_ends_bit_exact(bed_factory, reference):
     bed = bed_factory(3)
     flags, script = job("2"), train(bed)
-    node1, node2 = (
-        bed.launch("node1", *flags, script=script),
-        bed.launch("node2", *flags, script=script),
-    )
-    bed.wait_event("checkpoint_saved", step=2)
-    spare = bed.launch("node3", *flags, script=script)  # waits: the round is full
+    node1, node2, spare = start(bed, flags, script, spare=True)
     bed.wait_event("checkpoint_saved", step=10)
     killed = time.time()
     bed.do("kill", "node2")
@@ -95,12 +100,7 @@ def test_the_rendezvous_host_lost_under_etcd_a_spare_takes_its_place(
     bed = bed_factory(3)
     bed.do("etcd")
     flags, script = job("2", backend="etcd-v2", endpoint="127.0.0.1:2379"), train(bed)
-    node1, node2 = (
-        bed.launch("node1", *flags, script=script),
-        bed.launch("node2", *flags, script=script),
-    )
-    bed.wait_event("checkpoint_saved", step=2)
-    spare = bed.launch("node3", *flags, script=script)
+    node1, node2, spare = start(bed, flags, script, spare=True)
     bed.wait_event("checkpoint_saved", step=10)
     killed = time.time()
     bed.do("kill", "node1")
@@ -126,10 +126,7 @@ def test_without_a_spare_the_survivor_exits_75_and_the_retried_job_ends_bit_exac
     wrapper requeues; here the job is simply started again on the mended nodes."""
     bed = bed_factory(2)
     flags, script = [*job("2"), "--ft-node-lost-timeout", "3"], train(bed)
-    node1, node2 = (
-        bed.launch("node1", *flags, script=script),
-        bed.launch("node2", *flags, script=script),
-    )
+    node1, node2 = start(bed, flags, script)
     bed.wait_event("checkpoint_saved", step=10)
     bed.do("kill", "node2", "--silent")  # no word on the wire: found by silence
 
@@ -151,10 +148,7 @@ def test_an_elastic_job_goes_on_with_the_nodes_it_has_and_sees_every_sample_once
     bed = bed_factory(2)
     flags = [*job("1:2", nproc=2), "--rdzv-conf", "last_call_timeout=1"]
     script = train(bed, "--data", "160", "--batch", "2")
-    node1, node2 = (
-        bed.launch("node1", *flags, script=script),
-        bed.launch("node2", *flags, script=script),
-    )
+    node1, node2 = start(bed, flags, script)
     bed.wait_event("checkpoint_saved", step=6)
     bed.do("kill", "node2")
 
@@ -173,12 +167,7 @@ def test_a_partitioned_node_is_fenced_off_and_a_spare_takes_its_place(bed_factor
     it was replaced and exits 75 instead of rejoining."""
     bed = bed_factory(3)
     flags, script = job("2"), train(bed)
-    node1, node2 = (
-        bed.launch("node1", *flags, script=script),
-        bed.launch("node2", *flags, script=script),
-    )
-    bed.wait_event("checkpoint_saved", step=2)
-    spare = bed.launch("node3", *flags, script=script)
+    node1, node2, spare = start(bed, flags, script, spare=True)
     bed.wait_event("checkpoint_saved", step=10)
     cut = time.time()
     bed.do("partition", "node2")
@@ -211,12 +200,7 @@ def test_a_node_failing_its_health_check_leaves_and_a_spare_takes_its_place(bed_
     check = f'test ! -e {flag}-"$STEADFAST_NODE"'
     flags = [*job("2"), "--ft-node-health-check", check]
     script = train(bed, "--fault", "exception", "--fault-rank", "1", "--fault-step", "14")
-    node1, node2 = (
-        bed.launch("node1", *flags, script=script),
-        bed.launch("node2", *flags, script=script),
-    )
-    bed.wait_event("checkpoint_saved", step=2)  # both passed their first check
-    spare = bed.launch("node3", *flags, script=script)
+    node1, node2, spare = start(bed, flags, script, spare=True)  # both passed their check
     Path(f"{flag}-node2").touch()
 
     unhealthy = bed.wait_event("node_unhealthy")

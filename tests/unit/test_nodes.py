@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sfharness import read_events, wait_for
+from sfharness import read_events, refusing_fence, wait_for
 from steadfast import CheckpointFenced, CheckpointManager
 from steadfast.config import ConfigError, FaultToleranceConfig
 from steadfast.fence import FENCE_ENV, FENCE_TIMEOUT_ENV, check
@@ -180,27 +180,14 @@ def test_a_node_that_loses_its_peer_and_the_store_is_isolated_and_fenced(
 def test_a_fenced_rank_writes_no_checkpoint(tmp_path, monkeypatch, event_log):
     """CheckpointManager asks the fence before it writes anything: a fenced rank raises
     CheckpointFenced and leaves the directory as it was."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind("\0steadfast-test-fence")
-    listener.listen(1)
-
-    def answer() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(16)
-            conn.sendall(b"fenced: the job formed a newer round without this node\n")
-
-    responder = threading.Thread(target=answer)
-    responder.start()
-    monkeypatch.setenv(FENCE_ENV, "@steadfast-test-fence")
-    ckpt = CheckpointManager(tmp_path / "ck")
-    try:
-        with pytest.raises(CheckpointFenced, match="newer round"):
-            ckpt.save(2, {"model": torch.nn.Linear(2, 2)})
-    finally:
-        ckpt.close()
-        responder.join(5)
-        listener.close()
+    with refusing_fence("fenced: the job formed a newer round without this node") as where:
+        monkeypatch.setenv(FENCE_ENV, where)
+        ckpt = CheckpointManager(tmp_path / "ck")
+        try:
+            with pytest.raises(CheckpointFenced, match="newer round"):
+                ckpt.save(2, {"model": torch.nn.Linear(2, 2)})
+        finally:
+            ckpt.close()
     assert not list((tmp_path / "ck").rglob("*")), "a fenced rank wrote to the directory"
     (fenced,) = kinds(event_log, "checkpoint_fenced")
     assert "step_2" in fenced["path"] and "newer round" in fenced["reason"]
