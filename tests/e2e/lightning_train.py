@@ -6,9 +6,11 @@
     steadfast launch --nproc-per-node 2 ... lightning_train.py --ckpt DIR --out FILE \
         [--fault KIND --fault-rank R --fault-step K]
 
-An in-job restart resumes from the last checkpoint (``ckpt_path="last"``): the epoch
-replays from its start with the same batches (the data and its order depend only on the
-epoch), so the final parameters equal those of a run that never failed.
+An in-job restart resumes from the last checkpoint (``ckpt_path="last"``), and the train
+loader is ``steadfast.integrations.lightning.resumable`` over a shuffling
+``ResumableSampler`` (the order depends only on the epoch): a resume at an epoch's end
+starts the next epoch, one after a mid-epoch save (a SIGTERM) goes on with the next
+batch, so the final parameters equal those of a run that never failed.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from framework_run import data, parse_args, striker
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
+from steadfast import ResumableSampler
 from steadfast.integrations.lightning import (
     FaultToleranceCallback,
     GracefulShutdownCallback,
     NaNCallback,
     StragglerDetectionCallback,
+    resumable,
 )
 
 
@@ -95,9 +99,14 @@ def main() -> int:
         deterministic=True,
     )
     last = args.ckpt / "last.ckpt"
-    trainer.fit(
-        model, DataLoader(dataset, batch_size=4), ckpt_path=str(last) if last.exists() else None
+    sampler = ResumableSampler(
+        len(dataset),
+        num_replicas=int(os.environ.get("WORLD_SIZE", "1")),
+        rank=int(os.environ.get("RANK", "0")),
+        seed=3,
     )
+    loader = resumable(DataLoader(dataset, batch_size=4, sampler=sampler))
+    trainer.fit(model, loader, ckpt_path=str(last) if last.exists() else None)
     if trainer.is_global_zero:
         torch.save({k: v.detach().clone() for k, v in model.net.state_dict().items()}, args.out)
     return 0

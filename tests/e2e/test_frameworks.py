@@ -150,9 +150,9 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_the_next_run_resumes(
 ):
     """SIGTERM to one rank: all ranks agree to stop after the same step, save there and
     exit 0; the next launch (a requeued job) resumes from that checkpoint and completes
-    the run. The Trainer skips the batches its epoch already trained, so its resume is
-    bit-exact mid-epoch; Lightning replays a plain DataLoader's epoch from its start
-    (its own warning), so a mid-epoch stop there is exact only with a resumable loader."""
+    the run, bit-exact although the stop is mid-epoch: the Trainer skips the batches its
+    epoch already trained, and Lightning restores the position of the ``resumable``
+    loader (with a plain DataLoader it would replay the epoch's first batches)."""
     code, evs = launch(
         framework, tmp_path, "--fault", "sigterm", "--fault-rank", "1", "--fault-step", "6"
     )
@@ -175,8 +175,7 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_the_next_run_resumes(
     assert {e["step"] for e in kinds(evs, "step_done") if e["time"] > resumed[0]["time"]} == set(
         range(7, 16)
     )
-    if framework == "transformers":
-        assert_bit_exact(tmp_path / "out.pt", reference)
+    assert_bit_exact(tmp_path / "out.pt", reference)
     verdict = report(tmp_path)
     assert [f["fault"] for f in verdict["faults"]] == ["sigterm"]
 

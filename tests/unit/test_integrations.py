@@ -49,3 +49,29 @@ def test_the_trainer_callbacks_are_trainer_callbacks():
         assert issubclass(cls, TrainerCallback)
     with pytest.raises(Exception, match=r"NaNDetector\.action"):
         hf.NaNCallback(action="ignore")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="no Lightning")
+def test_resumable_is_driven_by_lightning_and_refuses_an_undistributed_loader(monkeypatch):
+    """Lightning sets the epoch through the loader's ``sampler.set_epoch``; it draws a
+    batch ahead only from a loader without a length; and a loader whose sampler is not
+    per-rank is refused under DDP (Lightning would not add a DistributedSampler)."""
+    from torch.utils.data import DataLoader
+
+    from steadfast import ConfigError, ResumableSampler
+    from steadfast.integrations.lightning import resumable
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="sampler is a SequentialSampler"):
+        resumable(DataLoader(range(8), batch_size=2))
+    sampler = ResumableSampler(8, num_replicas=2, rank=1, seed=5)
+    position = resumable(DataLoader(range(8), batch_size=2, sampler=sampler))
+    assert position.lookahead == 0 and len(position) == 2
+    position.sampler.set_epoch(3)  # what Lightning's fit loop calls at an epoch's start
+    assert position.epoch == 3 and sampler.epoch == 3
+    assert resumable(_Unsized()).lookahead == 1
+
+
+class _Unsized:
+    def __iter__(self):
+        yield from range(4)

@@ -121,6 +121,35 @@ def test_data_position_resumes_mid_epoch(resumable: bool):
     assert resumed.state_dict() == done  # the epoch completed
 
 
+def test_data_position_with_lookahead_counts_only_trained_batches():
+    """A consumer that draws one batch ahead (Lightning's fit loop) and saves in its
+    batch hook: the position is the batches trained, so the resumed epoch goes on with
+    the batch that was drawn but never trained, and none is skipped or trained twice;
+    after the last batch the look-ahead met the end, so the position is the next epoch."""
+    data = torch.arange(20)
+
+    def loader() -> DataLoader:
+        return DataLoader(data, batch_size=3, sampler=ResumableSampler(20, seed=4))
+
+    uninterrupted = _epoch(DataPosition(loader()))
+    pos = DataPosition(loader(), lookahead=1)
+    it = iter(pos)
+    ahead = next(it)
+    trained = []
+    for _ in range(4):  # train the batch in hand, draw the next one, then save
+        trained.append(ahead.tolist())
+        ahead = next(it)
+    saved = pos.state_dict()
+    assert saved == {"epoch": 0, "batches": 4, "samples": 12}
+    resumed = DataPosition(loader(), lookahead=1)
+    resumed.load_state_dict(saved)
+    rest = _epoch(resumed)
+    assert trained + rest == uninterrupted
+    assert resumed.state_dict() == {"epoch": 1, "batches": 0, "samples": 0}
+    with pytest.raises(ConfigError, match=r"DataPosition\.lookahead"):
+        DataPosition([], lookahead=-1)
+
+
 def test_data_position_after_a_complete_epoch_means_the_next_one():
     sampler = ResumableSampler(8, seed=1)
     pos = DataPosition(DataLoader(torch.arange(8), batch_size=2, sampler=sampler))

@@ -246,10 +246,20 @@ class DataPosition:
     ``num_workers > 0`` the workers' seeds come from a fresh base seed, so random
     transforms inside workers do not repeat bit-exact; torchdata's
     ``StatefulDataLoader`` saves worker state too: checkpoint that loader itself instead.
+
+    ``lookahead``: how many batches the consumer draws ahead of the one it is training
+    on when it saves. A plain loop draws none; PyTorch Lightning's fit loop draws one
+    ahead from a loader without a length (to know which batch is the epoch's last), so
+    its copy of this state, taken in a training-batch hook, would otherwise count a
+    batch never trained (:func:`steadfast.integrations.lightning.resumable` sets it).
     """
 
-    def __init__(self, loader: Iterable[Any]) -> None:
+    def __init__(self, loader: Iterable[Any], lookahead: int = 0) -> None:
         self.loader = loader
+        self.lookahead = require_number(
+            "DataPosition.lookahead", lookahead, minimum=0, integer=True
+        )
+        self._live = False  # an iteration is under way (not yet exhausted)
         self.epoch = 0
         self.batches = 0
         self._resume_at = 0
@@ -271,6 +281,7 @@ class DataPosition:
         end, and each iteration tells the sampler its epoch."""
         if epoch != self.epoch:
             self.batches = 0
+            self._live = False
             self._resume_at = 0
             self._resume_samples = None
         self.epoch = int(epoch)
@@ -294,11 +305,13 @@ class DataPosition:
             per_step = position[1] if position is not None else 0
             self._base_samples, self._base_batches = skip * per_step, skip
         self.batches = self._base_batches
+        self._live = True
         for batch in it:
             self.batches += 1
             yield batch
         # the epoch is complete: a checkpoint from now on means "the next one, from its
         # start", not "this one, from its start"
+        self._live = False
         self.epoch, self.batches = self.epoch + 1, 0
         self._base_samples = self._base_batches = 0
 
@@ -333,12 +346,16 @@ class DataPosition:
 
     def state_dict(self) -> dict[str, int | None]:
         """``{"epoch", "batches", "samples"}``: batches of the epoch this rank's loop has
-        consumed, and the global position (None without a ResumableSampler)."""
+        consumed (drawn, less the ``lookahead`` still in the consumer's hands), and the
+        global position (None without a ResumableSampler)."""
+        batches = self.batches
+        if self._live:
+            batches = max(self._base_batches, batches - self.lookahead)
         position = self._global()
         samples = None
         if position is not None:
-            samples = self._base_samples + (self.batches - self._base_batches) * position[1]
-        return {"epoch": self.epoch, "batches": self.batches, "samples": samples}
+            samples = self._base_samples + (batches - self._base_batches) * position[1]
+        return {"epoch": self.epoch, "batches": batches, "samples": samples}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume at ``state_dict``'s position on the next iteration: its global

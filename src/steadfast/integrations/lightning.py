@@ -32,7 +32,9 @@ Trainer where ``ModelCheckpoint`` keeps its last one, and exit 0, so that the re
 job resumes there; a save that hangs is cut short by the forced exit after
 ``timeout_sec``. Lightning resumes mid-epoch exactly only with a resumable dataloader
 (one with ``state_dict``/``load_state_dict``); with a plain ``DataLoader`` it runs the
-epoch's remaining steps on its first batches again (its own warning says so).
+epoch's remaining steps on its first batches again (its own warning says so): wrap the
+train loader in :func:`resumable` (a :class:`~steadfast.DataPosition` that Lightning
+keeps in its checkpoint) and a stop after any batch resumes at the next one.
 
 :class:`NaNCallback`: NaN/Inf gradients checked before each optimizer step on every
 rank at once (:class:`~steadfast.NaNDetector`, one fused check and one all-reduce):
@@ -55,6 +57,7 @@ are still written. The callbacks never import anything from Lightning's internal
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +65,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
 from .. import events
+from ..checkpoint.state import DataPosition, ResumableSampler
+from ..config import ConfigError
 from ..straggler.manager import NVRxStragglerDetectionConfig
 from ._common import (
     EXIT_STRAGGLERS,
@@ -74,11 +79,61 @@ from ._common import (
 
 __all__ = [
     "FaultToleranceCallback",
+    "resumable",
     "GracefulShutdownCallback",
     "NaNCallback",
     "NaNRollback",
     "StragglerDetectionCallback",
 ]
+
+
+def resumable(loader: Iterable[Any]) -> DataPosition:
+    """The train dataloader made resumable mid-epoch: Lightning keeps its position in
+    the checkpoint (``fit_loop`` state) and restores it, so a run stopped after any
+    batch (a SIGTERM, a crash after an ``every_n_train_steps`` save) goes on with the
+    next batch instead of replaying the epoch's first ones.
+
+    A :class:`~steadfast.DataPosition` that Lightning drives: it calls the position's
+    ``set_epoch`` at each epoch's start (Lightning ends an epoch by its length, so the
+    iterator never runs out to move the position on by itself), and for a loader
+    without a length, whose batches Lightning draws one ahead to see the last, the
+    position does not count the batch drawn but not yet trained (``lookahead=1``).
+    Lightning adds no ``DistributedSampler`` to a wrapped loader: under DDP give the
+    ``DataLoader`` a :class:`~steadfast.ResumableSampler` (or a ``DistributedSampler``)
+    for its rank, or this raises :class:`~steadfast.ConfigError` rather than let every
+    rank train on all the data. With a ``ResumableSampler`` no skipped sample is read."""
+    sampler = getattr(loader, "sampler", None)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and sampler is not None:
+        from torch.utils.data import DistributedSampler
+
+        if not isinstance(sampler, (ResumableSampler, DistributedSampler)):
+            raise ConfigError(
+                f"resumable(loader): the loader's sampler is a {type(sampler).__name__}, "
+                f"but the job has {world} ranks and Lightning adds no DistributedSampler to "
+                "a wrapped loader: give it ResumableSampler(len(dataset), num_replicas="
+                "WORLD_SIZE, rank=RANK)"
+            )
+    try:
+        len(loader)  # type: ignore[arg-type]
+        sized = True
+    except TypeError:
+        sized = False
+    return _LightningPosition(loader, lookahead=0 if sized else 1)
+
+
+class _LightningPosition(DataPosition):
+    """A DataPosition whose ``sampler`` is itself as far as Lightning's per-epoch
+    ``sampler.set_epoch`` goes: Lightning calls it on the train loader's ``sampler``."""
+
+    @property
+    def sampler(self) -> _EpochSetter:
+        return _EpochSetter(self)
+
+
+class _EpochSetter:
+    def __init__(self, position: DataPosition) -> None:
+        self.set_epoch = position.set_epoch
 
 
 class FaultToleranceCallback(Callback):
