@@ -169,7 +169,8 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     ("checkpoint_corrupt", "a checkpoint failed verification; an older one is used", {
         "path": "its folder", "reason": "what failed",
     }),
-    ("checkpoint_deleted", "an old checkpoint was removed (keep_last_n)", {"path": "its folder"}),
+    ("checkpoint_deleted", "an old checkpoint was removed (keep_last_n, or a framework "
+     "rotating its own)", {"path": "its folder"}),
     ("checkpoint_fenced", "a rank wrote no checkpoint: its node no longer holds the job's "
      "rendezvous (cut off, or the job went on without it)", {
         "path": "the checkpoint folder", "reason": "what the launcher answered",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sfharness import read_events
 from steadfast import CheckpointError, CheckpointManager, ConfigError, NaNDetector
 from steadfast.checkpoint import verify
 
@@ -219,3 +221,71 @@ def test_a_checkpoint_hidden_for_replacement_comes_back_after_a_crash(tmp_path: 
     step, state = CheckpointManager(d).load()
     assert step == 5 and torch.equal(state["w"], torch.ones(3) * 5)
     assert sorted(p.name for p in d.iterdir()) == ["latest", "step_5"]
+
+
+def test_a_named_checkpoint_is_published_whole_and_leaves_latest_and_retention_alone(
+    tmp_path: Path,
+):
+    """A framework's own names (Lightning's ``last.ckpt``): the same manifest and
+    atomic publish, a new save of the name replaces the old one whole, ``latest`` stays
+    on the last step_N, and keep_last_n never deletes a named checkpoint."""
+    d = tmp_path / "ckpt"
+    mgr = CheckpointManager(d, keep_last_n=1)
+    mgr.save(1, {"w": torch.ones(2)})
+    mgr.save(2, {"w": torch.ones(2) * 2}, name="last.ckpt")
+    mgr.save(3, {"w": torch.ones(2) * 3}, name="last.ckpt")
+    mgr.save(3, {"w": torch.ones(2) * 3}, name="epoch=0-step=3.ckpt")
+    mgr.close()
+    assert sorted(p.name for p in d.iterdir() if p.name != "events.jsonl") == [
+        "epoch=0-step=3.ckpt", "last.ckpt", "latest", "step_1",
+    ]  # fmt: skip
+    assert os.readlink(d / "latest") == "step_1"
+    assert verify(d / "last.ckpt") == []
+    step, state = CheckpointManager(d).load(d / "last.ckpt")
+    assert step == 3 and torch.equal(state["w"], torch.ones(2) * 3)
+    for bad in ("", "a/b", ".hidden", "latest"):
+        with pytest.raises(ConfigError, match="save name"):
+            CheckpointManager(d).save(4, {"w": torch.ones(2)}, name=bad)
+
+
+def test_a_corrupt_named_checkpoint_falls_back_to_the_newest_valid_older_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("STEADFAST_EVENTS", str(tmp_path / "events.jsonl"))
+    d = tmp_path / "ckpt"
+    mgr = CheckpointManager(d, async_save=True)
+    for step, name in ((4, "epoch=0.ckpt"), (8, "epoch=1.ckpt"), (9, "last.ckpt")):
+        mgr.save(step, {"w": torch.full((2,), float(step))}, name=name)
+    mgr.save(12, {"w": torch.zeros(2)}, name="later.ckpt")  # newer: never a fallback
+    mgr.close()
+    state_file = d / "last.ckpt" / "state.pt"
+    data = bytearray(state_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        CheckpointManager(d).load(d / "last.ckpt")
+    step, state = CheckpointManager(d).load(d / "last.ckpt", fallback=True)
+    assert step == 8 and torch.equal(state["w"], torch.full((2,), 8.0))
+    evs = read_events(tmp_path / "events.jsonl")
+    corrupt = [e for e in evs if e["kind"] == "checkpoint_corrupt"]
+    assert corrupt and all(e["path"] == str(d / "last.ckpt") for e in corrupt)
+
+
+def test_remove_hides_a_named_checkpoint_before_deleting_it(tmp_path: Path):
+    d = tmp_path / "ckpt"
+    mgr = CheckpointManager(d, async_save=True)
+    mgr.save(1, {"w": torch.ones(2)}, name="a.ckpt")
+    mgr.remove(d / "a.ckpt")  # waits for the save in flight, then removes it
+    mgr.remove(d / "never-there.ckpt")
+    mgr.close()
+    assert sorted(p.name for p in d.iterdir() if p.name != "events.jsonl") == []
+
+
+def test_weights_only_false_loads_what_the_safe_loader_refuses(tmp_path: Path):
+    d = tmp_path / "ckpt"
+    with CheckpointManager(d) as mgr:
+        mgr.save(1, {"when": datetime.date(2026, 11, 23)})
+    with pytest.raises(CheckpointError, match="cannot be loaded"):
+        CheckpointManager(d).load()
+    _, state = CheckpointManager(d).load(d / "step_1", weights_only=False)
+    assert state["when"] == datetime.date(2026, 11, 23)

@@ -43,6 +43,7 @@ import time
 import zlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,8 @@ STATE_FILE = "state.pt"
 DCP_DIR = "dcp"
 RNG_KEY = "rng"
 _FORMAT = "steadfast-checkpoint/1"
-_TMP_PREFIX = ".tmp-step_"
-_TRASH_PREFIX = ".del-step_"
+_TMP_PREFIX = ".tmp-"  # + the checkpoint's name: ".tmp-step_7", ".tmp-last.ckpt"
+_TRASH_PREFIX = ".del-"  # + the name + "-" + the pid that hid it
 
 
 class CheckpointError(RuntimeError):
@@ -201,7 +202,7 @@ def _describe(exc: BaseException, where: Path) -> str:
 def _discard(path: Path) -> Path:
     """Hide a checkpoint directory by renaming it (atomic), so that a crash never exposes
     a half-deleted ``step_N``; the caller removes the returned hidden path."""
-    trash = path.with_name(f"{_TRASH_PREFIX}{path.name[len('step_') :]}-{os.getpid()}")
+    trash = path.with_name(f"{_TRASH_PREFIX}{path.name}-{os.getpid()}")
     os.rename(path, trash)
     return trash
 
@@ -398,6 +399,24 @@ def _to_cpu(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- the manager
+@dataclass
+class _SaveJob:
+    """One save between its snapshot and its publish (run inline, or on the writer
+    thread): what to write where, and what the manifest says."""
+
+    step: int
+    tmp: Path  # where the files are written
+    final: Path  # the name it is published under
+    payload: Any  # replicated / sharded state, on rank 0 or every rank
+    local: dict[str, Any]  # this rank's own state and RNG
+    keys: dict[str, list[str]]
+    sharded: bool
+    start: float
+    failure: str | None  # the snapshot failed on this rank: said in the write phase
+    named: bool = False  # published under a framework's name: latest stays
+    blocking: float | None = None  # the stall of an async save; None for a sync one
+
+
 class CheckpointManager:
     """Saves and restores the whole training state so that no fault can lose it.
 
@@ -413,6 +432,12 @@ class CheckpointManager:
         rng: Save (and, in :meth:`restore`, restore) every rank's RNG streams.
         sharded: Save through DCP, every rank writing its shards. ``None`` (default)
             decides per save: DCP when the state holds a ``DTensor``.
+        collective: ``False`` for a single writer: this process saves and loads alone,
+            with no process group and no collective (it is rank 0 of a group of one),
+            for frameworks whose checkpoint hook runs on one rank only (Lightning's
+            ``CheckpointIO``: :class:`steadfast.integrations.lightning.SteadfastCheckpointIO`).
+            Ranks that load such checkpoints each verify them on their own. Only the
+            world's rank 0 clears what an interrupted save left in ``checkpoint_dir``.
 
     Sharded state is read by DCP *into* the objects' current state dicts, so each
     object must already hold tensors of the right shapes. A fresh optimizer holds no
@@ -433,6 +458,7 @@ class CheckpointManager:
         group: Any = None,
         rng: bool = True,
         sharded: bool | None = None,
+        collective: bool = True,
     ) -> None:
         self.dir = Path(checkpoint_dir)
         if self.dir.exists() and not self.dir.is_dir():
@@ -446,10 +472,11 @@ class CheckpointManager:
             raise ConfigError(f"CheckpointManager.sharded must be True, False or None: {sharded!r}")
         self.sharded = sharded
         self._group = group
-        self._rank = group_rank(group)
-        self._world = dist.get_world_size(group) if is_distributed() else 1
+        self.collective = bool(collective)
+        self._rank = group_rank(group) if self.collective else 0
+        self._world = dist.get_world_size(group) if is_distributed() and self.collective else 1
         self._coord: Any = None
-        if is_distributed():
+        if is_distributed() and self.collective:
             ranks = None if group is None else dist.get_process_group_ranks(group)
             self._coord = dist.new_group(ranks=ranks, backend="gloo")
         self._thread: threading.Thread | None = None
@@ -460,7 +487,8 @@ class CheckpointManager:
         self._local_stager = _Stager()  # rank_state and RNG
         if self._rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._remove_stale_tmp()
+            if self.collective or group_rank(None) == 0:
+                self._remove_stale_tmp()
 
     # ------------------------------------------------------------------ public API
     def save(
@@ -468,6 +496,8 @@ class CheckpointManager:
         step: int,
         state: Mapping[str, Any],
         rank_state: Mapping[str, Any] | None = None,
+        *,
+        name: str | None = None,
     ) -> None:
         """Save checkpoint ``step``; every rank of the group must call it.
 
@@ -480,13 +510,22 @@ class CheckpointManager:
 
         Sync: returns once the checkpoint is durable and ``latest`` points at it. Async:
         returns after the host snapshot; the write goes on in the background.
+
+        ``name``: publish the checkpoint as ``checkpoint_dir/name`` instead of
+        ``step_N``, for a framework that names its checkpoints itself (Lightning's
+        ``last.ckpt``): the same atomic publish (a checkpoint of that name is replaced
+        whole or not at all) and manifest, but ``latest`` does not move and
+        ``keep_last_n`` leaves it alone (the framework keeps and deletes its own).
         """
         require_number("CheckpointManager.save step", step, minimum=0, integer=True)
+        if name is not None and (not name or "/" in name or name.startswith(".") or name == LATEST):
+            raise ConfigError(f"CheckpointManager.save name: {name!r} is not a plain file name")
         self.wait()
         # before anything is written (the temporary folder included): a rank whose node
         # no longer holds the rendezvous writes nothing, and every rank learns it in the
         # agreement below (no rank is left waiting in a collective)
-        fenced = _fenced(self.dir / f"step_{step}")
+        final = self.dir / (name or f"step_{step}")
+        fenced = _fenced(final)
         start = time.monotonic()
         bad_state: ConfigError | None = None
         try:  # a bad key must not leave the other ranks waiting in the collective below
@@ -494,7 +533,7 @@ class CheckpointManager:
         except ConfigError as exc:
             bad_state, replicated, local = exc, {}, {}
         sharded = self.sharded if self.sharded is not None else _has_dtensor(replicated)
-        tmp = self.dir / f"{_TMP_PREFIX}{step}"
+        tmp = self.dir / f"{_TMP_PREFIX}{final.name}"
         prepared = None
         if self._rank == 0 and bad_state is None and fenced is None:
             try:
@@ -541,14 +580,17 @@ class CheckpointManager:
                 local = _to_cpu(local)
         except Exception as exc:
             failure = f"rank {self._rank}: snapshot failed: {type(exc).__name__}: {exc}"
+        job = _SaveJob(
+            step, tmp, final, payload, local, keys, sharded, start, failure, name is not None
+        )
         if not run_async:
-            self._write_and_publish(step, tmp, payload, local, keys, sharded, start, None, failure)
+            self._write_and_publish(job)
             return
         self._in_flight = step
-        blocking = time.monotonic() - start
+        job.blocking = time.monotonic() - start
         self._thread = threading.Thread(
             target=self._background,
-            args=(step, tmp, payload, local, keys, sharded, start, blocking, failure),
+            args=(job,),
             name="steadfast-checkpoint-writer",
             daemon=False,
         )
@@ -616,7 +658,13 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def load(self, path: str | os.PathLike[str] | None = None) -> tuple[int, dict[str, Any]] | None:
+    def load(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        fallback: bool = False,
+        weights_only: bool = True,
+    ) -> tuple[int, dict[str, Any]] | None:
         """Load the newest valid checkpoint (or ``path``); None when there is none yet.
 
         Returns ``(step, state)``: the replicated state plus this rank's ``rank_state``
@@ -626,8 +674,28 @@ class CheckpointManager:
         fall back to the next older one. If checkpoints exist but none is valid, raises
         :class:`CheckpointError` naming the files. A sharded (DCP) checkpoint needs
         templates to load into: use :meth:`restore`.
+
+        ``fallback``: when ``path`` is corrupt (or gone), go on with the newest valid
+        checkpoint in ``checkpoint_dir`` that is not newer (by its manifest's step), named
+        or not, instead of raising. ``weights_only=False`` unpickles any object (only
+        for checkpoints you trust; the default executes no pickled code).
         """
-        return self._load(path, None)
+        return self._load(path, None, fallback, weights_only)
+
+    def remove(self, path: str | os.PathLike[str]) -> None:
+        """Delete the checkpoint directory ``path`` (a framework's named one, when the
+        framework rotates its checkpoints): hidden by a rename first, so a crash never
+        leaves it half deleted under its name. Waits for the save in flight."""
+        self.wait()
+        target = Path(path)
+        if not target.exists() and not target.is_symlink():
+            return
+        if target.is_dir() and not target.is_symlink():
+            _remove_all([_discard(target)])
+        else:
+            target.unlink()
+        if self._rank == 0:
+            events.emit("checkpoint_deleted", path=str(target))
 
     def restore(
         self, objects: Mapping[str, Any], path: str | os.PathLike[str] | None = None
@@ -640,7 +708,7 @@ class CheckpointManager:
         own (sharded) state dicts. Returns ``(step, state)`` like :meth:`load`, so plain
         values can be read from ``state``; None when there is no checkpoint yet.
         """
-        loaded = self._load(path, objects)
+        loaded = self._load(path, objects, False, True)
         if loaded is None:
             return None
         step, state = loaded
@@ -686,9 +754,9 @@ class CheckpointManager:
         return box[0]
 
     # ------------------------------------------------------------------ saving
-    def _background(self, *args: Any) -> None:
+    def _background(self, job: _SaveJob) -> None:
         try:
-            self._write_and_publish(*args)
+            self._write_and_publish(job)
         except BaseException as exc:  # raised at the next call, never swallowed
             logger.error("background checkpoint save failed: %s", exc)
             self._error = exc
@@ -725,26 +793,21 @@ class CheckpointManager:
             files[_rank_file(self._rank)] = _save_file(tmp / _rank_file(self._rank), local)
         return files
 
-    def _write_and_publish(
-        self,
-        step: int,
-        tmp: Path,
-        payload: Any,
-        local: dict[str, Any],
-        keys: dict[str, list[str]],
-        sharded: bool,
-        start: float,
-        blocking: float | None,
-        failure: str | None = None,
-    ) -> None:
-        final = self.dir / f"step_{step}"
+    def _write_and_publish(self, job: _SaveJob) -> None:
+        step, tmp, final, sharded, blocking = (
+            job.step,
+            job.tmp,
+            job.final,
+            job.sharded,
+            job.blocking,
+        )
         files: dict[str, dict[str, int]] = {}
-        mine = failure
+        mine = job.failure
         if sharded and self._coord is not None:  # dcp.save is collective: all or none
             mine = self._agree_sharded_write(mine)
         if mine is None:
             try:
-                files = self._write_files(tmp, payload, local, sharded)
+                files = self._write_files(tmp, job.payload, job.local, sharded)
             except Exception as exc:  # disk full, permissions, an unpicklable value...
                 mine = f"rank {self._rank}: {_describe(exc, tmp)}"
         shares = self._all_gather((files, mine))
@@ -756,7 +819,7 @@ class CheckpointManager:
                 try:
                     _fence(final)  # again, just before latest moves
                     everything = {k: v for share, _ in shares for k, v in share.items()}
-                    self._publish(step, tmp, final, everything, keys, sharded)
+                    self._publish(job, everything)
                 except CheckpointFenced as exc:
                     outcome = f"rank 0: {exc}"
                 except Exception as exc:
@@ -770,7 +833,7 @@ class CheckpointManager:
             raise CheckpointError(f"saving checkpoint step {step} to {final} failed: {outcome}")
         if self._rank != 0:
             return
-        seconds = time.monotonic() - start
+        seconds = time.monotonic() - job.start
         events.emit(
             "checkpoint_saved",
             step=step,
@@ -780,7 +843,7 @@ class CheckpointManager:
             blocking_seconds=seconds if blocking is None else blocking,
         )
         try:  # rank 0 alone: a failure here must not fail a published checkpoint
-            trash = self._apply_retention(keep_step=step)
+            trash = [] if job.named else self._apply_retention(keep_step=step)
         except Exception as exc:
             logger.warning("retention after checkpoint step %d failed: %s", step, exc)
             trash = []
@@ -792,15 +855,8 @@ class CheckpointManager:
         else:
             _remove_all(trash)
 
-    def _publish(
-        self,
-        step: int,
-        tmp: Path,
-        final: Path,
-        files: dict[str, dict[str, int]],
-        keys: dict[str, list[str]],
-        sharded: bool,
-    ) -> None:
+    def _publish(self, job: _SaveJob, files: dict[str, dict[str, int]]) -> None:
+        step, tmp, final, keys, sharded = job.step, job.tmp, job.final, job.keys, job.sharded
         manifest = {
             "format": _FORMAT,
             "step": step,
@@ -818,6 +874,8 @@ class CheckpointManager:
             shutil.rmtree(_discard(final), ignore_errors=True)
         os.rename(tmp, final)
         _fsync_dir(self.dir)
+        if job.named:  # latest stays where it is
+            return
         link = self.dir / f".{LATEST}.tmp"
         link.unlink(missing_ok=True)
         link.symlink_to(final.name)
@@ -849,9 +907,9 @@ class CheckpointManager:
     def _remove_stale_tmp(self) -> None:
         for entry in sorted(self.dir.iterdir()):
             if entry.name.startswith(_TRASH_PREFIX) and entry.is_dir():
-                step = entry.name[len(_TRASH_PREFIX) :].split("-", 1)[0]
-                original = self.dir / f"step_{step}"
-                if step.isdigit() and not original.exists() and not verify(entry):
+                name, _, pid = entry.name[len(_TRASH_PREFIX) :].rpartition("-")
+                original = self.dir / name
+                if name and pid.isdigit() and not original.exists() and not verify(entry):
                     # a checkpoint being replaced by a new save of the same step when the
                     # job died: the new copy never landed, so the old one comes back
                     logger.warning("recovering %s from %s", original, entry)
@@ -892,7 +950,11 @@ class CheckpointManager:
         return manifest, _check_files(ckpt, manifest["files"], mine)
 
     def _read(
-        self, ckpt: Path, manifest: dict[str, Any], objects: Mapping[str, Any] | None
+        self,
+        ckpt: Path,
+        manifest: dict[str, Any],
+        objects: Mapping[str, Any] | None,
+        weights_only: bool = True,
     ) -> dict[str, Any]:
         if manifest.get("sharded"):
             if objects is None:
@@ -916,10 +978,10 @@ class CheckpointManager:
                 no_dist=self._coord is None,
             )
         else:
-            state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+            state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=weights_only)
         own = _rank_file(self._rank)
         if own in manifest["files"] and manifest.get("world_size", 1) == self._world:
-            state.update(torch.load(ckpt / own, map_location="cpu", weights_only=True))
+            state.update(torch.load(ckpt / own, map_location="cpu", weights_only=weights_only))
         elif any(name.startswith("rank_") for name in manifest["files"]):
             logger.warning(
                 "%s was saved by %s ranks, this job has %d: per-rank state (RNG, data "
@@ -940,11 +1002,35 @@ class CheckpointManager:
             )
         return [p for rank_problems in self._all_gather(problems) for p in rank_problems]
 
+    def _older_than(self, ckpt: Path) -> list[Path]:
+        """Every other checkpoint in ``checkpoint_dir`` (``step_N`` or named) whose
+        manifest is readable and whose step is not above ``ckpt``'s (when ``ckpt``'s
+        manifest says it), newest first: where ``load(fallback=True)`` goes on."""
+        manifest, _ = _manifest(ckpt)
+        bound = manifest["step"] if manifest is not None else None
+        found: list[tuple[int, float, Path]] = []
+        if self.dir.is_dir():
+            for entry in self.dir.iterdir():
+                if entry.name.startswith(".") or entry == ckpt or not entry.is_dir():
+                    continue
+                other, _ = _manifest(entry)
+                if other is not None and (bound is None or other["step"] <= bound):
+                    with contextlib.suppress(OSError):
+                        found.append((other["step"], entry.stat().st_mtime, entry))
+        return [p for _, _, p in sorted(found, key=lambda f: (f[0], f[1]), reverse=True)]
+
     def _load(
-        self, path: str | os.PathLike[str] | None, objects: Mapping[str, Any] | None
+        self,
+        path: str | os.PathLike[str] | None,
+        objects: Mapping[str, Any] | None,
+        fallback: bool,
+        weights_only: bool,
     ) -> tuple[int, dict[str, Any]] | None:
         self.wait()
-        candidates = [Path(path)] if path is not None else self._candidates()
+        if path is None:
+            candidates = self._candidates()
+        else:
+            candidates = [Path(path)] + (self._older_than(Path(path)) if fallback else [])
         # every rank tries the same candidates in the same order: rank 0's view
         candidates = [Path(p) for p in self._from_rank0([str(p) for p in candidates])]
         if not candidates:
@@ -964,7 +1050,7 @@ class CheckpointManager:
                 continue
             state: dict[str, Any] | None = None
             try:
-                state = self._read(ckpt, manifest, objects)
+                state = self._read(ckpt, manifest, objects, weights_only)
             except CheckpointError:
                 raise
             except Exception as exc:
