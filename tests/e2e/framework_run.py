@@ -27,6 +27,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--fault-seconds", type=float, default=0.0, help="a slow step's extra")
     ap.add_argument("--straggler", action="store_true", help="with straggler reports (1 s)")
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument(
+        "--corrupt-last-at", type=int, default=None, help="flip a byte of the newest checkpoint"
+    )
     return ap.parse_args()
 
 
@@ -54,6 +57,31 @@ def striker(args: argparse.Namespace) -> Callable[[int], bool]:
         return bool(hit) and args.fault == FaultKind.NAN_BURST.value
 
     return strike
+
+
+def corrupter(
+    args: argparse.Namespace, newest: Callable[[Path], Path]
+) -> Callable[[int], None] | None:
+    """``corrupt(step)``: at step ``--corrupt-last-at`` on rank 0, once per run, one byte
+    flipped in place in the file ``newest(ckpt_dir)`` of the newest checkpoint (its size
+    unchanged), as a disk or a copy might."""
+    once = args.ckpt.parent / "corrupted"
+    at = args.corrupt_last_at
+    if at is None or os.environ.get("RANK", "0") != "0" or once.exists():
+        return None
+
+    def corrupt(step: int) -> None:
+        if step != at or once.exists():
+            return
+        once.touch()
+        target = newest(args.ckpt)
+        with open(target, "r+b") as fh:
+            fh.seek(target.stat().st_size // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+
+    return corrupt
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:

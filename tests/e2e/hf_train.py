@@ -6,39 +6,45 @@ run).
     steadfast launch --nproc-per-node 2 ... hf_train.py --ckpt DIR --out FILE \
         [--fault KIND --fault-rank R --fault-step K [--fault-length N]]
 
-An in-job restart resumes from the last checkpoint (the Trainer skips the batches the
-epoch already trained and restores every rank's RNG), so the final parameters equal
-those of a run that never failed.
+An in-job restart resumes from the newest verified checkpoint (``last_verified_checkpoint``;
+the Trainer skips the batches the epoch already trained and restores every rank's RNG),
+so the final parameters equal those of a run that never failed. ``--corrupt-last-at K``
+flips a byte of the newest checkpoint's model file on rank 0 at step K (once per run).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
-from framework_run import data, parse_args, striker
+from framework_run import corrupter, data, parse_args, striker
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
 
 from steadfast.integrations.transformers import (
     FaultToleranceCallback,
     GracefulShutdownCallback,
     NaNCallback,
     StragglerDetectionCallback,
+    VerifiedCheckpointCallback,
+    last_verified_checkpoint,
 )
 
 
 class Net(torch.nn.Module):
-    def __init__(self, strike, step_sleep: float) -> None:
+    def __init__(self, strike, step_sleep: float, corrupt=None) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
         )
         self.strike = strike
         self.step_sleep = step_sleep
+        self.corrupt = corrupt
         self.step = 0
 
     def forward(self, x, labels):
+        if self.corrupt is not None:
+            self.corrupt(self.step)
         loss = torch.nn.functional.mse_loss(self.net(x), labels)
         if self.strike(self.step):  # a NaN burst: this rank's gradients go NaN
             loss = loss * float("nan")
@@ -59,12 +65,18 @@ class StepCounter:
         self.callback = _Cb()
 
 
+def _newest_model_file(ckpt: Path) -> Path:
+    newest = max(ckpt.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    return max((f for f in newest.iterdir() if f.suffix in (".safetensors", ".bin")),
+               key=lambda f: f.stat().st_size)  # fmt: skip
+
+
 def main() -> int:
     args = parse_args()
     strike = striker(args)
 
     torch.manual_seed(0)
-    net = Net(strike, args.step_sleep)
+    net = Net(strike, args.step_sleep, corrupter(args, _newest_model_file))
     xs, ys = data()
     samples = [{"x": xs[i], "labels": ys[i]} for i in range(len(xs))]
     training = TrainingArguments(
@@ -94,11 +106,11 @@ def main() -> int:
             FaultToleranceCallback(),
             GracefulShutdownCallback(timeout_sec=60),
             NaNCallback(action="skip", max_consecutive=3),
+            VerifiedCheckpointCallback(),
             *([StragglerDetectionCallback(report_time_interval=1.0)] if args.straggler else []),
         ],
     )
-    last = get_last_checkpoint(str(args.ckpt)) if args.ckpt.is_dir() else None
-    trainer.train(resume_from_checkpoint=last)
+    trainer.train(resume_from_checkpoint=last_verified_checkpoint(args.ckpt))
     if trainer.is_world_process_zero():
         torch.save({k: v.detach().clone() for k, v in net.net.state_dict().items()}, args.out)
     return 0

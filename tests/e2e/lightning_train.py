@@ -10,7 +10,9 @@ An in-job restart resumes from the last checkpoint (``ckpt_path="last"``), and t
 loader is ``steadfast.integrations.lightning.resumable`` over a shuffling
 ``ResumableSampler`` (the order depends only on the epoch): a resume at an epoch's end
 starts the next epoch, one after a mid-epoch save (a SIGTERM) goes on with the next
-batch, so the final parameters equal those of a run that never failed.
+batch, so the final parameters equal those of a run that never failed. Checkpoints go
+through ``SteadfastCheckpointIO`` (async); ``--corrupt-last-at K`` flips a byte of
+``last.ckpt`` on rank 0 at step K (once per run), as a disk or a copy might.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from framework_run import data, parse_args, striker
+from framework_run import corrupter, data, parse_args, striker
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -29,22 +31,26 @@ from steadfast.integrations.lightning import (
     FaultToleranceCallback,
     GracefulShutdownCallback,
     NaNCallback,
+    SteadfastCheckpointIO,
     StragglerDetectionCallback,
     resumable,
 )
 
 
 class Net(pl.LightningModule):
-    def __init__(self, strike, step_sleep: float) -> None:
+    def __init__(self, strike, step_sleep: float, corrupt=None) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
         )
         self.strike = strike
         self.step_sleep = step_sleep
+        self.corrupt = corrupt
 
     def training_step(self, batch, batch_idx):
         nan = self.strike(int(self.global_step))
+        if self.corrupt is not None:
+            self.corrupt(int(self.global_step))
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         if nan:  # a NaN burst: the gradients go NaN on this rank
@@ -62,7 +68,7 @@ def main() -> int:
 
     torch.manual_seed(0)
     dataset = TensorDataset(*data())
-    model = Net(strike, args.step_sleep)
+    model = Net(strike, args.step_sleep, corrupter(args, lambda ck: ck / "last.ckpt" / "state.pt"))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
@@ -93,6 +99,7 @@ def main() -> int:
                 else []
             ),
         ],
+        plugins=[SteadfastCheckpointIO(async_save=True)],
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,

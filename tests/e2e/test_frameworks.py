@@ -24,6 +24,8 @@ import pytest
 import torch
 
 from sfharness import assert_none_left, read_events
+from steadfast import CheckpointManager
+from steadfast.checkpoint import verify
 
 HERE = Path(__file__).parent
 SLEEP = "0.05"  # seconds per step: calculated step timeouts well above the noise
@@ -162,9 +164,12 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_the_next_run_resumes(
     assert len(kinds(evs, "shutdown_complete")) == 2  # both ranks saved and stopped
     assert not kinds(evs, "restart") and not kinds(evs, "rank_hung")
     assert not (tmp_path / "out.pt").exists()  # the run is not over
-    if framework == "lightning":
-        saved = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)
-        assert saved["global_step"] == 7
+    if framework == "lightning":  # through SteadfastCheckpointIO: a verified directory
+        assert verify(tmp_path / "ck" / "last.ckpt") == []
+        step, saved = CheckpointManager(tmp_path / "ck", collective=False).load(
+            tmp_path / "ck" / "last.ckpt"
+        )
+        assert step == saved["global_step"] == 7
     else:
         assert (tmp_path / "ck" / "checkpoint-7").is_dir()
 
@@ -198,3 +203,32 @@ def test_a_slow_rank_is_reported_as_a_straggler(framework, tmp_path):
         assert all(e["relative"] == [1] for e in found)
     else:
         assert all(1 in e["individual"] and not e["relative"] for e in found)
+
+
+def test_a_damaged_checkpoint_is_caught_and_the_newest_valid_one_resumed_bit_exact(
+    framework, tmp_path, reference
+):
+    """Rank 0 flips a byte of the newest checkpoint at step 10, then rank 1 is killed at
+    step 11. Lightning (SteadfastCheckpointIO) asks for ``last.ckpt`` (epoch 1's end),
+    every rank finds its checksum wrong and both load ``epoch=1-step=8.ckpt`` (the newest
+    valid one, the same step); the Trainer's ``checkpoint-10`` fails its manifest, so
+    ``last_verified_checkpoint`` resumes from ``checkpoint-8``. Both end bit-exact; with
+    the frameworks' own loading the flipped byte would be trained on silently."""
+    code, evs = launch(
+        framework, tmp_path, "--corrupt-last-at", "10", "--fault", "rank_killed",
+        "--fault-rank", "1", "--fault-step", "11",
+    )  # fmt: skip
+    assert code == 0
+    ck = tmp_path / "ck"
+    damaged = ck / ("last.ckpt" if framework == "lightning" else "checkpoint-10")
+    corrupt = kinds(evs, "checkpoint_corrupt", path=str(damaged))
+    assert corrupt and all("checksum mismatch" in e["reason"] for e in corrupt)
+    assert kinds(evs, "restart", cause="worker_failure")
+    resumed = [e for e in kinds(evs, "job_start") if e["resumed_from"]]
+    assert {e["step"] for e in resumed} == {8}
+    if framework == "lightning":  # both ranks loaded the valid one in its folder
+        loaded = kinds(evs, "checkpoint_loaded", path=str(ck / "epoch=1-step=8.ckpt"))
+        assert len(loaded) == 2
+    else:
+        assert {e["resumed_from"] for e in resumed} == {str(ck / "checkpoint-8")}
+    assert_bit_exact(tmp_path / "out.pt", reference)

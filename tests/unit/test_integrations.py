@@ -75,3 +75,29 @@ def test_resumable_is_driven_by_lightning_and_refuses_an_undistributed_loader(mo
 class _Unsized:
     def __iter__(self):
         yield from range(4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
+def test_last_verified_checkpoint_skips_cut_short_and_damaged_checkpoints(tmp_path):
+    """The Trainer's checkpoint-N folders, sealed by write_manifest as
+    VerifiedCheckpointCallback does: the newest whole one is chosen; one without a
+    manifest (the job died writing it) or with a flipped byte is passed over; folders
+    from before the callback (no manifest anywhere) resume as the Trainer would."""
+    from steadfast import CheckpointError
+    from steadfast.checkpoint import write_manifest
+    from steadfast.integrations.transformers import last_verified_checkpoint
+
+    assert last_verified_checkpoint(tmp_path / "none") is None
+    for n in (2, 4, 6, 10):
+        (tmp_path / f"checkpoint-{n}").mkdir()
+        (tmp_path / f"checkpoint-{n}" / "model.safetensors").write_bytes(bytes([n]) * 64)
+    (tmp_path / "checkpoint-x").mkdir()  # not the Trainer's name: ignored
+    assert last_verified_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")  # unsealed
+    for n in (2, 4, 6):
+        write_manifest(tmp_path / f"checkpoint-{n}", n)
+    (tmp_path / "checkpoint-6" / "model.safetensors").write_bytes(b"\xff" * 64)
+    assert last_verified_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
+    (tmp_path / "checkpoint-4" / "model.safetensors").unlink()
+    (tmp_path / "checkpoint-2" / "model.safetensors").write_bytes(b"\xff" * 63)
+    with pytest.raises(CheckpointError, match=r"checksum mismatch.*missing.*63 bytes"):
+        last_verified_checkpoint(tmp_path)

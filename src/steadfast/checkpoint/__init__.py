@@ -28,6 +28,7 @@ __all__ = [
     "resolve_resume_path",
     "step_dirs",
     "verify",
+    "write_manifest",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,5 +91,11 @@ def resolve_resume_path(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
     return None
 
 
-from .manager import CheckpointError, CheckpointFenced, CheckpointManager, verify  # noqa: E402  (needs LATEST)
+from .manager import (  # noqa: E402  (needs LATEST)
+    CheckpointError,
+    CheckpointFenced,
+    CheckpointManager,
+    verify,
+    write_manifest,
+)
 from .state import DataPosition, ResumableSampler, RNGState, Stateful  # noqa: E402

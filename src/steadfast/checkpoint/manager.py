@@ -56,7 +56,14 @@ from ..dist import group_rank, is_distributed
 from . import LATEST, step_dirs
 from .state import RNGState, Stateful
 
-__all__ = ["CheckpointError", "CheckpointManager", "MANIFEST", "STATE_FILE", "verify"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "MANIFEST",
+    "STATE_FILE",
+    "verify",
+    "write_manifest",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +260,43 @@ def verify(path: str | os.PathLike[str]) -> list[str]:
     if manifest is None:
         return problems
     return _check_files(Path(path), manifest["files"], None)
+
+
+def write_manifest(path: str | os.PathLike[str], step: int, world_size: int = 1) -> dict[str, Any]:
+    """Seal the checkpoint directory ``path`` that a framework wrote with its own files
+    (the Hugging Face Trainer's ``checkpoint-N``): every file under it is fsynced,
+    then described by size and CRC-32 in a ``manifest.json`` of the manager's format,
+    written last and atomically (a temporary file renamed over). From then on
+    :func:`verify` checks it; a directory the framework was still writing when the job
+    died has no manifest, and one damaged later fails its checksums. Returns the
+    manifest. Call it once every rank's files are written."""
+    ckpt = Path(path)
+    files: dict[str, dict[str, int]] = {}
+    for f in sorted(ckpt.rglob("*")):
+        name = f.relative_to(ckpt).as_posix()
+        if not f.is_file() or f.is_symlink() or name in (MANIFEST, f"{MANIFEST}.tmp"):
+            continue
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+        files[name] = {"bytes": f.stat().st_size, "crc32": _crc32_file(f)}
+    if not files:
+        raise CheckpointError(f"{ckpt}: no files to describe in a manifest")
+    for folder in sorted({f.parent for f in ckpt.rglob("*") if f.is_file()}, reverse=True):
+        _fsync_dir(folder)
+    manifest = {
+        "format": _FORMAT,
+        "step": int(step),
+        "time": time.time(),
+        "world_size": int(world_size),
+        "sharded": False,
+        "keys": {},
+        "files": files,
+    }
+    tmp = ckpt / f"{MANIFEST}.tmp"
+    _write_file(tmp, json.dumps(manifest, indent=1).encode())
+    os.replace(tmp, ckpt / MANIFEST)
+    _fsync_dir(ckpt)
+    return manifest
 
 
 # ---------------------------------------------------------------------- state capture

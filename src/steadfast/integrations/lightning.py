@@ -50,6 +50,16 @@ individual performance scores, printed and logged as ``straggler_report`` /
 ``last.ckpt`` and exits 16 ("resume on other hardware": ``steadfast launch`` does not
 restart it in place, its Slurm script requeues it; NVRx exits 1).
 
+:class:`SteadfastCheckpointIO` (``Trainer(plugins=[SteadfastCheckpointIO()])``): every
+checkpoint Lightning writes (``ModelCheckpoint``, a shutdown, ``trainer.save_checkpoint``)
+goes through :class:`~steadfast.CheckpointManager` instead of one ``torch.save``: each
+``.ckpt`` is a directory with the state and a manifest of sizes and CRC-32s, published by
+an atomic rename (a crash mid-save leaves the previous ``last.ckpt`` whole), optionally
+written in the background after a host snapshot (``async_save``); loading verifies it
+and, if it is corrupt, goes on with the newest valid older checkpoint in its folder
+(``checkpoint_corrupt``, then ``checkpoint_loaded`` with the one used), on every rank
+alike. Plain ``.ckpt`` files written before the plugin still load.
+
 Outside ``steadfast launch`` (no heartbeat table) the monitoring is off and the events
 are still written. The callbacks never import anything from Lightning's internals.
 """
@@ -63,8 +73,10 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
 from .. import events
+from ..checkpoint.manager import CheckpointError, CheckpointManager
 from ..checkpoint.state import DataPosition, ResumableSampler
 from ..config import ConfigError
 from ..straggler.manager import NVRxStragglerDetectionConfig
@@ -79,12 +91,122 @@ from ._common import (
 
 __all__ = [
     "FaultToleranceCallback",
+    "SteadfastCheckpointIO",
     "resumable",
     "GracefulShutdownCallback",
     "NaNCallback",
     "NaNRollback",
     "StragglerDetectionCallback",
 ]
+
+
+class SteadfastCheckpointIO(CheckpointIO):
+    """Lightning's checkpoint writer and reader, through :class:`~steadfast.CheckpointManager`
+    (see the module's description).
+
+    Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank 0 only
+    (DDP state is the same on every rank) and ``load_checkpoint`` on every rank, so each
+    folder gets a single-writer manager (``collective=False``, no RNG: Lightning keeps
+    its own state). ``async_save``: return after a host snapshot and write in a
+    background thread (at most one in flight; a failed write is raised at the next save,
+    load or at ``teardown``, which Lightning calls when ``fit`` ends). ``storage_options``
+    is not supported (as with Lightning's default writer). Loads are to the CPU (the
+    strategy moves the state to its device).
+    """
+
+    def __init__(self, async_save: bool = False) -> None:
+        self.async_save = bool(async_save)
+        self._managers: dict[Path, CheckpointManager] = {}
+
+    def _manager(self, folder: Path) -> CheckpointManager:
+        key = folder.absolute()
+        manager = self._managers.get(key)
+        if manager is None:
+            manager = CheckpointManager(
+                folder, keep_last_n=0, async_save=self.async_save, rng=False, collective=False
+            )
+            self._managers[key] = manager
+        return manager
+
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        path: str | os.PathLike[str],
+        storage_options: Any | None = None,
+    ) -> None:
+        """Save Lightning's ``checkpoint`` dict as the checkpoint directory ``path``
+        (step: its ``global_step``)."""
+        if storage_options is not None:
+            raise TypeError(
+                "SteadfastCheckpointIO.save_checkpoint: storage_options is not supported "
+                f"(got {storage_options!r})"
+            )
+        target = Path(path)
+        step = int(checkpoint.get("global_step", 0))
+        self._manager(target.parent).save(step, checkpoint, name=target.name)
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """The checkpoint at ``path``, verified; if it is corrupt, the newest valid one
+        in its folder that is not newer. A plain file (Lightning's own format) is read
+        by Lightning's reader. Under ``torch.distributed`` every rank must call it (as
+        Lightning does): the ranks check that they all loaded the same step."""
+        source = Path(path)
+        if source.is_file():
+            return TorchCheckpointIO().load_checkpoint(source, map_location, weights_only)
+        if not source.exists():
+            raise FileNotFoundError(f"checkpoint {source} not found")
+        manager = self._manager(source.parent)
+        loaded = manager.load(source, fallback=True, weights_only=weights_only is not False)
+        if loaded is None:  # pragma: no cover - a path was given, so there is a candidate
+            raise CheckpointError(f"no checkpoint at {source}")
+        step, state = loaded
+        _same_on_every_rank(step, source)
+        return state
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Delete the checkpoint ``path`` (``ModelCheckpoint`` rotating its top-k):
+        hidden by a rename first, after the save in flight."""
+        target = Path(path)
+        self._manager(target.parent).remove(target)
+
+    def wait(self) -> None:
+        """Wait for the background save in flight (if any); raise its error."""
+        for manager in self._managers.values():
+            manager.wait()
+
+    def teardown(self) -> None:
+        """Finish the saves in flight and release the staging buffers."""
+        managers, self._managers = list(self._managers.values()), {}
+        for manager in managers:
+            manager.close()
+
+
+def _same_on_every_rank(step: int, path: Path) -> None:
+    """Every rank verifies on its own: if one fell back (a file it could not read) and
+    another did not, they would train from different states; stop with one error."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    steps: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, step)
+    if len(set(steps)) > 1:
+        raise CheckpointError(
+            f"ranks loaded different steps from {path} ({steps}): a checkpoint file is "
+            "readable on some nodes only"
+        )
+
+
+def _wait_for_saves(trainer: Trainer) -> None:
+    """Before a callback exits the process: the background save must be durable."""
+    wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
+    if callable(wait):
+        wait()
 
 
 def resumable(loader: Iterable[Any]) -> DataPosition:
@@ -312,6 +434,7 @@ class GracefulShutdownCallback(Callback):
         if not self.handler.should_shutdown(int(trainer.global_step)):
             return
         trainer.save_checkpoint(_last_checkpoint(trainer))
+        _wait_for_saves(trainer)
         self.handler.finish()
         self._registered = False
         # not trainer.should_stop: that ends the epoch early, and the epoch-end
@@ -434,4 +557,5 @@ class StragglerDetectionCallback(Callback):
                     )
         if stop:
             trainer.save_checkpoint(_last_checkpoint(trainer))
+            _wait_for_saves(trainer)
             raise SystemExit(EXIT_STRAGGLERS)

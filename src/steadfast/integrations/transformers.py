@@ -3,8 +3,9 @@ run under ``steadfast launch`` what ``examples/train.py`` has by hand (``pip ins
 steadfast[transformers]``).
 
     trainer = Trainer(model, args, train_dataset=data, callbacks=[
-        FaultToleranceCallback(), GracefulShutdownCallback(), NaNCallback()])
-    trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))
+        FaultToleranceCallback(), GracefulShutdownCallback(), NaNCallback(),
+        VerifiedCheckpointCallback()])
+    trainer.train(resume_from_checkpoint=last_verified_checkpoint(args.output_dir))
 
 :class:`FaultToleranceCallback`:
 
@@ -41,20 +42,36 @@ a report every ``report_time_interval`` seconds (``straggler_report`` /
 the Trainer saves a checkpoint at that step and every rank exits 16 ("resume on other
 hardware": ``steadfast launch`` does not restart it in place, its Slurm script requeues).
 
+:class:`VerifiedCheckpointCallback` and :func:`last_verified_checkpoint`: the Trainer
+has no checkpoint-writer plugin (unlike Lightning's ``CheckpointIO``): it writes
+``checkpoint-N`` in place with several writers (``save_pretrained``, ``torch.save``, each
+rank's RNG file) and no atomic publish, and ``get_last_checkpoint`` takes the highest
+number whether or not its files are whole. So steadfast cannot write them through
+:class:`~steadfast.CheckpointManager` (nor in the background); it seals them instead:
+once every rank's files of a save are written, rank 0 fsyncs them and writes the
+manager's manifest (sizes, CRC-32) last (:func:`steadfast.checkpoint.write_manifest`),
+and :func:`last_verified_checkpoint` resumes from the newest checkpoint that verifies,
+skipping one the job died writing (no manifest) and one damaged since
+(``checkpoint_corrupt``). The shutdown and straggler callbacks seal the checkpoint they
+stop at before exiting.
+
 Outside ``steadfast launch`` the monitoring is off and the events are still written.
 Only the Trainer's public callback interface is used.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import events
+from ..checkpoint.manager import MANIFEST, CheckpointError, verify, write_manifest
 from ..straggler.manager import NVRxStragglerDetectionConfig
 from ._common import (
     EXIT_STRAGGLERS,
@@ -71,7 +88,80 @@ __all__ = [
     "NaNCallback",
     "NaNRollback",
     "StragglerDetectionCallback",
+    "VerifiedCheckpointCallback",
+    "last_verified_checkpoint",
 ]
+
+logger = logging.getLogger(__name__)
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+class VerifiedCheckpointCallback(TrainerCallback):
+    """Seal every checkpoint the Trainer writes with a manifest (see the module's
+    description), so that :func:`last_verified_checkpoint` can tell a whole checkpoint
+    from one cut short or damaged. Costs one read of each checkpoint on rank 0 (the
+    checksums; the files are fresh in the page cache) and a barrier."""
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        _seal(args, state)
+
+
+def _seal(args: TrainingArguments, state: TrainerState) -> None:
+    """After the Trainer saved ``checkpoint-N`` on every rank (``on_save``): wait for
+    every rank's files (a barrier: each writes its RNG state), then rank 0 writes the
+    manifest."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    folder = Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+    if state.is_world_process_zero and folder.is_dir():
+        write_manifest(folder, int(state.global_step), world_size=int(args.world_size))
+
+
+def last_verified_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
+    """The newest ``checkpoint-N`` in ``output_dir`` that verifies against its manifest
+    (for ``trainer.train(resume_from_checkpoint=...)``), or None when there is none yet.
+
+    Newer checkpoints without a manifest were cut short (the job died while the Trainer
+    wrote them) and are skipped; one whose files no longer match its manifest is
+    reported (``checkpoint_corrupt``) and skipped. If no checkpoint in the folder has a
+    manifest at all (written before :class:`VerifiedCheckpointCallback` was added), the
+    newest is returned, as the Trainer's ``get_last_checkpoint`` would, with a warning.
+    If checkpoints are sealed but none is valid, raises
+    :class:`~steadfast.CheckpointError` naming the problems rather than start over."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return None
+    found = sorted(
+        ((int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT.match(p.name))),
+        reverse=True,
+    )
+    found = [(n, p) for n, p in found if p.is_dir()]
+    if not found:
+        return None
+    if not any((p / MANIFEST).exists() for _, p in found):
+        logger.warning(
+            "no checkpoint in %s has a manifest (written without VerifiedCheckpointCallback): "
+            "resuming from the newest, %s, unverified",
+            folder,
+            found[0][1],
+        )
+        return str(found[0][1])
+    problems: list[str] = []
+    for _, path in found:
+        if not (path / MANIFEST).exists():
+            logger.warning("%s has no manifest: the job stopped while it was written", path)
+            continue
+        bad = verify(path)
+        if not bad:
+            return str(path)
+        problems.extend(bad)
+        logger.error("checkpoint %s is corrupt: %s", path, "; ".join(bad))
+        events.emit("checkpoint_corrupt", cause="verify", path=str(path), reason="; ".join(bad))
+    raise CheckpointError(f"no valid checkpoint in {folder}: " + "; ".join(problems))
 
 
 class FaultToleranceCallback(TrainerCallback):
@@ -169,8 +259,9 @@ class GracefulShutdownCallback(TrainerCallback):
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        """The checkpoint is written: leave now, exit 0, for the requeued job."""
+        """The checkpoint is written: seal it, leave now, exit 0, for the requeued job."""
         if self._stopping:
+            _seal(args, state)
             self.handler.finish()
             self._registered = False
             raise SystemExit(0)
@@ -207,11 +298,12 @@ class NaNCallback(TrainerCallback):
 
 
 def _resumed_from(args: TrainingArguments, state: TrainerState) -> str | None:
-    """The checkpoint the Trainer resumed from (its newest in ``output_dir``), if any."""
+    """The checkpoint the Trainer resumed from, if any: at ``on_train_begin`` its state
+    is the checkpoint's, so the step names it."""
     if not state.global_step or not args.output_dir:
         return None
-    found = get_last_checkpoint(str(args.output_dir))  # type: ignore[no-untyped-call]
-    return str(found) if found else None
+    found = Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+    return str(found) if found.is_dir() else None
 
 
 class StragglerDetectionCallback(TrainerCallback):
@@ -262,4 +354,5 @@ class StragglerDetectionCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         if self._stopping:
+            _seal(args, state)
             raise SystemExit(EXIT_STRAGGLERS)
