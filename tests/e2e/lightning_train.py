@@ -105,7 +105,6 @@ def main() -> int:
         logger=False,
         deterministic=True,
     )
-    last = args.ckpt / "last.ckpt"
     sampler = ResumableSampler(
         len(dataset),
         num_replicas=int(os.environ.get("WORLD_SIZE", "1")),
@@ -113,7 +112,7 @@ def main() -> int:
         seed=3,
     )
     loader = resumable(DataLoader(dataset, batch_size=4, sampler=sampler))
-    trainer.fit(model, loader, ckpt_path=str(last) if last.exists() else None)
+    trainer.fit(model, loader, ckpt_path="last")  # none yet: Lightning starts afresh
     if trainer.is_global_zero:
         torch.save({k: v.detach().clone() for k, v in model.net.state_dict().items()}, args.out)
     return 0

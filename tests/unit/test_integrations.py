@@ -67,9 +67,14 @@ def test_resumable_is_driven_by_lightning_and_refuses_an_undistributed_loader(mo
     sampler = ResumableSampler(8, num_replicas=2, rank=1, seed=5)
     position = resumable(DataLoader(range(8), batch_size=2, sampler=sampler))
     assert position.lookahead == 0 and len(position) == 2
-    position.sampler.set_epoch(3)  # what Lightning's fit loop calls at an epoch's start
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    _set_sampler_epoch(position, 3)  # what Lightning's fit loop calls at an epoch's start
     assert position.epoch == 3 and sampler.epoch == 3
     assert resumable(_Unsized()).lookahead == 1
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="RandomSampler"):
+        resumable(DataLoader(range(8), batch_size=2, shuffle=True))
 
 
 class _Unsized:
@@ -80,12 +85,15 @@ class _Unsized:
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
 def test_last_verified_checkpoint_skips_cut_short_and_damaged_checkpoints(tmp_path):
     """The Trainer's checkpoint-N folders, sealed by write_manifest as
-    VerifiedCheckpointCallback does: the newest whole one is chosen; one without a
-    manifest (the job died writing it) or with a flipped byte is passed over; folders
-    from before the callback (no manifest anywhere) resume as the Trainer would."""
+    VerifiedCheckpointCallback does from the step in its marker on: the newest whole one
+    is chosen; one without a manifest newer than the marker's step (the job died writing
+    it) or with a flipped byte is passed over; one older than the marker's step, or any
+    in a folder never sealed, predates the callback and is taken as the Trainer would."""
+    import json
+
     from steadfast import CheckpointError
     from steadfast.checkpoint import write_manifest
-    from steadfast.integrations.transformers import last_verified_checkpoint
+    from steadfast.integrations.transformers import SEALED_SINCE, last_verified_checkpoint
 
     assert last_verified_checkpoint(tmp_path / "none") is None
     for n in (2, 4, 6, 10):
@@ -93,11 +101,48 @@ def test_last_verified_checkpoint_skips_cut_short_and_damaged_checkpoints(tmp_pa
         (tmp_path / f"checkpoint-{n}" / "model.safetensors").write_bytes(bytes([n]) * 64)
     (tmp_path / "checkpoint-x").mkdir()  # not the Trainer's name: ignored
     assert last_verified_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")  # unsealed
-    for n in (2, 4, 6):
+    (tmp_path / SEALED_SINCE).write_text(json.dumps({"since_step": 2}))
+    for n in (4, 6):
         write_manifest(tmp_path / f"checkpoint-{n}", n)
     (tmp_path / "checkpoint-6" / "model.safetensors").write_bytes(b"\xff" * 64)
     assert last_verified_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
     (tmp_path / "checkpoint-4" / "model.safetensors").unlink()
+    # checkpoint-2 predates the sealing: taken, unverified
+    assert last_verified_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
+    write_manifest(tmp_path / "checkpoint-2", 2)
     (tmp_path / "checkpoint-2" / "model.safetensors").write_bytes(b"\xff" * 63)
     with pytest.raises(CheckpointError, match=r"checksum mismatch.*missing.*63 bytes"):
         last_verified_checkpoint(tmp_path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="no Lightning")
+def test_steadfast_checkpoint_io_round_trip_and_fall_backs(tmp_path):
+    """Lightning's calls, as its strategy makes them: saves (async) are verified folders;
+    remove_checkpoint deletes; a ``last.ckpt`` link whose target a crash kept from
+    landing falls back to the newest full checkpoint, never a weights-only one; a plain
+    ``.ckpt`` file from Lightning's own writer still loads."""
+    import torch
+
+    from steadfast.checkpoint import verify
+    from steadfast.integrations.lightning import SteadfastCheckpointIO
+
+    io = SteadfastCheckpointIO(async_save=True)
+    full = {"global_step": 4, "state_dict": {"w": torch.ones(3)}, "loops": {},
+            "optimizer_states": [{}]}  # fmt: skip
+    io.save_checkpoint(full, tmp_path / "epoch=0-step=4.ckpt")
+    io.save_checkpoint({**full, "global_step": 8}, tmp_path / "epoch=1-step=8.ckpt")
+    io.save_checkpoint(
+        {"global_step": 9, "state_dict": {"w": torch.zeros(3)}, "loops": {}},
+        tmp_path / "weights-only.ckpt",
+    )
+    io.remove_checkpoint(tmp_path / "epoch=1-step=8.ckpt")
+    io.teardown()  # waits for the writes
+    assert verify(tmp_path / "epoch=0-step=4.ckpt") == []
+    assert not (tmp_path / "epoch=1-step=8.ckpt").exists()
+    (tmp_path / "last.ckpt").symlink_to("epoch=1-step=8.ckpt")  # save_last="link"
+    loaded = SteadfastCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
+    assert loaded["global_step"] == 4 and torch.equal(loaded["state_dict"]["w"], torch.ones(3))
+    torch.save(full, tmp_path / "plain.ckpt")
+    assert SteadfastCheckpointIO().load_checkpoint(tmp_path / "plain.ckpt")["global_step"] == 4
+    with pytest.raises(FileNotFoundError):
+        SteadfastCheckpointIO().load_checkpoint(tmp_path / "never.ckpt")

@@ -36,12 +36,13 @@ import io
 import json
 import logging
 import os
+import pickle
 import shutil
 import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,8 +73,11 @@ STATE_FILE = "state.pt"
 DCP_DIR = "dcp"
 RNG_KEY = "rng"
 _FORMAT = "steadfast-checkpoint/1"
-_TMP_PREFIX = ".tmp-"  # + the checkpoint's name: ".tmp-step_7", ".tmp-last.ckpt"
-_TRASH_PREFIX = ".del-"  # + the name + "-" + the pid that hid it
+_TMP_PREFIX = ".sf-tmp-"  # + the checkpoint's name: ".sf-tmp-step_7", ".sf-tmp-last.ckpt"
+_TRASH_PREFIX = ".sf-del-"  # + name + "-" + pid: hidden while replaced (may come back)
+_REMOVED_PREFIX = ".sf-rm-"  # + name + "-" + pid: hidden to be deleted (never comes back)
+_LEGACY_PREFIXES = (".tmp-step_", ".del-step_")  # what earlier versions left behind
+_NAME_MAX = 200  # a checkpoint name, so that the hidden names stay under NAME_MAX (255)
 
 
 class CheckpointError(RuntimeError):
@@ -206,12 +210,33 @@ def _describe(exc: BaseException, where: Path) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _discard(path: Path) -> Path:
+def _discard(path: Path, prefix: str = _REMOVED_PREFIX) -> Path:
     """Hide a checkpoint directory by renaming it (atomic), so that a crash never exposes
-    a half-deleted ``step_N``; the caller removes the returned hidden path."""
-    trash = path.with_name(f"{_TRASH_PREFIX}{path.name}-{os.getpid()}")
+    a half-deleted ``step_N``; the caller removes the returned hidden path. Hidden with
+    ``_TRASH_PREFIX`` (a copy being replaced), it comes back after a crash if its
+    replacement never landed; with ``_REMOVED_PREFIX`` it never does."""
+    trash = path.with_name(f"{prefix}{path.name}-{os.getpid()}")
     os.rename(path, trash)
     return trash
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the directories ``a`` and ``b`` in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``), so that a name being replaced is never missing, not even for
+    an instant; False where the kernel or file system cannot (the caller falls back)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    done = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    return bool(done == 0)
 
 
 def _remove_all(paths: list[Path]) -> None:
@@ -251,6 +276,12 @@ def _check_files(ckpt: Path, files: Mapping[str, Any], checksum: set[str] | None
         if (checksum is None or name in checksum) and _crc32_file(f) != meta.get("crc32"):
             problems.append(f"{f}: checksum mismatch")
     return problems
+
+
+def _saved_keys(manifest: Mapping[str, Any]) -> list[str]:
+    """The top-level keys a checkpoint holds, by its manifest."""
+    keys = manifest.get("keys") or {}
+    return [*keys.get("state", []), *keys.get("rank_state", [])]
 
 
 def verify(path: str | os.PathLike[str]) -> list[str]:
@@ -527,6 +558,8 @@ class CheckpointManager:
         self._reaper: threading.Thread | None = None
         self._error: BaseException | None = None
         self._in_flight: int | None = None
+        #: the checkpoint the last load or restore read (after any fall-back)
+        self.loaded_path: Path | None = None
         self._stager = _Stager()  # replicated / sharded state
         self._local_stager = _Stager()  # rank_state and RNG
         if self._rank == 0:
@@ -562,8 +595,17 @@ class CheckpointManager:
         ``keep_last_n`` leaves it alone (the framework keeps and deletes its own).
         """
         require_number("CheckpointManager.save step", step, minimum=0, integer=True)
-        if name is not None and (not name or "/" in name or name.startswith(".") or name == LATEST):
-            raise ConfigError(f"CheckpointManager.save name: {name!r} is not a plain file name")
+        if name is not None and (
+            not name
+            or "/" in name
+            or name.startswith(".")
+            or name == LATEST
+            or len(os.fsencode(name)) > _NAME_MAX
+        ):
+            raise ConfigError(
+                f"CheckpointManager.save name: {name!r} is not a plain file name "
+                f"(of at most {_NAME_MAX} bytes)"
+            )
         self.wait()
         # before anything is written (the temporary folder included): a rank whose node
         # no longer holds the rendezvous writes nothing, and every rank learns it in the
@@ -708,6 +750,7 @@ class CheckpointManager:
         *,
         fallback: bool = False,
         weights_only: bool = True,
+        require_keys: Collection[str] = (),
     ) -> tuple[int, dict[str, Any]] | None:
         """Load the newest valid checkpoint (or ``path``); None when there is none yet.
 
@@ -721,10 +764,13 @@ class CheckpointManager:
 
         ``fallback``: when ``path`` is corrupt (or gone), go on with the newest valid
         checkpoint in ``checkpoint_dir`` that is not newer (by its manifest's step), named
-        or not, instead of raising. ``weights_only=False`` unpickles any object (only
-        for checkpoints you trust; the default executes no pickled code).
+        or not, and holds the same keys (those of ``path`` when its manifest can be read,
+        else ``require_keys``), instead of raising; :attr:`loaded_path` says which was
+        read. ``weights_only=False`` unpickles any object (only for checkpoints you
+        trust; the default executes no pickled code, and a verified checkpoint it
+        refuses raises :class:`CheckpointError` saying so, not a fall-back).
         """
-        return self._load(path, None, fallback, weights_only)
+        return self._load(path, None, fallback, weights_only, set(require_keys))
 
     def remove(self, path: str | os.PathLike[str]) -> None:
         """Delete the checkpoint directory ``path`` (a framework's named one, when the
@@ -752,7 +798,7 @@ class CheckpointManager:
         own (sharded) state dicts. Returns ``(step, state)`` like :meth:`load`, so plain
         values can be read from ``state``; None when there is no checkpoint yet.
         """
-        loaded = self._load(path, objects, False, True)
+        loaded = self._load(path, objects, False, True, set())
         if loaded is None:
             return None
         step, state = loaded
@@ -914,9 +960,14 @@ class CheckpointManager:
         if sharded:
             _fsync_dir(tmp / DCP_DIR)
         _fsync_dir(tmp)
-        if final.exists():  # the same step saved again: the newer write wins
-            shutil.rmtree(_discard(final), ignore_errors=True)
-        os.rename(tmp, final)
+        if not final.exists():
+            os.rename(tmp, final)
+        elif _exchange(tmp, final):  # the same name saved again: the newer write wins,
+            shutil.rmtree(tmp, ignore_errors=True)  # and the name is never missing
+        else:  # hide the old copy (it comes back if a crash stops us here), then rename
+            old = _discard(final, _TRASH_PREFIX)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
         _fsync_dir(self.dir)
         if job.named:  # latest stays where it is
             return
@@ -949,18 +1000,28 @@ class CheckpointManager:
         return trash
 
     def _remove_stale_tmp(self) -> None:
-        for entry in sorted(self.dir.iterdir()):
-            if entry.name.startswith(_TRASH_PREFIX) and entry.is_dir():
-                name, _, pid = entry.name[len(_TRASH_PREFIX) :].rpartition("-")
-                original = self.dir / name
-                if name and pid.isdigit() and not original.exists() and not verify(entry):
-                    # a checkpoint being replaced by a new save of the same step when the
-                    # job died: the new copy never landed, so the old one comes back
+        hidden: dict[str, list[tuple[float, Path]]] = {}  # copies hidden for replacement
+        for entry in self.dir.iterdir():
+            for prefix in (_TRASH_PREFIX, _LEGACY_PREFIXES[1]):
+                if entry.name.startswith(prefix) and entry.is_dir():
+                    name, _, pid = entry.name[len(prefix) :].rpartition("-")
+                    name = name if prefix == _TRASH_PREFIX else f"step_{name}"
+                    manifest, _ = _manifest(entry)
+                    if name and pid.isdigit() and manifest is not None:
+                        hidden.setdefault(name, []).append((manifest.get("time", 0.0), entry))
+        for name, copies in hidden.items():
+            original = self.dir / name
+            for _, entry in sorted(copies, key=lambda c: c[0], reverse=True):
+                if not original.exists() and not verify(entry):
+                    # a checkpoint being replaced by a new save of the same name when the
+                    # job died: the new copy never landed, so the newest old one comes back
                     logger.warning("recovering %s from %s", original, entry)
                     os.rename(entry, original)
-                    continue
+        for entry in sorted(self.dir.iterdir()):
             if (
-                entry.name.startswith((_TMP_PREFIX, _TRASH_PREFIX))
+                entry.name.startswith(
+                    (_TMP_PREFIX, _TRASH_PREFIX, _REMOVED_PREFIX, *_LEGACY_PREFIXES)
+                )
                 or entry.name == f".{LATEST}.tmp"
             ):
                 logger.warning("removing %s left by an interrupted save", entry)
@@ -1046,19 +1107,25 @@ class CheckpointManager:
             )
         return [p for rank_problems in self._all_gather(problems) for p in rank_problems]
 
-    def _older_than(self, ckpt: Path) -> list[Path]:
+    def _older_than(self, ckpt: Path, require_keys: set[str]) -> list[Path]:
         """Every other checkpoint in ``checkpoint_dir`` (``step_N`` or named) whose
-        manifest is readable and whose step is not above ``ckpt``'s (when ``ckpt``'s
-        manifest says it), newest first: where ``load(fallback=True)`` goes on."""
+        manifest is readable, whose step is not above ``ckpt``'s and whose keys include
+        ``ckpt``'s (when ``ckpt``'s manifest says them; else ``require_keys``), newest
+        first: where ``load(fallback=True)`` goes on."""
         manifest, _ = _manifest(ckpt)
         bound = manifest["step"] if manifest is not None else None
+        keys = set(_saved_keys(manifest)) if manifest is not None else require_keys
         found: list[tuple[int, float, Path]] = []
         if self.dir.is_dir():
             for entry in self.dir.iterdir():
                 if entry.name.startswith(".") or entry == ckpt or not entry.is_dir():
                     continue
                 other, _ = _manifest(entry)
-                if other is not None and (bound is None or other["step"] <= bound):
+                if (
+                    other is not None
+                    and (bound is None or other["step"] <= bound)
+                    and keys <= set(_saved_keys(other))
+                ):
                     with contextlib.suppress(OSError):
                         found.append((other["step"], entry.stat().st_mtime, entry))
         return [p for _, _, p in sorted(found, key=lambda f: (f[0], f[1]), reverse=True)]
@@ -1069,12 +1136,15 @@ class CheckpointManager:
         objects: Mapping[str, Any] | None,
         fallback: bool,
         weights_only: bool,
+        require_keys: set[str],
     ) -> tuple[int, dict[str, Any]] | None:
         self.wait()
         if path is None:
             candidates = self._candidates()
         else:
-            candidates = [Path(path)] + (self._older_than(Path(path)) if fallback else [])
+            candidates = [Path(path)] + (
+                self._older_than(Path(path), require_keys) if fallback else []
+            )
         # every rank tries the same candidates in the same order: rank 0's view
         candidates = [Path(p) for p in self._from_rank0([str(p) for p in candidates])]
         if not candidates:
@@ -1097,6 +1167,11 @@ class CheckpointManager:
                 state = self._read(ckpt, manifest, objects, weights_only)
             except CheckpointError:
                 raise
+            except pickle.UnpicklingError as exc:  # verified, so not damage: distrust
+                raise CheckpointError(
+                    f"{ckpt} holds objects the safe loader (weights_only=True) refuses: "
+                    f"{exc}. Load it with weights_only=False only if you trust it"
+                ) from exc
             except Exception as exc:
                 problems = [f"{ckpt}: cannot be loaded ({type(exc).__name__}: {exc})"]
             bad = self._agreed_problems(ckpt, problems, "load")
@@ -1104,6 +1179,7 @@ class CheckpointManager:
                 failures.extend(bad)
                 continue
             step = int(manifest["step"])
+            self.loaded_path = ckpt
             events.emit(
                 "checkpoint_loaded", step=step, path=str(ckpt), seconds=time.monotonic() - start
             )

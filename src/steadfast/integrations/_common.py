@@ -5,8 +5,10 @@ map their framework's hooks onto these."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,25 @@ FT_STATE_FILE = "_ft_state.json"
 EXIT_STRAGGLERS = 16
 
 
+_active: Monitoring | None = None  # the running callback's, for helpers without one
+
+
+@contextlib.contextmanager
+def checkpointing() -> Iterator[None]:
+    """The ``checkpointing`` section around checkpoint work a callback does outside the
+    framework's own save (sealing a checkpoint, waiting for a background write), when a
+    FaultToleranceCallback is monitoring this rank; nothing otherwise."""
+    monitoring = _active
+    if monitoring is None or "checkpointing" in monitoring._open:
+        yield
+        return
+    monitoring.open("checkpointing")
+    try:
+        yield
+    finally:
+        monitoring.close("checkpointing")
+
+
 class Monitoring:
     """One rank's :class:`~steadfast.monitor.RankMonitorClient` (only under ``steadfast
     launch``, which provides the heartbeat table), the sections open now, and the
@@ -39,10 +60,12 @@ class Monitoring:
     def start(self, state_file: Path) -> None:
         """Start monitoring with the timeouts an earlier run calculated, and open
         ``setup``."""
+        global _active
         if os.environ.get(HB_TABLE_ENV) and self.client is None:
             self.client = RankMonitorClient()
             self.client.init_workload_monitoring()
             load_ft_state(self.client, state_file)
+        _active = self
         self.open("setup")
 
     def open(self, name: str) -> None:
@@ -92,6 +115,9 @@ class Monitoring:
 
     def stop(self) -> None:
         """Every section closed and monitoring shut down (a closed row: not a hang)."""
+        global _active
+        if _active is self:
+            _active = None
         for name in list(self._open):
             self.close(name)
         if self.client is not None:

@@ -87,6 +87,7 @@ from ._common import (
     NaNGuard,
     NaNRollback,
     StepTimer,
+    checkpointing,
 )
 
 __all__ = [
@@ -112,11 +113,19 @@ class SteadfastCheckpointIO(CheckpointIO):
     load or at ``teardown``, which Lightning calls when ``fit`` ends). ``storage_options``
     is not supported (as with Lightning's default writer). Loads are to the CPU (the
     strategy moves the state to its device).
+
+    Each ``.ckpt`` is a folder: read one outside the Trainer with
+    ``SteadfastCheckpointIO().load_checkpoint(path)`` (``LightningModule.load_from_checkpoint``
+    and loggers that upload checkpoints expect a file). Strategies that write sharded
+    checkpoints themselves (FSDP's sharded state dict, DeepSpeed, ModelParallel) do not
+    call the plugin; use it with DDP and single-device strategies.
     """
 
     def __init__(self, async_save: bool = False) -> None:
         self.async_save = bool(async_save)
         self._managers: dict[Path, CheckpointManager] = {}
+        #: the checkpoint the last load read (after any fall-back)
+        self.loaded_path: Path | None = None
 
     def _manager(self, folder: Path) -> CheckpointManager:
         key = folder.absolute()
@@ -151,21 +160,38 @@ class SteadfastCheckpointIO(CheckpointIO):
         map_location: Any | None = None,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """The checkpoint at ``path``, verified; if it is corrupt, the newest valid one
+        """The checkpoint at ``path``, verified; if it is corrupt (or a ``last.ckpt``
+        link whose target a crash kept from landing), the newest valid full checkpoint
         in its folder that is not newer. A plain file (Lightning's own format) is read
         by Lightning's reader. Under ``torch.distributed`` every rank must call it (as
-        Lightning does): the ranks check that they all loaded the same step."""
+        Lightning does): the ranks then check that they all read the same checkpoint,
+        and a rank that failed makes every rank raise (none is left waiting)."""
         source = Path(path)
-        if source.is_file():
-            return TorchCheckpointIO().load_checkpoint(source, map_location, weights_only)
-        if not source.exists():
-            raise FileNotFoundError(f"checkpoint {source} not found")
-        manager = self._manager(source.parent)
-        loaded = manager.load(source, fallback=True, weights_only=weights_only is not False)
-        if loaded is None:  # pragma: no cover - a path was given, so there is a candidate
-            raise CheckpointError(f"no checkpoint at {source}")
-        step, state = loaded
-        _same_on_every_rank(step, source)
+        state: dict[str, Any] | None = None
+        used: str | None = None
+        failure: BaseException | None = None
+        try:
+            if source.is_file():
+                state = TorchCheckpointIO().load_checkpoint(source, map_location, weights_only)
+                used = str(source)
+            elif not source.exists() and not source.is_symlink():
+                raise FileNotFoundError(f"checkpoint {source} not found")
+            else:
+                manager = self._manager(source.parent)
+                loaded = manager.load(
+                    source,
+                    fallback=True,
+                    weights_only=weights_only is not False,
+                    require_keys=_FULL_CHECKPOINT,
+                )
+                if loaded is None:  # pragma: no cover - a path was given: a candidate
+                    raise CheckpointError(f"no checkpoint at {source}")
+                state, used = loaded[1], str(manager.loaded_path)
+        except Exception as exc:
+            failure = exc
+        _same_on_every_rank(used, failure, source)
+        assert state is not None and used is not None
+        self.loaded_path = Path(used)
         return state
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -186,27 +212,43 @@ class SteadfastCheckpointIO(CheckpointIO):
             manager.close()
 
 
-def _same_on_every_rank(step: int, path: Path) -> None:
-    """Every rank verifies on its own: if one fell back (a file it could not read) and
-    another did not, they would train from different states; stop with one error."""
+#: what a checkpoint needs to resume ``fit`` from (the model, the loops, the optimizers):
+#: a fall-back never lands on a weights-only one
+_FULL_CHECKPOINT = ("state_dict", "loops", "optimizer_states")
+
+
+def _same_on_every_rank(used: str | None, failure: BaseException | None, path: Path) -> None:
+    """Every rank verifies on its own: if one failed, or fell back to another file than
+    the others (a file readable on some nodes only), they must not train from different
+    states, nor wait for each other: every rank raises the same way."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
+        if failure is not None:
+            raise failure
         return
-    steps: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(steps, step)
-    if len(set(steps)) > 1:
+    mine = (used, None if failure is None else f"{type(failure).__name__}: {failure}")
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if failure is not None:
+        raise failure
+    errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(everyone) if err]
+    if errors:
+        raise CheckpointError(f"loading {path} failed on other ranks: " + "; ".join(errors))
+    if len({u for u, _ in everyone}) > 1:
         raise CheckpointError(
-            f"ranks loaded different steps from {path} ({steps}): a checkpoint file is "
-            "readable on some nodes only"
+            f"ranks read different checkpoints for {path} ({[u for u, _ in everyone]}): a "
+            "file is readable on some nodes only"
         )
 
 
 def _wait_for_saves(trainer: Trainer) -> None:
-    """Before a callback exits the process: the background save must be durable."""
+    """Before a callback exits the process: the background save must be durable (in the
+    ``checkpointing`` section, so the wait is not taken for a hang)."""
     wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
     if callable(wait):
-        wait()
+        with checkpointing():
+            wait()
 
 
 def resumable(loader: Iterable[Any]) -> DataPosition:
@@ -223,19 +265,35 @@ def resumable(loader: Iterable[Any]) -> DataPosition:
     Lightning adds no ``DistributedSampler`` to a wrapped loader: under DDP give the
     ``DataLoader`` a :class:`~steadfast.ResumableSampler` (or a ``DistributedSampler``)
     for its rank, or this raises :class:`~steadfast.ConfigError` rather than let every
-    rank train on all the data. With a ``ResumableSampler`` no skipped sample is read."""
+    rank train on all the data; a shuffling ``RandomSampler`` is refused too (its order
+    cannot be replayed on resume), while an ``IterableDataset`` that shares itself out
+    is taken as it is. With a ``ResumableSampler`` no skipped sample is read. Lightning
+    does not reach into a wrapped loader either to set ``worker_init_fn``
+    (``seed_everything(workers=True)``): give the ``DataLoader`` its own."""
+    from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler
+
     sampler = getattr(loader, "sampler", None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and sampler is not None:
-        from torch.utils.data import DistributedSampler
-
-        if not isinstance(sampler, (ResumableSampler, DistributedSampler)):
-            raise ConfigError(
-                f"resumable(loader): the loader's sampler is a {type(sampler).__name__}, "
-                f"but the job has {world} ranks and Lightning adds no DistributedSampler to "
-                "a wrapped loader: give it ResumableSampler(len(dataset), num_replicas="
-                "WORLD_SIZE, rank=RANK)"
-            )
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):
+        pass  # the dataset shares itself out among the ranks and orders itself
+    elif isinstance(sampler, RandomSampler):
+        raise ConfigError(
+            "resumable(loader): the loader shuffles with a RandomSampler (shuffle=True), "
+            "whose order comes from a generator that has moved on by the time a run "
+            "resumes: use ResumableSampler(len(dataset), num_replicas=WORLD_SIZE, "
+            "rank=RANK, seed=...), which shuffles by seed and epoch"
+        )
+    elif (
+        world > 1
+        and sampler is not None
+        and not isinstance(sampler, (ResumableSampler, DistributedSampler))
+    ):
+        raise ConfigError(
+            f"resumable(loader): the loader's sampler is a {type(sampler).__name__}, "
+            f"but the job has {world} ranks and Lightning adds no DistributedSampler to "
+            "a wrapped loader: give it ResumableSampler(len(dataset), num_replicas="
+            "WORLD_SIZE, rank=RANK)"
+        )
     try:
         len(loader)  # type: ignore[arg-type]
         sized = True
@@ -398,8 +456,13 @@ def _fault_params(params: Any) -> dict[str, Any] | None:
 
 
 def _resumed_from(trainer: Trainer) -> str | None:
+    """The checkpoint the run resumed from: the one SteadfastCheckpointIO read (after any
+    fall-back), else the one the Trainer was given."""
     path = getattr(trainer, "ckpt_path", None)
-    return str(path) if path else None
+    if not path:
+        return None
+    loaded = getattr(trainer.strategy.checkpoint_io, "loaded_path", None)
+    return str(loaded or path)
 
 
 class GracefulShutdownCallback(Callback):

@@ -61,6 +61,8 @@ Only the Trainer's public callback interface is used.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import re
@@ -80,6 +82,7 @@ from ._common import (
     NaNGuard,
     NaNRollback,
     StepTimer,
+    checkpointing,
 )
 
 __all__ = [
@@ -96,43 +99,93 @@ logger = logging.getLogger(__name__)
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
+#: in ``output_dir``: from which step on every checkpoint is sealed (so an unsealed
+#: newer one was cut short, and an unsealed older one predates the callback)
+SEALED_SINCE = "_steadfast_sealed.json"
+_sealing = False  # a VerifiedCheckpointCallback runs in this process
+
+
 class VerifiedCheckpointCallback(TrainerCallback):
     """Seal every checkpoint the Trainer writes with a manifest (see the module's
     description), so that :func:`last_verified_checkpoint` can tell a whole checkpoint
     from one cut short or damaged. Costs one read of each checkpoint on rank 0 (the
-    checksums; the files are fresh in the page cache) and a barrier."""
+    checksums; the files are fresh in the page cache) and a barrier, inside the
+    ``checkpointing`` section when a FaultToleranceCallback monitors the rank."""
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        """Record, once, the step from which checkpoints are sealed."""
+        global _sealing
+        _sealing = True
+        marker = Path(str(args.output_dir)) / SEALED_SINCE
+        if state.is_world_process_zero and not marker.exists():
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            tmp = marker.with_name(f".{marker.name}.tmp")
+            tmp.write_text(json.dumps({"since_step": int(state.global_step)}))
+            os.replace(tmp, marker)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         _seal(args, state)
 
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        global _sealing
+        _sealing = False
+
 
 def _seal(args: TrainingArguments, state: TrainerState) -> None:
     """After the Trainer saved ``checkpoint-N`` on every rank (``on_save``): wait for
     every rank's files (a barrier: each writes its RNG state), then rank 0 writes the
-    manifest."""
+    manifest. Only while a VerifiedCheckpointCallback runs (the exits of the shutdown
+    and straggler callbacks call it too, since they may come first in the list)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-    folder = Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-    if state.is_world_process_zero and folder.is_dir():
-        write_manifest(folder, int(state.global_step), world_size=int(args.world_size))
+    if not _sealing:
+        return
+    with checkpointing():
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        folder = Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if state.is_world_process_zero and folder.is_dir():
+            write_manifest(folder, int(state.global_step), world_size=int(args.world_size))
 
 
 def last_verified_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
     """The newest ``checkpoint-N`` in ``output_dir`` that verifies against its manifest
     (for ``trainer.train(resume_from_checkpoint=...)``), or None when there is none yet.
 
-    Newer checkpoints without a manifest were cut short (the job died while the Trainer
-    wrote them) and are skipped; one whose files no longer match its manifest is
-    reported (``checkpoint_corrupt``) and skipped. If no checkpoint in the folder has a
-    manifest at all (written before :class:`VerifiedCheckpointCallback` was added), the
-    newest is returned, as the Trainer's ``get_last_checkpoint`` would, with a warning.
-    If checkpoints are sealed but none is valid, raises
-    :class:`~steadfast.CheckpointError` naming the problems rather than start over."""
-    folder = Path(output_dir)
+    A checkpoint without a manifest newer than the step from which the run seals them
+    (:class:`VerifiedCheckpointCallback` records it) was cut short (the job died while
+    the Trainer wrote it) and is skipped, and so is one whose files no longer match
+    its manifest (``checkpoint_corrupt``); one older than that step predates the
+    callback and is taken unverified, with a warning, as is any checkpoint of a folder
+    that was never sealed. If checkpoints are sealed but none is valid, raises
+    :class:`~steadfast.CheckpointError` naming the problems rather than start over.
+
+    Under ``torch.distributed`` (call it after creating the ``TrainingArguments``,
+    which starts it) rank 0 decides and every rank gets its answer, or its error."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return _last_verified(Path(output_dir))
+    answer: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer[0] = ("ok", _last_verified(Path(output_dir)))
+        except CheckpointError as exc:
+            answer[0] = ("error", str(exc))
+    dist.broadcast_object_list(answer, src=0)
+    outcome, value = answer[0]
+    if outcome == "error":
+        raise CheckpointError(value)
+    return value  # type: ignore[no-any-return]
+
+
+def _last_verified(folder: Path) -> str | None:
     if not folder.is_dir():
         return None
     found = sorted(
@@ -142,17 +195,15 @@ def last_verified_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
     found = [(n, p) for n, p in found if p.is_dir()]
     if not found:
         return None
-    if not any((p / MANIFEST).exists() for _, p in found):
-        logger.warning(
-            "no checkpoint in %s has a manifest (written without VerifiedCheckpointCallback): "
-            "resuming from the newest, %s, unverified",
-            folder,
-            found[0][1],
-        )
-        return str(found[0][1])
+    since: int | None = None
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        since = int(json.loads((folder / SEALED_SINCE).read_text())["since_step"])
     problems: list[str] = []
-    for _, path in found:
+    for step, path in found:
         if not (path / MANIFEST).exists():
+            if since is None or step <= since:
+                logger.warning("resuming from %s unverified: it was written unsealed", path)
+                return str(path)
             logger.warning("%s has no manifest: the job stopped while it was written", path)
             continue
         bad = verify(path)
@@ -161,7 +212,9 @@ def last_verified_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
         problems.extend(bad)
         logger.error("checkpoint %s is corrupt: %s", path, "; ".join(bad))
         events.emit("checkpoint_corrupt", cause="verify", path=str(path), reason="; ".join(bad))
-    raise CheckpointError(f"no valid checkpoint in {folder}: " + "; ".join(problems))
+    if problems:
+        raise CheckpointError(f"no valid checkpoint in {folder}: " + "; ".join(problems))
+    return None
 
 
 class FaultToleranceCallback(TrainerCallback):
