@@ -158,7 +158,8 @@ def test_failed_background_save_is_raised_at_the_next_call(tmp_path: Path):
     mgr.save(2, {"bad": lambda: None})  # cannot be pickled: fails in the background
     with pytest.raises(CheckpointError, match="background checkpoint save failed"):
         mgr.save(3, {"ok": torch.ones(3)})
-    assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".tmp")] == []
+    left = [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith((".sf-", ".tmp"))]
+    assert left == []
     assert mgr.load()[0] == 1
 
 
@@ -210,13 +211,15 @@ def test_disk_full_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path: Path
 
 
 def test_a_checkpoint_hidden_for_replacement_comes_back_after_a_crash(tmp_path: Path):
-    """Saving a step that exists hides the old copy, then renames the new one in; a kill
-    in between must not lose the step (nor leave a damaged copy visible)."""
+    """Where the file system cannot swap two folders, saving a step that exists hides
+    the old copy, then renames the new one in; a kill in between must not lose the step
+    (nor leave a damaged copy visible). Also for copies hidden by earlier versions
+    (``.del-step_N-PID``)."""
     d = tmp_path / "ckpt"
     mgr = CheckpointManager(d, keep_last_n=0)
     mgr.save(4, {"w": torch.ones(3)})
     mgr.save(5, {"w": torch.ones(3) * 5})
-    os.rename(d / "step_5", d / ".del-step_5-999")  # the moment of the kill
+    os.rename(d / "step_5", d / ".sf-del-step_5-999")  # the moment of the kill
     os.rename(d / "step_4", d / ".del-step_4-999")
     (d / ".del-step_4-999" / "state.pt").write_bytes(b"half deleted")
     step, state = CheckpointManager(d).load()

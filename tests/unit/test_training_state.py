@@ -69,7 +69,7 @@ def test_reserved_and_colliding_keys_are_config_errors(tmp_path: Path):
         mgr.save(1, {"x": 1}, rank_state={"x": 2})
     with pytest.raises(ConfigError, match="keys must be strings"):
         mgr.save(1, {3: 1})
-    assert not list((tmp_path / "ckpt").glob(".tmp-*"))
+    assert not list((tmp_path / "ckpt").glob(".sf-*"))
 
 
 def test_stateful_protocol_accepts_user_objects():
