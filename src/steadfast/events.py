@@ -165,8 +165,11 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     }),
     ("checkpoint_loaded", "a checkpoint was verified and loaded", {
         "path": "its folder", "seconds": "the load",
+        "tier": "disk, memory (the rank's own snapshot) or replica (one kept on another "
+        "node)", "from_rank": "the rank whose node held the snapshot (memory tier)",
     }),
-    ("checkpoint_corrupt", "a checkpoint failed verification; an older one is used", {
+    ("checkpoint_corrupt", "a checkpoint failed verification; an older one (or another "
+     "tier) is used (cause: verify, load, memory, replica)", {
         "path": "its folder", "reason": "what failed",
     }),
     ("checkpoint_deleted", "an old checkpoint was removed (keep_last_n, or a framework "

@@ -26,24 +26,25 @@ are durable. Loading verifies the manifest (sizes and checksums, shared out amon
 ranks); a corrupted or truncated checkpoint is reported (``checkpoint_corrupt``) and all
 ranks fall back together to the newest valid older one. Files are read with
 ``torch.load(weights_only=True)``: no arbitrary pickle is ever executed.
+
+This module holds the coordination (who writes what, the agreements, the writer
+thread, retention, the load's fall-back); the parts it coordinates are
+:mod:`~steadfast.checkpoint.layout` (names, manifest, verification, the atomic publish,
+clearing an interrupted save), :mod:`~steadfast.checkpoint.files` (durable writes with
+the CRC computed while writing), :mod:`~steadfast.checkpoint.staging` (the host snapshot
+of an async save) and :mod:`~steadfast.checkpoint.dcp` (sharded state).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import io
-import json
 import logging
 import os
 import pickle
 import shutil
-import sys
 import threading
 import time
-import zlib
-from collections.abc import Callable, Collection, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,44 @@ from .. import events
 from ..config import ConfigError, require_number
 from ..dist import group_rank, is_distributed
 from . import LATEST, step_dirs
+from .dcp import load_sharded, save_sharded
+from .files import describe, save_file
+from .layout import (
+    DCP_DIR,
+    MANIFEST,
+    NAME_MAX,
+    STATE_FILE,
+    TMP_PREFIX,
+    CheckpointError,
+    candidates,
+    check_files,
+    discard,
+    new_manifest,
+    older_than,
+    publish,
+    rank_file,
+    read_manifest,
+    remove_all,
+    remove_stale,
+    verify,
+    write_manifest,
+)
+from .memory import (
+    MemoryTier,
+    Snapshot,
+    decode,
+    load_in_place,
+    load_state,
+    read_verified,
+    ring_group,
+    verify_in_place,
+)
+from .staging import Stager, dtensor_off_cpu, has_dtensor, to_cpu, to_state_dicts
 from .state import RNGState, Stateful
 
 __all__ = [
     "CheckpointError",
+    "CheckpointFenced",
     "CheckpointManager",
     "MANIFEST",
     "STATE_FILE",
@@ -68,20 +103,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-STATE_FILE = "state.pt"
-DCP_DIR = "dcp"
 RNG_KEY = "rng"
-_FORMAT = "steadfast-checkpoint/1"
-_TMP_PREFIX = ".sf-tmp-"  # + the checkpoint's name: ".sf-tmp-step_7", ".sf-tmp-last.ckpt"
-_TRASH_PREFIX = ".sf-del-"  # + name + "-" + pid: hidden while replaced (may come back)
-_REMOVED_PREFIX = ".sf-rm-"  # + name + "-" + pid: hidden to be deleted (never comes back)
-_LEGACY_PREFIXES = (".tmp-step_", ".del-step_")  # what earlier versions left behind
-_NAME_MAX = 200  # a checkpoint name, so that the hidden names stay under NAME_MAX (255)
-
-
-class CheckpointError(RuntimeError):
-    """No valid checkpoint could be loaded, or a save failed; the message names the files."""
 
 
 class CheckpointFenced(CheckpointError):
@@ -109,370 +131,6 @@ def _fence(path: Path) -> None:
         raise CheckpointFenced(refused)
 
 
-# ---------------------------------------------------------------------- file helpers
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _crc32_file(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(8 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank_{rank}.pt"
-
-
-class _ChecksumWriter:
-    """A write-only file object for ``torch.save`` that computes the CRC-32 of everything
-    written while it is written: the checksum of each large chunk runs on a helper thread
-    (zlib releases the GIL) at the same time as the chunk is copied to the file, so it
-    costs almost nothing on top of the write (reading the file back would cost ~40%).
-    Each chunk is finished before ``write`` returns, because torch reuses its buffers.
-    The first ``OSError`` is kept, since torch reports it as a vague "unexpected pos"."""
-
-    _PARALLEL_MIN = 1 << 20
-
-    def __init__(self, fh: Any, pool: ThreadPoolExecutor) -> None:
-        self._fh = fh
-        self._pool = pool
-        self.crc = 0
-        self.bytes = 0
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        try:
-            if len(view) < self._PARALLEL_MIN:
-                self.crc = zlib.crc32(view, self.crc)
-                self._fh.write(view)
-            else:
-                pending = self._pool.submit(zlib.crc32, view, self.crc)
-                try:
-                    self._fh.write(view)
-                finally:
-                    self.crc = pending.result()
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-        self.bytes += len(view)
-        return len(view)
-
-    def flush(self) -> None:
-        self._fh.flush()
-
-
-def _save_file(path: Path, obj: Any) -> dict[str, int]:
-    """``torch.save`` ``obj`` to ``path`` durably; its size and CRC-32 for the manifest."""
-    with open(path, "wb") as fh, ThreadPoolExecutor(1) as pool:
-        writer = _ChecksumWriter(fh, pool)
-        try:
-            torch.save(obj, writer)  # type: ignore[arg-type]
-            fh.flush()
-            os.fsync(fh.fileno())
-        except Exception as exc:
-            if writer.error is not None and writer.error is not exc:
-                raise writer.error from exc
-            raise
-        size = os.fstat(fh.fileno()).st_size
-    if size != writer.bytes:  # a short write the file object did not report
-        raise OSError(f"{path}: wrote {writer.bytes} bytes, the file has {size}")
-    return {"bytes": size, "crc32": writer.crc}
-
-
-def _describe(exc: BaseException, where: Path) -> str:
-    """One readable line for a failed write; "disk full" is said in words, not as torch's
-    "unexpected pos"."""
-    code = getattr(exc, "errno", None)
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        return f"no space left on the device or quota of {where} ({exc})"
-    if code == errno.EFBIG:
-        return f"file size limit exceeded writing to {where} (RLIMIT_FSIZE / ulimit -f) ({exc})"
-    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"no permission to write to {where} ({exc})"
-    with contextlib.suppress(OSError):
-        if shutil.disk_usage(where if where.exists() else where.parent).free < 1 << 20:
-            return f"no space left on the device of {where} ({type(exc).__name__}: {exc})"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _discard(path: Path, prefix: str = _REMOVED_PREFIX) -> Path:
-    """Hide a checkpoint directory by renaming it (atomic), so that a crash never exposes
-    a half-deleted ``step_N``; the caller removes the returned hidden path. Hidden with
-    ``_TRASH_PREFIX`` (a copy being replaced), it comes back after a crash if its
-    replacement never landed; with ``_REMOVED_PREFIX`` it never does."""
-    trash = path.with_name(f"{prefix}{path.name}-{os.getpid()}")
-    os.rename(path, trash)
-    return trash
-
-
-_RENAME_EXCHANGE = 2  # linux/fs.h
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap the directories ``a`` and ``b`` in one atomic step (Linux ``renameat2`` with
-    ``RENAME_EXCHANGE``), so that a name being replaced is never missing, not even for
-    an instant; False where the kernel or file system cannot (the caller falls back)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    done = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
-    return bool(done == 0)
-
-
-def _remove_all(paths: list[Path]) -> None:
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------- verification
-def _manifest(ckpt: Path) -> tuple[dict[str, Any] | None, list[str]]:
-    manifest_path = ckpt / MANIFEST
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except FileNotFoundError:
-        return None, [f"{manifest_path}: missing"]
-    except (OSError, ValueError) as exc:
-        return None, [f"{manifest_path}: unreadable ({exc})"]
-    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
-        return None, [f"{manifest_path}: not a {_FORMAT} manifest"]
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files or not isinstance(manifest.get("step"), int):
-        return None, [f"{manifest_path}: no step or no file list"]
-    return manifest, []
-
-
-def _check_files(ckpt: Path, files: Mapping[str, Any], checksum: set[str] | None) -> list[str]:
-    """Sizes of all ``files``; CRC-32 of those in ``checksum`` (all when None)."""
-    problems = []
-    for name, meta in files.items():
-        f = ckpt / name
-        if not f.is_file():
-            problems.append(f"{f}: missing")
-            continue
-        size = f.stat().st_size
-        if size != meta.get("bytes"):
-            problems.append(f"{f}: {size} bytes, manifest says {meta.get('bytes')}")
-            continue
-        if (checksum is None or name in checksum) and _crc32_file(f) != meta.get("crc32"):
-            problems.append(f"{f}: checksum mismatch")
-    return problems
-
-
-def _saved_keys(manifest: Mapping[str, Any]) -> list[str]:
-    """The top-level keys a checkpoint holds, by its manifest."""
-    keys = manifest.get("keys") or {}
-    return [*keys.get("state", []), *keys.get("rank_state", [])]
-
-
-def verify(path: str | os.PathLike[str]) -> list[str]:
-    """Problems found checking the checkpoint directory ``path`` against its manifest
-    (an empty list means every file is present, of the right size and checksum)."""
-    manifest, problems = _manifest(Path(path))
-    if manifest is None:
-        return problems
-    return _check_files(Path(path), manifest["files"], None)
-
-
-def write_manifest(path: str | os.PathLike[str], step: int, world_size: int = 1) -> dict[str, Any]:
-    """Seal the checkpoint directory ``path`` that a framework wrote with its own files
-    (the Hugging Face Trainer's ``checkpoint-N``): every file under it is fsynced,
-    then described by size and CRC-32 in a ``manifest.json`` of the manager's format,
-    written last and atomically (a temporary file renamed over). From then on
-    :func:`verify` checks it; a directory the framework was still writing when the job
-    died has no manifest, and one damaged later fails its checksums. Returns the
-    manifest. Call it once every rank's files are written."""
-    ckpt = Path(path)
-    files: dict[str, dict[str, int]] = {}
-    for f in sorted(ckpt.rglob("*")):
-        name = f.relative_to(ckpt).as_posix()
-        if not f.is_file() or f.is_symlink() or name in (MANIFEST, f"{MANIFEST}.tmp"):
-            continue
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-        files[name] = {"bytes": f.stat().st_size, "crc32": _crc32_file(f)}
-    if not files:
-        raise CheckpointError(f"{ckpt}: no files to describe in a manifest")
-    for folder in sorted({f.parent for f in ckpt.rglob("*") if f.is_file()}, reverse=True):
-        _fsync_dir(folder)
-    manifest = {
-        "format": _FORMAT,
-        "step": int(step),
-        "time": time.time(),
-        "world_size": int(world_size),
-        "sharded": False,
-        "keys": {},
-        "files": files,
-    }
-    tmp = ckpt / f"{MANIFEST}.tmp"
-    _write_file(tmp, json.dumps(manifest, indent=1).encode())
-    os.replace(tmp, ckpt / MANIFEST)
-    _fsync_dir(ckpt)
-    return manifest
-
-
-# ---------------------------------------------------------------------- state capture
-def _to_state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Replace objects that have ``state_dict()`` by their state dict."""
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        if not isinstance(key, str):
-            raise ConfigError(f"checkpoint state keys must be strings, got {key!r}")
-        sd = getattr(value, "state_dict", None)
-        out[key] = sd() if callable(sd) else value
-    return out
-
-
-def _is_dtensor(value: Any) -> bool:
-    # a DTensor exists only if its module was imported: importing it here would cost
-    # ~0.5 s on the first save of every job that has none
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(value, module.DTensor)
-
-
-def _any_tensor(value: Any, pred: Callable[[torch.Tensor], bool]) -> bool:
-    """Whether any tensor in the nested state ``value`` satisfies ``pred``."""
-    if isinstance(value, torch.Tensor):
-        return pred(value)
-    if isinstance(value, Mapping):
-        return any(_any_tensor(v, pred) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_any_tensor(v, pred) for v in value)
-    return False
-
-
-def _has_dtensor(value: Any) -> bool:
-    return _any_tensor(value, _is_dtensor)
-
-
-class _Stager:
-    """Copies the state to host memory for an async save, into buffers kept from the
-    previous save when shapes and dtypes match (pinned when the source is on CUDA).
-
-    Reusing the buffers is what makes the stall short: a fresh 200 MB allocation costs
-    page faults on every page, a copy into warm memory is a plain memcpy. The cost is one
-    host copy of the state kept alive between saves (as torch's async DCP does). Tensors
-    that are the same object (tied weights) stay one tensor.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._used: dict[str, torch.Tensor] = {}
-        self._memo: dict[int, torch.Tensor] = {}
-        self._devices: set[torch.device] = set()
-
-    def stage(self, value: Any) -> Any:
-        self._used, self._memo, self._devices = {}, {}, set()
-        staged = self._walk(value, "")
-        for device in self._devices:  # the non-blocking copies must land before writing
-            torch.cuda.synchronize(device)
-        self._buffers = self._used  # buffers for keys that went away are released
-        return staged
-
-    def clear(self) -> None:
-        self._buffers, self._used, self._memo = {}, {}, {}
-
-    def _copy(self, t: torch.Tensor, key: str, memo: bool = True) -> torch.Tensor:
-        if memo and id(t) in self._memo:
-            return self._memo[id(t)]
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            pin = t.is_cuda and torch.cuda.is_available()
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-        buf.copy_(t.detach(), non_blocking=t.is_cuda)
-        if t.is_cuda:
-            self._devices.add(t.device)
-        self._used[key] = buf
-        if memo:  # t is alive for the whole walk: its id cannot be reused meanwhile
-            self._memo[id(t)] = buf
-        return buf
-
-    def _walk(self, value: Any, key: str) -> Any:
-        if _is_dtensor(value):
-            local = self._copy(value.to_local(), key, memo=False)  # a temporary: no id()
-            return type(value).from_local(
-                local,
-                value.device_mesh,
-                value.placements,
-                shape=value.shape,
-                stride=value.stride(),
-            )
-        if isinstance(value, torch.Tensor):
-            return self._copy(value, key)
-        if isinstance(value, Mapping):
-            return {k: self._walk(v, f"{key}/{k}") for k, v in value.items()}
-        if isinstance(value, list):
-            return [self._walk(v, f"{key}/{i}") for i, v in enumerate(value)]
-        if isinstance(value, tuple):
-            return tuple(self._walk(v, f"{key}/{i}") for i, v in enumerate(value))
-        return value
-
-
-def _safe_load_planner() -> Any:
-    """DCP's default load planner, except that non-tensor values are unpickled with
-    ``weights_only=True`` (DCP itself uses ``weights_only=False`` for them); keys present
-    in the objects but not in the checkpoint are left alone (``allow_partial_load``)."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    class SafeLoadPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            safe = torch.load(value, weights_only=True)  # raises on anything not allow-listed
-            again = io.BytesIO()
-            torch.save(safe, again)  # only tensors, numbers, strings, containers remain
-            again.seek(0)
-            super().load_bytes(read_item, again)
-
-    return SafeLoadPlanner(allow_partial_load=True)
-
-
-def _dcp_plain_values(metadata: Any) -> set[str]:
-    """Top-level keys a DCP checkpoint holds as plain (non-tensor) values: these can be
-    loaded without a template from the caller; tensors need one to load into."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    return {
-        fqn
-        for fqn, meta in metadata.state_dict_metadata.items()
-        if isinstance(meta, BytesStorageMetadata) and "." not in fqn
-    }
-
-
-def _dtensor_off_cpu(value: Any) -> bool:
-    return _any_tensor(value, lambda t: _is_dtensor(t) and t.device.type != "cpu")
-
-
-def _to_cpu(value: Any) -> Any:
-    """``value`` with every (non-sharded) tensor on the CPU, without copying CPU tensors."""
-    if isinstance(value, torch.Tensor) and not _is_dtensor(value):
-        return value.detach().to("cpu")
-    if isinstance(value, Mapping):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_cpu(v) for v in value)
-    return value
-
-
 # ---------------------------------------------------------------------- the manager
 @dataclass
 class _SaveJob:
@@ -488,7 +146,8 @@ class _SaveJob:
     sharded: bool
     start: float
     failure: str | None  # the snapshot failed on this rank: said in the write phase
-    named: bool = False  # published under a framework's name: latest stays
+    move_latest: bool = True  # False for a framework's named checkpoint
+    retain: bool = True  # apply keep_last_n once published
     blocking: float | None = None  # the stall of an async save; None for a sync one
 
 
@@ -513,6 +172,12 @@ class CheckpointManager:
             ``CheckpointIO``: :class:`steadfast.integrations.lightning.SteadfastCheckpointIO`).
             Ranks that load such checkpoints each verify them on their own. Only the
             world's rank 0 clears what an interrupted save left in ``checkpoint_dir``.
+        memory_every: Keep a snapshot of every rank's state in host shared memory every
+            this many steps (:meth:`snapshot`; 0, the default, turns the memory tier
+            off): written and replicated to a rank on another node in the background,
+            verified like a disk checkpoint, and restored first when it is the newest
+            (:mod:`steadfast.checkpoint.memory`). Disk checkpoints (:meth:`save`) stay
+            the durable tier; snapshots never move ``latest``.
 
     Sharded state is read by DCP *into* the objects' current state dicts, so each
     object must already hold tensors of the right shapes. A fresh optimizer holds no
@@ -534,6 +199,7 @@ class CheckpointManager:
         rng: bool = True,
         sharded: bool | None = None,
         collective: bool = True,
+        memory_every: int = 0,
     ) -> None:
         self.dir = Path(checkpoint_dir)
         if self.dir.exists() and not self.dir.is_dir():
@@ -560,12 +226,27 @@ class CheckpointManager:
         self._in_flight: int | None = None
         #: the checkpoint the last load or restore read (after any fall-back)
         self.loaded_path: Path | None = None
-        self._stager = _Stager()  # replicated / sharded state
-        self._local_stager = _Stager()  # rank_state and RNG
+        self._stager = Stager()  # replicated / sharded state
+        self._local_stager = Stager()  # rank_state and RNG
         if self._rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             if self.collective or group_rank(None) == 0:
-                self._remove_stale_tmp()
+                remove_stale(self.dir)
+        self.memory_every = require_number(
+            "CheckpointManager.memory_every", memory_every, minimum=0, integer=True
+        )
+        self._memory: MemoryTier | None = None
+        if self.memory_every:
+            if not self.collective or group is not None:
+                raise ConfigError(
+                    "CheckpointManager.memory_every needs the whole world as the group "
+                    "(collective=True, group=None): snapshots are replicated across nodes"
+                )
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self._world))
+            ring = ring_group() if self._coord is not None and self._world > local else None
+            self._memory = MemoryTier(
+                self.dir, self._rank, self._world, local, ring, agree=self._from_rank0
+            )
 
     # ------------------------------------------------------------------ public API
     def save(
@@ -594,17 +275,28 @@ class CheckpointManager:
         whole or not at all) and manifest, but ``latest`` does not move and
         ``keep_last_n`` leaves it alone (the framework keeps and deletes its own).
         """
+        self._save(step, state, rank_state, name, self.async_save, retain=name is None)
+
+    def _save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        rank_state: Mapping[str, Any] | None,
+        name: str | None,
+        run_async: bool,
+        retain: bool,
+    ) -> None:
         require_number("CheckpointManager.save step", step, minimum=0, integer=True)
         if name is not None and (
             not name
             or "/" in name
             or name.startswith(".")
             or name == LATEST
-            or len(os.fsencode(name)) > _NAME_MAX
+            or len(os.fsencode(name)) > NAME_MAX
         ):
             raise ConfigError(
                 f"CheckpointManager.save name: {name!r} is not a plain file name "
-                f"(of at most {_NAME_MAX} bytes)"
+                f"(of at most {NAME_MAX} bytes)"
             )
         self.wait()
         # before anything is written (the temporary folder included): a rank whose node
@@ -618,8 +310,8 @@ class CheckpointManager:
             replicated, local = self._capture(state, rank_state)
         except ConfigError as exc:
             bad_state, replicated, local = exc, {}, {}
-        sharded = self.sharded if self.sharded is not None else _has_dtensor(replicated)
-        tmp = self.dir / f"{_TMP_PREFIX}{final.name}"
+        sharded = self.sharded if self.sharded is not None else has_dtensor(replicated)
+        tmp = self.dir / f"{TMP_PREFIX}{final.name}"
         prepared = None
         if self._rank == 0 and bad_state is None and fenced is None:
             try:
@@ -627,7 +319,7 @@ class CheckpointManager:
                     shutil.rmtree(tmp)
                 tmp.mkdir(parents=True)
             except OSError as exc:
-                prepared = _describe(exc, tmp)
+                prepared = describe(exc, tmp)
         failed = prepared is not None or bad_state is not None or fenced is not None
         agreed = self._agree(step, failed, sharded)
         if fenced is not None:
@@ -648,8 +340,7 @@ class CheckpointManager:
         sharded = agreed
         keys = {"state": sorted(replicated), "rank_state": sorted(local)}
         writes = sharded or self._rank == 0  # replicated state: rank 0 only
-        run_async = self.async_save
-        if run_async and sharded and _dtensor_off_cpu(replicated):
+        if run_async and sharded and dtensor_off_cpu(replicated):
             # DTensor.from_local would move a host-staged shard back to its device: until
             # sharded device state has a proper host stager, such saves run synchronously
             logger.warning("async save of sharded device (DTensor) state runs synchronously")
@@ -662,13 +353,12 @@ class CheckpointManager:
                 payload = self._stager.stage(replicated) if writes else None
                 local = self._local_stager.stage(local)
             else:  # sync: DCP takes device tensors as they are
-                payload = replicated if sharded else (_to_cpu(replicated) if writes else None)
-                local = _to_cpu(local)
+                payload = replicated if sharded else (to_cpu(replicated) if writes else None)
+                local = to_cpu(local)
         except Exception as exc:
             failure = f"rank {self._rank}: snapshot failed: {type(exc).__name__}: {exc}"
-        job = _SaveJob(
-            step, tmp, final, payload, local, keys, sharded, start, failure, name is not None
-        )
+        job = _SaveJob(step, tmp, final, payload, local, keys, sharded, start, failure)
+        job.move_latest, job.retain = name is None, retain
         if not run_async:
             self._write_and_publish(job)
             return
@@ -682,12 +372,36 @@ class CheckpointManager:
         )
         self._thread.start()
 
+    def snapshot(
+        self, step: int, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None = None
+    ) -> None:
+        """Snapshot ``step`` to the memory tier (every ``memory_every`` steps; other steps
+        return at once); every rank calls it, with the same arguments as :meth:`save`.
+
+        Call it after the step's optimizer update, with the number of steps done: a
+        restart then resumes after the last step every rank finished, none re-done.
+        Training waits only for the copy into host staging buffers; the write to
+        shared memory and the replica go on in the background (at most one snapshot in
+        flight: the next call waits for it, and raises its error if it failed)."""
+        if self._memory is None:
+            raise ConfigError("CheckpointManager.snapshot needs memory_every > 0")
+        require_number("CheckpointManager.snapshot step", step, minimum=0, integer=True)
+        if step % self.memory_every:
+            return
+        replicated, local = self._capture(state, rank_state)
+        if has_dtensor(replicated):
+            raise ConfigError(
+                "CheckpointManager.snapshot: sharded (DTensor) state has no memory tier yet; "
+                "set memory_every=0 and save it to disk"
+            )
+        self._memory.snapshot(step, replicated, local)
+
     def _capture(
         self, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The state dicts to save: replicated, and this rank's own (with its RNG)."""
-        replicated = _to_state_dicts(state)
-        local = _to_state_dicts(rank_state or {})
+        replicated = to_state_dicts(state)
+        local = to_state_dicts(rank_state or {})
         if self.rng:
             if RNG_KEY in local or RNG_KEY in replicated:
                 raise ConfigError(f"checkpoint key {RNG_KEY!r} is reserved for RNG states")
@@ -706,12 +420,7 @@ class CheckpointManager:
             self.wait()
         except CheckpointError as exc:
             logger.error("emergency save of step %d goes on after: %s", step, exc)
-        saved_async, self.async_save = self.async_save, False
-        keep, self.keep_last_n = self.keep_last_n, 0
-        try:
-            self.save(step, state, rank_state)
-        finally:
-            self.async_save, self.keep_last_n = saved_async, keep
+        self._save(step, state, rank_state, None, run_async=False, retain=False)
 
     def wait(self) -> None:
         """Wait for the save in flight (if any) and for old checkpoints being deleted;
@@ -731,6 +440,8 @@ class CheckpointManager:
         """Finish the save in flight, release the staging buffers and the gloo group."""
         try:
             self.wait()
+            if self._memory is not None:
+                self._memory.close()
         finally:
             self._stager.clear()
             self._local_stager.clear()
@@ -781,7 +492,7 @@ class CheckpointManager:
         if not target.exists() and not target.is_symlink():
             return
         if target.is_dir() and not target.is_symlink():
-            _remove_all([_discard(target)])
+            remove_all([discard(target)])
         else:
             target.unlink()
         if self._rank == 0:
@@ -863,24 +574,11 @@ class CheckpointManager:
         """This rank's share of the checkpoint, written durably into ``tmp``."""
         files: dict[str, dict[str, int]] = {}
         if sharded:
-            from torch.distributed.checkpoint.filesystem import FileSystemWriter
-            from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-            dcp_dir = tmp / DCP_DIR
-            dcp_save(
-                payload,
-                storage_writer=FileSystemWriter(dcp_dir, sync_files=True),
-                process_group=self._coord,
-                no_dist=self._coord is None,
-            )
-            names = sorted(os.listdir(dcp_dir))
-            for name in names[self._rank :: self._world]:  # checksums shared out by rank
-                f = dcp_dir / name
-                files[f"{DCP_DIR}/{name}"] = {"bytes": f.stat().st_size, "crc32": _crc32_file(f)}
+            files.update(save_sharded(payload, tmp / DCP_DIR, self._coord, self._rank, self._world))
         elif payload is not None:
-            files[STATE_FILE] = _save_file(tmp / STATE_FILE, payload)
+            files[STATE_FILE] = save_file(tmp / STATE_FILE, payload)
         if local:
-            files[_rank_file(self._rank)] = _save_file(tmp / _rank_file(self._rank), local)
+            files[rank_file(self._rank)] = save_file(tmp / rank_file(self._rank), local)
         return files
 
     def _write_and_publish(self, job: _SaveJob) -> None:
@@ -899,7 +597,7 @@ class CheckpointManager:
             try:
                 files = self._write_files(tmp, job.payload, job.local, sharded)
             except Exception as exc:  # disk full, permissions, an unpicklable value...
-                mine = f"rank {self._rank}: {_describe(exc, tmp)}"
+                mine = f"rank {self._rank}: {describe(exc, tmp)}"
         shares = self._all_gather((files, mine))
         outcome: str | None = None
         if self._rank == 0:
@@ -909,11 +607,16 @@ class CheckpointManager:
                 try:
                     _fence(final)  # again, just before latest moves
                     everything = {k: v for share, _ in shares for k, v in share.items()}
-                    self._publish(job, everything)
+                    publish(
+                        job.tmp,
+                        job.final,
+                        new_manifest(step, self._world, sharded, job.keys, everything),
+                        move_latest=job.move_latest,
+                    )
                 except CheckpointFenced as exc:
                     outcome = f"rank 0: {exc}"
                 except Exception as exc:
-                    outcome = f"rank 0: {_describe(exc, final)}"
+                    outcome = f"rank 0: {describe(exc, final)}"
             if outcome is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
                 with contextlib.suppress(OSError):
@@ -933,49 +636,17 @@ class CheckpointManager:
             blocking_seconds=seconds if blocking is None else blocking,
         )
         try:  # rank 0 alone: a failure here must not fail a published checkpoint
-            trash = [] if job.named else self._apply_retention(keep_step=step)
+            trash = self._apply_retention(keep_step=step) if job.retain else []
         except Exception as exc:
             logger.warning("retention after checkpoint step %d failed: %s", step, exc)
             trash = []
         if trash and blocking is None:  # sync save: do not make training wait for unlink
             self._reaper = threading.Thread(
-                target=_remove_all, args=(trash,), name="steadfast-checkpoint-reaper"
+                target=remove_all, args=(trash,), name="steadfast-checkpoint-reaper"
             )
             self._reaper.start()
         else:
-            _remove_all(trash)
-
-    def _publish(self, job: _SaveJob, files: dict[str, dict[str, int]]) -> None:
-        step, tmp, final, keys, sharded = job.step, job.tmp, job.final, job.keys, job.sharded
-        manifest = {
-            "format": _FORMAT,
-            "step": step,
-            "time": time.time(),
-            "world_size": self._world,
-            "sharded": sharded,
-            "keys": keys,
-            "files": dict(sorted(files.items())),
-        }
-        _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-        if sharded:
-            _fsync_dir(tmp / DCP_DIR)
-        _fsync_dir(tmp)
-        if not final.exists():
-            os.rename(tmp, final)
-        elif _exchange(tmp, final):  # the same name saved again: the newer write wins,
-            shutil.rmtree(tmp, ignore_errors=True)  # and the name is never missing
-        else:  # hide the old copy (it comes back if a crash stops us here), then rename
-            old = _discard(final, _TRASH_PREFIX)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        _fsync_dir(self.dir)
-        if job.named:  # latest stays where it is
-            return
-        link = self.dir / f".{LATEST}.tmp"
-        link.unlink(missing_ok=True)
-        link.symlink_to(final.name)
-        os.replace(link, self.dir / LATEST)
-        _fsync_dir(self.dir)
+            remove_all(trash)
 
     def _apply_retention(self, keep_step: int) -> list[Path]:
         """Hide checkpoints beyond ``keep_last_n`` (rename, atomic); returns the hidden
@@ -992,67 +663,110 @@ class CheckpointManager:
             if n in protected or path.resolve() == latest_target:
                 continue
             try:
-                trash.append(_discard(path))
+                trash.append(discard(path))
             except OSError as exc:
                 logger.warning("could not delete old checkpoint %s: %s", path, exc)
                 continue
             events.emit("checkpoint_deleted", step=n, path=str(path))
         return trash
 
-    def _remove_stale_tmp(self) -> None:
-        hidden: dict[str, list[tuple[float, Path]]] = {}  # copies hidden for replacement
-        for entry in self.dir.iterdir():
-            for prefix in (_TRASH_PREFIX, _LEGACY_PREFIXES[1]):
-                if entry.name.startswith(prefix) and entry.is_dir():
-                    name, _, pid = entry.name[len(prefix) :].rpartition("-")
-                    name = name if prefix == _TRASH_PREFIX else f"step_{name}"
-                    manifest, _ = _manifest(entry)
-                    if name and pid.isdigit() and manifest is not None:
-                        hidden.setdefault(name, []).append((manifest.get("time", 0.0), entry))
-        for name, copies in hidden.items():
-            original = self.dir / name
-            for _, entry in sorted(copies, key=lambda c: c[0], reverse=True):
-                if not original.exists() and not verify(entry):
-                    # a checkpoint being replaced by a new save of the same name when the
-                    # job died: the new copy never landed, so the newest old one comes back
-                    logger.warning("recovering %s from %s", original, entry)
-                    os.rename(entry, original)
-        for entry in sorted(self.dir.iterdir()):
-            if (
-                entry.name.startswith(
-                    (_TMP_PREFIX, _TRASH_PREFIX, _REMOVED_PREFIX, *_LEGACY_PREFIXES)
-                )
-                or entry.name == f".{LATEST}.tmp"
-            ):
-                logger.warning("removing %s left by an interrupted save", entry)
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry, ignore_errors=True)
-                else:
-                    entry.unlink(missing_ok=True)
-
     # ------------------------------------------------------------------ loading
-    def _candidates(self) -> list[Path]:
-        if not self.dir.is_dir():
-            return []
-        found = [p for _, p in reversed(step_dirs(self.dir))]
-        latest = self.dir / LATEST
-        with contextlib.suppress(OSError, RuntimeError):
-            target = latest.resolve() if latest.is_symlink() else None
-            if target is not None and target in found:
-                found.remove(target)
-                found.insert(0, target)
-        return found
+    def _load_memory(self, newest_disk: int) -> tuple[int, dict[str, Any]] | None:
+        """The restore from the memory tier: the newest step (not older than the newest
+        disk checkpoint) whose snapshot of every rank some node holds, each rank's read
+        from its own node or sent by the holder, verified after the transfer; a faulty
+        copy (``checkpoint_corrupt``, cause ``memory`` or ``replica``) is dropped and the
+        plan made again. None: no such step (the caller reads the disk)."""
+        assert self._memory is not None
+        self._memory.wait()
+        offers = self._all_gather(self._memory.holdings())
+        bad: set[tuple[int, int, int]] = set()  # (holder, rank, step) found faulty
+        while True:
+            plan = _plan(offers, self._world, newest_disk, bad)
+            if plan is None:
+                return None
+            step, choice = plan
+            start = time.monotonic()
+            # 1. each holder reads what it serves: its own snapshot verified in place
+            # (sizes and CRC-32 through a memory map), another rank's packed for sending
+            # (verified where it arrives)
+            packed: dict[int, torch.Tensor] = {}
+            problems: list[tuple[int, int, int, str]] = []
+            for rank, (holder, snap) in choice.items():
+                if holder != self._rank:
+                    continue
+                if rank == self._rank:
+                    found = verify_in_place(Path(snap.path))
+                else:
+                    _, data, found = read_verified(Path(snap.path))
+                    if data is not None and not found:
+                        packed[rank] = data
+                if found:
+                    problems.append((holder, rank, step, "; ".join(found)))
+                    self._memory_corrupt(snap, found)
+            problems = [p for share in self._all_gather(problems) for p in share]
+            if problems:
+                bad.update((h, r, s) for h, r, s, _ in problems)
+                continue
+            # 2. the transfers, holder to rank (sizes known from phase 1)
+            sizes = self._all_gather({r: int(t.numel()) for r, t in packed.items()})
+            mine_holder, mine = choice[self._rank]
+            data = None
+            if mine_holder != self._rank:
+                data = torch.empty(sizes[mine_holder][self._rank], dtype=torch.uint8)
+            works = [
+                dist.isend(t, r, group=self._coord) for r, t in packed.items() if r != self._rank
+            ]
+            if data is not None:
+                works.append(dist.irecv(data, mine_holder, group=self._coord))
+            for work in works:
+                if work is not None:
+                    work.wait()
+            # 3. what arrived verified, then loaded (in place: mapped, no copy)
+            state: dict[str, Any] | None = None
+            found = []
+            if data is not None:
+                _, files, found = decode(data)
+            try:
+                if not found:
+                    state = load_state(files) if data is not None else load_in_place(mine.path)
+            except Exception as exc:
+                found = [f"cannot be loaded ({type(exc).__name__}: {exc})"]
+            if found:
+                self._memory_corrupt(mine, found)
+            faults = self._all_gather(
+                [(mine_holder, self._rank, step, "; ".join(found))] if found else []
+            )
+            faults = [f for share in faults for f in share]
+            if faults or state is None:
+                bad.update((h, r, s) for h, r, s, _ in faults)
+                continue
+            self.loaded_path = Path(mine.path)
+            events.emit(
+                "checkpoint_loaded",
+                step=step,
+                path=mine.path,
+                seconds=time.monotonic() - start,
+                tier=mine.tier,
+                from_rank=mine_holder,
+            )
+            return step, state
+
+    def _memory_corrupt(self, snap: Snapshot, problems: list[str]) -> None:
+        reason = "; ".join(problems) or "unreadable"
+        logger.error("%s snapshot %s is corrupt: %s", snap.tier, snap.path, reason)
+        events.emit("checkpoint_corrupt", cause=snap.tier, path=snap.path, reason=reason)
 
     def _check_mine(self, ckpt: Path) -> tuple[dict[str, Any] | None, list[str]]:
         """Verify ``ckpt`` as far as this rank needs: every file's size, and the
         checksums of the files this rank reads plus its share of the rest."""
-        manifest, problems = _manifest(ckpt)
+        manifest, problems = read_manifest(ckpt)
         if manifest is None:
             return None, problems
         names = sorted(manifest["files"])
         mine = set(names[self._rank :: self._world])
-        mine |= {STATE_FILE, _rank_file(self._rank)}
-        return manifest, _check_files(ckpt, manifest["files"], mine)
+        mine |= {STATE_FILE, rank_file(self._rank)}
+        return manifest, check_files(ckpt, manifest["files"], mine)
 
     def _read(
         self,
@@ -1067,24 +781,12 @@ class CheckpointManager:
                     f"{ckpt} is a sharded (DCP) checkpoint: load it with restore(objects), "
                     "which reads the shards into the objects' own state dicts"
                 )
-            from torch.distributed.checkpoint.filesystem import FileSystemReader
-            from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
-            reader = FileSystemReader(ckpt / DCP_DIR)
             saved = manifest.get("keys", {}).get("state", [])
-            state = _to_state_dicts({k: objects[k] for k in saved if k in objects})
-            plain = _dcp_plain_values(reader.read_metadata())
-            state.update({k: None for k in saved if k not in state and k in plain})
-            dcp_load(
-                state,
-                storage_reader=reader,
-                planner=_safe_load_planner(),
-                process_group=self._coord,
-                no_dist=self._coord is None,
-            )
+            state = to_state_dicts({k: objects[k] for k in saved if k in objects})
+            load_sharded(state, saved, ckpt / DCP_DIR, self._coord)
         else:
             state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=weights_only)
-        own = _rank_file(self._rank)
+        own = rank_file(self._rank)
         if own in manifest["files"] and manifest.get("world_size", 1) == self._world:
             state.update(torch.load(ckpt / own, map_location="cpu", weights_only=weights_only))
         elif any(name.startswith("rank_") for name in manifest["files"]):
@@ -1107,29 +809,6 @@ class CheckpointManager:
             )
         return [p for rank_problems in self._all_gather(problems) for p in rank_problems]
 
-    def _older_than(self, ckpt: Path, require_keys: set[str]) -> list[Path]:
-        """Every other checkpoint in ``checkpoint_dir`` (``step_N`` or named) whose
-        manifest is readable, whose step is not above ``ckpt``'s and whose keys include
-        ``ckpt``'s (when ``ckpt``'s manifest says them; else ``require_keys``), newest
-        first: where ``load(fallback=True)`` goes on."""
-        manifest, _ = _manifest(ckpt)
-        bound = manifest["step"] if manifest is not None else None
-        keys = set(_saved_keys(manifest)) if manifest is not None else require_keys
-        found: list[tuple[int, float, Path]] = []
-        if self.dir.is_dir():
-            for entry in self.dir.iterdir():
-                if entry.name.startswith(".") or entry == ckpt or not entry.is_dir():
-                    continue
-                other, _ = _manifest(entry)
-                if (
-                    other is not None
-                    and (bound is None or other["step"] <= bound)
-                    and keys <= set(_saved_keys(other))
-                ):
-                    with contextlib.suppress(OSError):
-                        found.append((other["step"], entry.stat().st_mtime, entry))
-        return [p for _, _, p in sorted(found, key=lambda f: (f[0], f[1]), reverse=True)]
-
     def _load(
         self,
         path: str | os.PathLike[str] | None,
@@ -1140,17 +819,31 @@ class CheckpointManager:
     ) -> tuple[int, dict[str, Any]] | None:
         self.wait()
         if path is None:
-            candidates = self._candidates()
+            tries = candidates(self.dir)
         else:
-            candidates = [Path(path)] + (
-                self._older_than(Path(path), require_keys) if fallback else []
+            tries = [Path(path)] + (
+                older_than(self.dir, Path(path), require_keys) if fallback else []
             )
         # every rank tries the same candidates in the same order: rank 0's view
-        candidates = [Path(p) for p in self._from_rank0([str(p) for p in candidates])]
-        if not candidates:
+        tries = [Path(p) for p in self._from_rank0([str(p) for p in tries])]
+        if path is None and self._memory is not None:
+            newest = max((_step_of(p) for p in tries), default=-1)
+            from_memory = self._load_memory(newest)
+            if from_memory is not None:
+                self._memory.drop_after(from_memory[0])
+                return from_memory
+        loaded = self._load_disk(tries, objects, weights_only)
+        if self._memory is not None:
+            self._memory.drop_after(loaded[0] if loaded is not None else -1)
+        return loaded
+
+    def _load_disk(
+        self, tries: list[Path], objects: Mapping[str, Any] | None, weights_only: bool
+    ) -> tuple[int, dict[str, Any]] | None:
+        if not tries:
             return None
         failures: list[str] = []
-        for ckpt in candidates:
+        for ckpt in tries:
             # verify, agree, then read: reading sharded state is collective, so every rank
             # must decide to read the same candidate before any rank starts
             start = time.monotonic()
@@ -1181,7 +874,43 @@ class CheckpointManager:
             step = int(manifest["step"])
             self.loaded_path = ckpt
             events.emit(
-                "checkpoint_loaded", step=step, path=str(ckpt), seconds=time.monotonic() - start
+                "checkpoint_loaded",
+                step=step,
+                path=str(ckpt),
+                seconds=time.monotonic() - start,
+                tier="disk",
             )
             return step, state
         raise CheckpointError(f"no valid checkpoint in {self.dir}: " + "; ".join(failures))
+
+
+def _step_of(path: Path) -> int:
+    """The step of a ``step_N`` path (-1 for another name)."""
+    name = path.name
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else -1
+
+
+def _plan(
+    offers: list[list[Snapshot]], world: int, newest_disk: int, bad: set[tuple[int, int, int]]
+) -> tuple[int, dict[int, tuple[int, Snapshot]]] | None:
+    """The newest step, not older than ``newest_disk``, for which every rank's snapshot
+    is held by some rank (``offers[h]``: what rank ``h``'s node holds), less the copies
+    found faulty; with, for each rank, who serves it: itself if it can, else a holder of
+    its own snapshot before one of a replica, else the lowest rank."""
+    held: dict[tuple[int, int], list[tuple[int, Snapshot]]] = {}
+    for holder, offer in enumerate(offers):
+        for snap in offer:
+            if (holder, snap.rank, snap.step) not in bad:
+                held.setdefault((snap.rank, snap.step), []).append((holder, snap))
+    for step in sorted({s for _, s in held}, reverse=True):
+        if step < newest_disk:
+            return None
+        choice: dict[int, tuple[int, Snapshot]] = {}
+        for rank in range(world):
+            options = held.get((rank, step))
+            if not options:
+                break
+            choice[rank] = min(options, key=lambda o: (o[0] != rank, o[1].tier != "memory", o[0]))
+        else:
+            return step, choice
+    return None

@@ -1,0 +1,466 @@
+"""The memory tier: every rank's training state snapshotted to host shared memory on
+its own node, published atomically with the same manifest and CRC-32s as a disk
+checkpoint, and replicated in the background to a rank on another node.
+
+Layout under the job's memory directory (``$STEADFAST_MEMORY_DIR``, made and removed by
+``steadfast launch`` and by :class:`steadfast.inprocess.Wrapper`, a tmpfs under
+``/dev/shm``), one folder per checkpoint directory of the job::
+
+    <memory dir>/<key>/own/rank_<r>/step_<N>/      this node's ranks' snapshots
+    <memory dir>/<key>/replica/rank_<r>/step_<N>/  snapshots of ranks on another node
+
+Each ``step_<N>`` holds ``state.pt`` (what :meth:`CheckpointManager.save` writes once,
+here per rank), ``rank.pt`` (the rank's own state and RNG streams) and ``manifest.json``
+(step, rank, the job's identity, each file's size and CRC-32), written into a hidden
+temporary folder and renamed into place: a process killed mid-copy leaves the previous
+snapshots as they were. The job's identity in every manifest (the launcher's run id and
+the checkpoint directory) keeps a snapshot of another job from ever being restored.
+
+Memory budget, per rank: the two newest snapshots (a rank that died while writing its
+newest still shares the one before with every other rank) plus the one being written,
+and as many replica slots: at most ``6 x`` the rank's state (state + rank state) in
+``/dev/shm``. The first snapshot checks that the file system has room for it and stops
+with one :class:`~steadfast.ConfigError` naming the sizes if not, instead of a failed
+write (or a SIGBUS) mid-run.
+
+Replication: rank ``r`` sends each snapshot to rank ``r + local_world_size`` (the same
+local rank on the next node; ranks are numbered node by node) and receives from
+``r - local_world_size``, on a gloo group of its own, from the writer thread: the
+training group is never blocked. On a single node there is no other node: no replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import events
+from ..config import ConfigError
+from .files import crc32_mapped, crc32_parallel, describe, save_file
+from .layout import (
+    MANIFEST,
+    TMP_PREFIX,
+    CheckpointError,
+    check_files,
+    discard,
+    new_manifest,
+    publish,
+    read_manifest,
+    remove_all,
+)
+from .staging import Stager
+
+__all__ = [
+    "MEMORY_DIR_ENV",
+    "MemoryTier",
+    "Snapshot",
+    "create_memory_dir",
+    "remove_memory_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+#: the job's memory directory, set by its owner (the launcher, the in-process Wrapper)
+MEMORY_DIR_ENV = "STEADFAST_MEMORY_DIR"
+_PREFIX = "steadfast-mem-"
+STATE = "state.pt"
+RANK = "rank.pt"
+#: published snapshots kept per rank and per replicated rank (plus the one being written)
+KEEP = 2
+#: how many snapshot sizes the tier may hold in memory per rank, with replicas
+BUDGET_SLOTS = 2 * (KEEP + 1)
+_RING_TIMEOUT = timedelta(seconds=120)
+
+
+def create_memory_dir() -> Path:
+    """A fresh memory directory for a job (in ``/dev/shm`` when there is one), for its
+    owner to export as ``$STEADFAST_MEMORY_DIR`` and remove with
+    :func:`remove_memory_dir` when the job ends."""
+    base = Path("/dev/shm")
+    where = base if base.is_dir() and os.access(base, os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix=_PREFIX, dir=where))
+
+
+def remove_memory_dir(path: str | os.PathLike[str]) -> None:
+    """Remove a job's memory directory and every snapshot in it."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A snapshot this node holds: whose state (``rank``, numbered as in the round that
+    took it), which step, ``"memory"`` (the rank's own) or ``"replica"``, and where."""
+
+    rank: int
+    step: int
+    tier: str
+    path: str
+    bytes: int
+
+
+class MemoryTier:
+    """One rank's memory tier (see the module's description): snapshots written and
+    replicated on a thread of its own, at most one in flight.
+
+    ``ring``: the gloo group over the world for replication (None: no replicas);
+    ``agree``: rank 0's value of a string, on every rank (the job's identity, recorded
+    in each manifest and checked, must be the same on every node)."""
+
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        rank: int,
+        world: int,
+        local_world: int,
+        ring: Any,
+        agree: Callable[[str], str] = lambda mine: mine,
+    ) -> None:
+        env = os.environ.get(MEMORY_DIR_ENV)
+        self._owned = env is None  # no launcher: this tier's own, removed by close()
+        self.root = Path(env) if env else create_memory_dir()
+        # the same on every node: the launcher's run id, else rank 0's memory directory
+        run = agree(os.environ.get("TORCHELASTIC_RUN_ID") or self.root.name)
+        self.job = f"{run}|{checkpoint_dir.absolute()}"
+        key = hashlib.sha1(self.job.encode()).hexdigest()[:12]
+        self.base = self.root / key
+        self.rank, self.world, self.local_world = rank, world, local_world
+        self.own = self.base / "own" / f"rank_{rank}"
+        self.own.mkdir(parents=True, exist_ok=True)
+        self.ring = ring if world > local_world else None
+        self.peer = (rank + local_world) % world  # the same local rank on the next node
+        self.source = (rank - local_world) % world
+        self._stager = Stager()
+        self._local_stager = Stager()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._checked = False
+
+    # ------------------------------------------------------------------ snapshots
+    def snapshot(self, step: int, replicated: dict[str, Any], local: dict[str, Any]) -> float:
+        """Stage the state into host buffers (the only part training waits for) and
+        write, publish and replicate it in the background. Returns the stall, in
+        seconds. Waits for the previous snapshot first; raises its error if it failed."""
+        start = time.monotonic()
+        self.wait()
+        if not self._checked:
+            self._check_room(replicated, local)
+            self._checked = True
+        payload = self._stager.stage(replicated)
+        own = self._local_stager.stage(local)
+        stall = time.monotonic() - start
+        self._thread = threading.Thread(
+            target=self._background,
+            args=(step, payload, own, stall),
+            name="steadfast-memory-writer",
+            daemon=True,  # the snapshot is for the next restart: never hold an exit
+        )
+        self._thread.start()
+        return stall
+
+    def _background(self, step: int, payload: Any, local: Any, stall: float) -> None:
+        try:
+            start = time.monotonic()
+            written = self._write(step, payload, local)
+            logger.debug(
+                "snapshot of step %d in %.3f s (stall %.3f s)",
+                step,
+                time.monotonic() - start,
+                stall,
+            )
+            if self.ring is not None:
+                self._replicate(step, written)
+        except BaseException as exc:  # raised at the next snapshot, never swallowed
+            logger.error("memory snapshot of step %d failed: %s", step, exc)
+            self._error = exc
+
+    def _write(self, step: int, payload: Any, local: Any) -> Path:
+        final = self.own / f"step_{step}"
+        tmp = self.own / f"{TMP_PREFIX}{final.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            files = {STATE: save_file(tmp / STATE, payload), RANK: save_file(tmp / RANK, local)}
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"memory snapshot to {tmp}: {describe(exc, tmp)}") from exc
+        publish(tmp, final, self._manifest(step, self.rank, files), move_latest=False)
+        _prune(self.own)
+        return final
+
+    def _manifest(self, step: int, rank: int, files: dict[str, Any]) -> dict[str, Any]:
+        manifest = new_manifest(step, self.world, False, {}, files)
+        manifest.update(rank=rank, job=self.job)
+        return manifest
+
+    def _check_room(self, replicated: dict[str, Any], local: dict[str, Any]) -> None:
+        """One readable error before the first write if the memory file system cannot
+        hold the tier's bound (see the module's description)."""
+        size = _tensor_bytes(replicated) + _tensor_bytes(local) + (1 << 20)
+        slots = BUDGET_SLOTS if self.ring is not None else KEEP + 1
+        need = slots * size
+        usage = shutil.disk_usage(self.root)
+        held = _folder_bytes(self.base)
+        if usage.free + held < need:
+            raise ConfigError(
+                f"memory_every: {self.root} ({usage.free / 2**30:.2f} GiB free) cannot hold "
+                f"{slots} snapshots of this rank's {size / 2**30:.2f} GiB state "
+                f"({need / 2**30:.2f} GiB): give /dev/shm more room (a container's "
+                "--shm-size) or set memory_every=0"
+            )
+
+    # ------------------------------------------------------------------ replication
+    def _replicate(self, step: int, snapshot: Path) -> None:
+        """Send ``snapshot`` to the peer and take the source's snapshot of the same
+        step, verified, as a replica (both at once: every rank sends and receives)."""
+        out = pack(snapshot)
+        header = torch.tensor([step, out.numel()], dtype=torch.int64)
+        theirs = torch.empty(2, dtype=torch.int64)
+        _exchange(header, theirs, self.peer, self.source, self.ring)
+        their_step, size = (int(v) for v in theirs.tolist())
+        incoming = torch.empty(size, dtype=torch.uint8)
+        _exchange(out, incoming, self.peer, self.source, self.ring)
+        folder = self.base / "replica" / f"rank_{self.source}"
+        folder.mkdir(parents=True, exist_ok=True)
+        problems = unpack(incoming, folder, their_step)
+        if problems:
+            events.emit(
+                "checkpoint_corrupt",
+                cause="replica",
+                path=str(folder / f"step_{their_step}"),
+                reason="; ".join(problems),
+            )
+            return
+        _prune(folder)
+
+    # ------------------------------------------------------------------ restore
+    def drop_after(self, step: int) -> None:
+        """Forget every snapshot (own and replicas) newer than ``step``, the step the job
+        resumed from: those states will be computed again, and a stale one must never
+        be taken together with a fresh one of the same step."""
+        trash = []
+        for snap in self.holdings():
+            if snap.step > step:
+                with contextlib.suppress(OSError):
+                    trash.append(discard(Path(snap.path)))
+        remove_all(trash)
+
+    def holdings(self) -> list[Snapshot]:
+        """Every snapshot of this job this node holds, own and replicas, by its manifest
+        (not yet verified: the files are checked when read)."""
+        found: list[Snapshot] = []
+        for tier, sub in (("memory", "own"), ("replica", "replica")):
+            top = self.base / sub
+            if not top.is_dir():
+                continue
+            for folder in sorted(top.iterdir()):
+                for entry in sorted(folder.glob("step_*")):
+                    manifest, _ = read_manifest(entry)
+                    if manifest is None or manifest.get("job") != self.job:
+                        continue
+                    size = sum(int(m.get("bytes", 0)) for m in manifest["files"].values())
+                    found.append(
+                        Snapshot(int(manifest["rank"]), manifest["step"], tier, str(entry), size)
+                    )
+        return found
+
+    # ------------------------------------------------------------------ lifetime
+    def wait(self) -> None:
+        """Wait for the snapshot in flight; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(f"memory snapshot failed: {error}") from error
+
+    def close(self) -> None:
+        """Finish the snapshot in flight and release the staging buffers; a tier that
+        made its own memory directory (no launcher) removes it."""
+        try:
+            self.wait()
+        finally:
+            self._stager.clear()
+            self._local_stager.clear()
+            if self._owned:
+                remove_memory_dir(self.root)
+
+
+# ---------------------------------------------------------------------- wire format
+def pack(snapshot: Path) -> torch.Tensor:
+    """A snapshot as one byte tensor: an 8-byte length, its manifest (JSON), then its
+    files in the manifest's order."""
+    manifest_bytes = (snapshot / MANIFEST).read_bytes()
+    manifest = json.loads(manifest_bytes)
+    sizes = [int(meta["bytes"]) for meta in manifest["files"].values()]
+    out = torch.empty(8 + len(manifest_bytes) + sum(sizes), dtype=torch.uint8)
+    view = out.numpy()
+    view[:8] = list(len(manifest_bytes).to_bytes(8, "little"))
+    view[8 : 8 + len(manifest_bytes)] = list(manifest_bytes)
+    at = 8 + len(manifest_bytes)
+    for name, size in zip(manifest["files"], sizes, strict=True):
+        with open(snapshot / name, "rb") as fh:
+            if fh.readinto(memoryview(view[at : at + size])) != size:  # type: ignore[arg-type]
+                raise CheckpointError(f"{snapshot / name}: shorter than its manifest says")
+        at += size
+    return out
+
+
+def decode(data: torch.Tensor) -> tuple[dict[str, Any], dict[str, memoryview], list[str]]:
+    """``(manifest, files, problems)`` of a packed snapshot, every file checked against
+    the manifest's size and CRC-32."""
+    view = memoryview(data.numpy())  # type: ignore[arg-type]
+    try:
+        length = int.from_bytes(view[:8], "little")
+        manifest = json.loads(bytes(view[8 : 8 + length]))
+        names = list(manifest["files"])
+    except (ValueError, KeyError, TypeError) as exc:
+        return {}, {}, [f"unreadable snapshot header ({exc})"]
+    files: dict[str, memoryview] = {}
+    problems: list[str] = []
+    at = 8 + length
+    shares = _checksum_threads()
+    with ThreadPoolExecutor(shares, thread_name_prefix="steadfast-crc") as pool:
+        for name in names:
+            meta = manifest["files"][name]
+            chunk = view[at : at + int(meta["bytes"])]
+            at += int(meta["bytes"])
+            if len(chunk) != int(meta["bytes"]):
+                problems.append(f"{name}: {len(chunk)} bytes, manifest says {meta['bytes']}")
+            elif crc32_parallel(chunk, pool, shares) != meta["crc32"]:
+                problems.append(f"{name}: checksum mismatch")
+            files[name] = chunk
+    return manifest, files, problems
+
+
+def unpack(data: torch.Tensor, folder: Path, step: int) -> list[str]:
+    """Write a packed snapshot as ``folder/step_<step>`` (verified first, published by a
+    rename); the problems found, if any (then nothing is written)."""
+    manifest, files, problems = decode(data)
+    if problems:
+        return problems
+    final = folder / f"step_{step}"
+    tmp = folder / f"{TMP_PREFIX}{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for name, chunk in files.items():
+        with open(tmp / name, "wb") as fh:
+            fh.write(chunk)
+    publish(tmp, final, manifest, move_latest=False)
+    return []
+
+
+def _checksum_threads() -> int:
+    """Threads for the CRC-32s of a restore: one per core, at most 8."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def verify_in_place(snapshot: Path) -> list[str]:
+    """This node's snapshot checked against its manifest without a copy: sizes, then each
+    file's CRC-32 through a memory map, on every core."""
+    manifest, problems = read_manifest(snapshot)
+    if manifest is None:
+        return problems
+    problems = check_files(snapshot, manifest["files"], set())  # sizes
+    if problems:
+        return problems
+    shares = _checksum_threads()
+    with ThreadPoolExecutor(shares, thread_name_prefix="steadfast-crc") as pool:
+        for name, meta in manifest["files"].items():
+            try:
+                if crc32_mapped(snapshot / name, pool, shares) != meta["crc32"]:
+                    problems.append(f"{snapshot / name}: checksum mismatch")
+            except OSError as exc:
+                problems.append(f"{snapshot / name}: cannot be read ({exc})")
+    return problems
+
+
+def load_in_place(snapshot: str | os.PathLike[str]) -> dict[str, Any]:
+    """The state of a (verified) snapshot of this node, its tensors mapped from shared
+    memory (``torch.load(mmap=True)``): no copy until the model takes them."""
+    folder = Path(snapshot)
+    state = torch.load(folder / STATE, map_location="cpu", weights_only=True, mmap=True)
+    state.update(torch.load(folder / RANK, map_location="cpu", weights_only=True, mmap=True))
+    return dict(state)
+
+
+def load_state(files: Mapping[str, memoryview]) -> dict[str, Any]:
+    """The state of a (verified) snapshot: the replicated state with the rank's own."""
+    import io
+
+    state = torch.load(io.BytesIO(files[STATE]), map_location="cpu", weights_only=True)
+    state.update(torch.load(io.BytesIO(files[RANK]), map_location="cpu", weights_only=True))
+    return dict(state)
+
+
+def read_verified(snapshot: Path) -> tuple[dict[str, Any] | None, torch.Tensor | None, list[str]]:
+    """A snapshot of this node, packed and checked against its manifest."""
+    manifest, problems = read_manifest(snapshot)
+    if manifest is None:
+        return None, None, problems
+    problems = check_files(snapshot, manifest["files"], set())
+    if problems:
+        return manifest, None, problems
+    try:
+        data = pack(snapshot)
+    except (OSError, CheckpointError) as exc:
+        return manifest, None, [f"{snapshot}: cannot be read ({exc})"]
+    return manifest, data, []
+
+
+# ---------------------------------------------------------------------- helpers
+def ring_group() -> Any:
+    """The gloo group replication runs on (collective: every rank creates it)."""
+    return dist.new_group(backend="gloo", timeout=_RING_TIMEOUT)
+
+
+def _exchange(out: torch.Tensor, into: torch.Tensor, dst: int, src: int, group: Any) -> None:
+    works = [dist.isend(out, dst, group=group), dist.irecv(into, src, group=group)]
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def _prune(folder: Path) -> None:
+    """Keep the ``KEEP`` newest published snapshots in ``folder``."""
+    steps = sorted((int(p.name[5:]), p) for p in folder.glob("step_*") if p.name[5:].isdigit())
+    old = steps[: max(0, len(steps) - KEEP)]
+    trash = []
+    for _, path in old:
+        with contextlib.suppress(OSError):
+            trash.append(discard(path))
+    remove_all(trash)
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, Mapping):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for f in folder.rglob("*"):
+        with contextlib.suppress(OSError):
+            if f.is_file():
+                total += f.stat().st_size
+    return total

@@ -1,0 +1,107 @@
+"""The memory tier in one process: snapshots in a real memory directory, restored in
+tiers against the disk, the budget checked on a real (small) tmpfs, and the CRC-32 of
+one buffer on several threads equal to zlib's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from sfharness import read_events
+from steadfast import CheckpointManager, ConfigError
+from steadfast.checkpoint.files import crc32_mapped, crc32_parallel
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture
+def memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    monkeypatch.setenv("STEADFAST_MEMORY_DIR", str(mem))
+    monkeypatch.setenv("STEADFAST_EVENTS", str(tmp_path / "events.jsonl"))
+    return mem
+
+
+def _loaded(tmp_path: Path) -> list[tuple[int, str]]:
+    evs = read_events(tmp_path / "events.jsonl")
+    return [(e["step"], e["tier"]) for e in evs if e["kind"] == "checkpoint_loaded"]
+
+
+def test_the_newest_of_memory_and_disk_is_restored(tmp_path, memory):
+    net = torch.nn.Linear(3, 2)
+    with CheckpointManager(tmp_path / "ck", memory_every=2) as mgr:
+        for step in range(1, 8):
+            with torch.no_grad():
+                net.weight.add_(1.0)
+            mgr.snapshot(step, {"model": net})  # odd steps: not a snapshot step
+            if step == 3:
+                mgr.save(step, {"model": net})
+        mgr.save(7, {"model": net})  # the disk is newer than the memory tier (6)
+    with CheckpointManager(tmp_path / "ck", memory_every=2) as mgr:
+        assert mgr.load()[0] == 7
+    assert _loaded(tmp_path) == [(7, "disk")]
+    kept = sorted(p.name for p in memory.glob("*/own/rank_0/*"))
+    assert kept == ["step_4", "step_6"]  # the two newest, nothing newer than the restore
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
+        mgr.snapshot(8, {"model": net})
+    fresh = torch.nn.Linear(3, 2)
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
+        assert mgr.restore({"model": fresh})[0] == 8
+    assert _loaded(tmp_path)[-1] == (8, "memory")
+    assert torch.equal(fresh.weight, net.weight)
+
+
+def test_a_snapshot_of_another_job_is_never_restored(tmp_path, memory, monkeypatch):
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
+        mgr.snapshot(5, {"w": torch.ones(2)})
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
+        assert mgr.load() is None
+
+
+def test_snapshot_needs_the_memory_tier(tmp_path):
+    with pytest.raises(ConfigError, match="memory_every > 0"):
+        CheckpointManager(tmp_path / "ck").snapshot(1, {"w": torch.ones(1)})
+    with pytest.raises(ConfigError, match="memory_every"):
+        CheckpointManager(tmp_path / "ck", memory_every=-1)
+
+
+def test_a_memory_directory_too_small_is_one_error_before_the_first_write(tmp_path, monkeypatch):
+    """A real 8 MiB tmpfs: three snapshots of a 4 MiB state do not fit; the first
+    snapshot says so, naming the sizes, and writes nothing."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        reason = f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}"
+        if IN_CI:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    try:
+        monkeypatch.setenv("STEADFAST_MEMORY_DIR", str(small))
+        mgr = CheckpointManager(tmp_path / "ck", memory_every=1)
+        with pytest.raises(ConfigError, match=r"memory_every: .*small \(.* GiB free\) cannot"):
+            mgr.snapshot(1, {"w": torch.zeros(1 << 20)})  # 4 MiB
+        mgr.close()
+        assert not list(small.rglob("*.pt"))
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+@pytest.mark.parametrize("size", [0, 1, (8 << 20) + 3, 40 << 20])
+def test_the_crc_of_a_buffer_on_several_threads_is_zlibs(tmp_path, size):
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    with ThreadPoolExecutor(3) as pool:
+        for shares in (1, 2, 3, 5):
+            assert crc32_parallel(memoryview(data), pool, shares) == zlib.crc32(data)
+            assert crc32_mapped(tmp_path / "f", pool, shares) == zlib.crc32(data)
