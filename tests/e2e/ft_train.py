@@ -22,6 +22,11 @@ sharded DTensor (``seen``: how often each sample was trained on, sharded over th
 saved through DCP. Restarted with another number of ranks (an elastic job that lost a
 node), the position is shared out among the new ranks and ``seen`` resharded, so the
 output's ``seen`` is all ones exactly when every sample was trained on once.
+
+``--memory-every N`` snapshots every N steps to the memory tier
+(``CheckpointManager(memory_every=N)``) besides the disk checkpoint every
+``--ckpt-every`` steps; ``--kill-every K`` SIGKILLs ``--fault-rank`` in the step section
+of every K-th step, once each (a series of crashes for the in-job restarts).
 """
 
 from __future__ import annotations
@@ -53,6 +58,18 @@ class _NoMonitor:
         return lambda *a, **k: None
 
 
+def _corrupt_own_snapshots(rank: int) -> None:
+    """Flip one byte in the middle of this rank's every memory snapshot (sizes kept)."""
+    from steadfast.checkpoint.memory import MEMORY_DIR_ENV
+
+    for state in Path(os.environ[MEMORY_DIR_ENV]).glob(f"*/own/rank_{rank}/step_*/state.pt"):
+        with open(state, "r+b") as fh:
+            fh.seek(state.stat().st_size // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", type=Path, required=True)
@@ -73,6 +90,14 @@ def main() -> int:
     ap.add_argument("--step-log", type=Path, default=None, help="append 'rank step time' per step")
     ap.add_argument("--data", type=int, default=0, help="one epoch of N samples (see above)")
     ap.add_argument("--batch", type=int, default=1, help="with --data: samples per rank and step")
+    ap.add_argument("--memory-every", type=int, default=0, help="memory tier snapshots")
+    ap.add_argument("--ckpt-every", type=int, default=2, help="disk checkpoints")
+    ap.add_argument("--kill-every", type=int, default=0, help="SIGKILL every K-th step")
+    ap.add_argument(
+        "--corrupt-memory",
+        action="store_true",
+        help="flip a byte of each own snapshot before the kill",
+    )
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     once = None if args.every_generation else args.ckpt.parent / "faults"
@@ -98,7 +123,7 @@ def main() -> int:
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ckpt = CheckpointManager(args.ckpt, keep_last_n=2)
+    ckpt = CheckpointManager(args.ckpt, keep_last_n=2, memory_every=args.memory_every)
     machine = None
     if args.rerun:
         machine = RerunStateMachine(
@@ -165,6 +190,12 @@ def main() -> int:
                 return code
         opt.step()
         time.sleep(args.step_sleep)
+        # late in the step: the snapshot of the steps before is written by now
+        if args.kill_every and step and step % args.kill_every == 0 and rank == args.fault_rank:
+            killer = fail_at(rank, step, "rank_killed", once_dir=args.ckpt.parent / "k")
+            if args.corrupt_memory and not (killer.once_dir / killer.marker).exists():
+                _corrupt_own_snapshots(rank)  # then die: the restart must not trust them
+            killer.check(step, rank)
         ft.end_section("step")
         if args.step_log is not None:  # for bench_node_loss.py: when each step ended
             with args.step_log.open("a") as log:
@@ -176,7 +207,9 @@ def main() -> int:
             ft.end_section("checkpointing")
             stop.finish()
             break
-        if (step + 1) % 2 == 0:
+        if args.memory_every:
+            ckpt.snapshot(step + 1, objects, rank_state=rank_state)
+        if (step + 1) % args.ckpt_every == 0:
             ft.start_section("checkpointing")
             strike("checkpointing", step + 1)
             ckpt.save(step + 1, objects, rank_state=rank_state)

@@ -210,3 +210,34 @@ def test_a_node_failing_its_health_check_leaves_and_a_spare_takes_its_place(bed_
     assert node1.wait() == 0, bed.logs()
     assert spare.wait() == 0, bed.logs()
     assert_bit_exact(bed.shared / "out.pt", reference(STEPS))
+
+
+def test_a_spare_replacing_a_killed_node_restores_from_the_memory_replica(bed_factory, reference):
+    """The memory tier across nodes (``CheckpointManager(memory_every=1)``): every step's
+    snapshot is in each node's shared memory and replicated to the other node. node2 is
+    killed; the spare that takes its place has no snapshot of its own, so node1 sends it
+    the state it keeps for node2's rank: nothing is read from the disk checkpoint, no
+    step the job finished is done again, and the run ends bit-exact."""
+    bed = bed_factory(3)
+    flags, script = job("2"), train(bed, "--memory-every", "1", "--ckpt-every", "10")
+    node1, node2 = (bed.launch(node, *flags, script=script) for node in ("node1", "node2"))
+    bed.wait_event("checkpoint_saved", step=10)
+    spare = bed.launch("node3", *flags, script=script)
+    time.sleep(1.5)  # a few steps past the disk checkpoint (0.2 s each)
+    killed = time.time()
+    bed.do("kill", "node2")
+
+    bed.wait_event("node_lost", node="node2")
+    bed.wait_event("node_joined", node="node3")
+    assert node1.wait() == 0, bed.logs()
+    assert spare.wait() == 0, bed.logs()
+    assert node2.wait() != 0
+    loaded = [e for e in bed.events("checkpoint_loaded") if e["time"] > killed]
+    assert {e["host"] for e in loaded} == {"node1", "node3"}
+    assert {e["tier"] for e in loaded} <= {"memory", "replica"}  # not the disk
+    (on_spare,) = [e for e in loaded if e["host"] == "node3"]
+    (on_node1,) = [e for e in loaded if e["host"] == "node1"]
+    assert on_spare["from_rank"] == on_node1["rank"]  # sent by node1
+    on_disk = [e["step"] for e in bed.events("checkpoint_saved") if e["time"] < killed]
+    assert on_spare["step"] == on_node1["step"] > max(on_disk)  # newer than the disk's
+    assert_bit_exact(bed.shared / "out.pt", reference(STEPS))

@@ -36,6 +36,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from .. import events
+from ..checkpoint.memory import MEMORY_DIR_ENV, create_memory_dir, remove_memory_dir
 from ..config import ConfigError
 from . import monitor as mon
 from .hooks import (
@@ -338,7 +339,7 @@ class CallWrapper:
         self._check_environment()
         initial_rank = int(os.environ["RANK"])
         world = int(os.environ["WORLD_SIZE"])
-        saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+        saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", MEMORY_DIR_ENV)}
         self.state = State.first(initial_rank, world)
         logger.debug("rank %d: Wrapper call of %s (world size %d)", initial_rank, fn, world)
         store_kwargs = self._store_kwargs()
@@ -368,6 +369,11 @@ class CallWrapper:
         monitor_pid, monitor_stop = mon.start_monitor_process(cfg, self.shared)
         watchdog = mon.ProgressWatchdog(self.shared, w.progress_watchdog_interval)
         monitor_thread: threading.Thread | None = None
+        # the memory tier's snapshots live as long as this call: they survive the
+        # restarts, not the run (a launcher above already owns a directory)
+        memory_dir = None if os.environ.get(MEMORY_DIR_ENV) else create_memory_dir()
+        if memory_dir is not None:
+            os.environ[MEMORY_DIR_ENV] = str(memory_dir)
         try:
             self.store_client: StoreMixin = make_store(w.store_factory, store_kwargs, False)
             clone = getattr(self.store_client, "clone", None)  # a connection of its own
@@ -396,6 +402,8 @@ class CallWrapper:
             return result
         finally:
             self._shutdown(watchdog, monitor_thread, monitor_pid, monitor_stop)
+            if memory_dir is not None:
+                remove_memory_dir(memory_dir)
             for key, value in saved_env.items():
                 if value is None:
                     os.environ.pop(key, None)

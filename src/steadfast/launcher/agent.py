@@ -47,6 +47,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from .. import events, seam
+from ..checkpoint.memory import MEMORY_DIR_ENV, create_memory_dir, remove_memory_dir
 from ..config import FaultToleranceConfig
 from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
 from ..rerun.machine import (
@@ -233,6 +234,10 @@ class FTAgent(LocalElasticAgent):
         # the workers inherit these from the launcher's environment
         os.environ[HB_TABLE_ENV] = str(self.table.path)
         os.environ[FT_CONFIG_ENV] = json.dumps(ft.to_dict())
+        # the memory tier's snapshots (CheckpointManager(memory_every=...)) live as long
+        # as this launcher: they survive its workers' restarts, never the job
+        self.memory_dir = create_memory_dir()
+        os.environ[MEMORY_DIR_ENV] = str(self.memory_dir)
         self.watcher = Watcher(self.table, ft, global_rank=self._global_rank)
         self.watcher.start()
         self.no_progress_restarts = 0
@@ -243,14 +248,16 @@ class FTAgent(LocalElasticAgent):
             self.template = take_prestarted() or Template()
 
     def close(self) -> None:
-        """Stop the watcher and the node roster, and remove the heartbeat table."""
+        """Stop the watcher and the node roster, and remove the heartbeat table and the
+        memory tier's snapshots."""
         self.watcher.stop()
         if self.roster is not None:
             self.roster.close()
         if self.template is not None:
             self.template.close()
         self.table.close()
-        for name in (HB_TABLE_ENV, FT_CONFIG_ENV):
+        remove_memory_dir(self.memory_dir)
+        for name in (HB_TABLE_ENV, FT_CONFIG_ENV, MEMORY_DIR_ENV):
             os.environ.pop(name, None)
 
     def _global_rank(self, local_rank: int) -> int:
