@@ -51,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckpt-dir", type=Path, required=True)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--save-every", type=int, default=10)
+    p.add_argument(
+        "--memory-every", type=int, default=1, help="memory-tier snapshots (0: disk only)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (pace)")
     p.add_argument("--out", type=Path, default=None, help="where rank 0 writes final params")
@@ -146,11 +149,13 @@ def main() -> int:
 
     timed_forward = stragglers.wrap_train_step(forward)
 
-    ckpt = CheckpointManager(args.ckpt_dir, keep_last_n=3)
+    # disk checkpoints every --save-every steps; a snapshot in host memory (replicated to
+    # another node) every --memory-every, so a restart re-does (almost) nothing
+    ckpt = CheckpointManager(args.ckpt_dir, keep_last_n=3, memory_every=args.memory_every)
     state = {"model": model.module, "optim": opt, "nan": detector}
     restored = ckpt.restore(state)  # verified, RNG streams included
     start = restored[0] if restored else 0
-    resume = str(args.ckpt_dir / f"step_{start}") if restored else None
+    resume = str(ckpt.loaded_path) if restored else None
     events.job_start(start, info.world_size, resume)
     if info.rank == 0:
         print(f"[train] {'resuming from ' + resume if resume else 'fresh start'}", flush=True)
@@ -201,8 +206,11 @@ def main() -> int:
             save(done)
             reason = "shutdown"
             break
-        if done % args.save_every == 0 and detector.state.consecutive_nans == 0:
-            save(done)  # never inside a NaN burst: a rollback must land before it
+        if detector.state.consecutive_nans == 0:  # never inside a NaN burst: a
+            if args.memory_every:  # rollback must land before it
+                ckpt.snapshot(done, state)
+            if done % args.save_every == 0:
+                save(done)
         step = done
 
     stop.finish()

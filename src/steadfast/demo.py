@@ -55,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {','.join(FAULTS)} (default: all)",
     )
     p.add_argument("--workdir", default="runs/demo", help="where runs are written")
+    p.add_argument(
+        "--memory-every",
+        type=int,
+        default=1,
+        help="memory-tier snapshots every N steps (default 1; 0: disk checkpoints only)",
+    )
     p.add_argument("--script", default=None, help="training script (default examples/train.py)")
 
 
@@ -282,7 +288,8 @@ def run_demo(ns: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(f"[demo] {msg}", flush=True)
 
-    common = ["--steps", str(plan.steps), "--save-every", str(plan.save_every)]
+    common = ["--steps", str(plan.steps), "--save-every", str(plan.save_every),
+              "--memory-every", str(ns.memory_every)]  # fmt: skip
     say(
         f"{ns.nproc} ranks x {plan.steps} steps under steadfast launch; faults: "
         + (", ".join(f"{k} at step {v}" for k, v in plan.at.items()) or "none")
