@@ -38,9 +38,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/steadfast demo
 
+# tests/dist is named on its own: ruff leaves folders called "dist" out by default
 lint: $(STAMP) shellcheck
-	$(BIN)/ruff check src tests examples bench
-	$(BIN)/ruff format --check src tests examples bench
+	$(BIN)/ruff check src tests tests/dist examples bench
+	$(BIN)/ruff format --check src tests tests/dist examples bench
 
 shellcheck:
 	@bash $(DEBIAN) ensure shellcheck || $(call optional,shellcheck)

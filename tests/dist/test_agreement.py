@@ -46,7 +46,9 @@ def _ddp_train(rank: int, world: int, workdir: Path, nan_rank: int) -> list[torc
     from steadfast import NaNDetector
 
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     d = NaNDetector(action="skip")
     skipped = []

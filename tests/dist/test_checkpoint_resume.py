@@ -21,7 +21,9 @@ from sfharness import Ranks, run_ranks
 STEPS, SAVE_EVERY, KILL_AT = 20, 3, 14  # 8 batches per epoch: the save at 12 is mid-epoch
 
 
-def _train(rank: int, world: int, workdir: Path, ckpt: str, async_save: bool, kill: bool, rng: bool):
+def _train(
+    rank: int, world: int, workdir: Path, ckpt: str, async_save: bool, kill: bool, rng: bool
+):
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -70,7 +72,9 @@ def _crash_and_resume(tmp_path: Path, async_save: bool, rng: bool):
     crashed = Ranks(_train, tmp_path / "crash", args=(str(tmp_path / "b"), async_save, True, rng))
     codes = crashed.wait(120)
     assert codes[1] == -signal.SIGKILL and codes[0] != 0  # the peer fails, it does not hang
-    return run_ranks(_train, tmp_path / "resume", args=(str(tmp_path / "b"), async_save, False, rng))
+    return run_ranks(
+        _train, tmp_path / "resume", args=(str(tmp_path / "b"), async_save, False, rng)
+    )
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -84,14 +88,19 @@ def test_killed_run_resumes_bit_exact(tmp_path: Path, async_save: bool, event_lo
     assert start0 == start1 and start0 in ((9, 12) if async_save else (12,))
     for a, b, ref in zip(params0, params1, reference, strict=True):
         assert torch.equal(a, ref) and torch.equal(b, ref)
-    loaded = [e for e in map(json.loads, event_log.read_text().splitlines())
-              if e["kind"] == "checkpoint_loaded"]
+    loaded = [
+        e
+        for e in map(json.loads, event_log.read_text().splitlines())
+        if e["kind"] == "checkpoint_loaded"
+    ]
     assert sorted(e["rank"] for e in loaded) == [0, 1] and {e["step"] for e in loaded} == {start0}
 
 
 def test_resume_without_rng_state_is_not_bit_exact(tmp_path: Path):
     """The control: the same crash without per-rank RNG state diverges (dropout masks
     differ), so the bit-exact test above really depends on what the checkpoint holds."""
-    reference, _ = run_ranks(_train, tmp_path / "ref", args=(str(tmp_path / "a"), False, False, False))[0]
+    reference, _ = run_ranks(
+        _train, tmp_path / "ref", args=(str(tmp_path / "a"), False, False, False)
+    )[0]
     (params0, _), _ = _crash_and_resume(tmp_path, False, False)
     assert not all(torch.equal(a, ref) for a, ref in zip(params0, reference, strict=True))

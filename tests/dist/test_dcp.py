@@ -34,7 +34,13 @@ def _sharded(rank: int, world: int, workdir: Path, ckpt: str, async_save: bool):
         out["load_error"] = str(exc)
     target = distribute_tensor(torch.zeros(16, 4), mesh, [Shard(0)])
     step, state = mgr.restore({"w": target, "bias": torch.zeros(3)})
-    out["step2"] = (step, target.to_local().clone(), state["bias"].clone(), state["tag"], state["r"])
+    out["step2"] = (
+        step,
+        target.to_local().clone(),
+        state["bias"].clone(),
+        state["tag"],
+        state["r"],
+    )
     torch.distributed.barrier()
     if rank == 0:  # a flipped byte in one shard file of step 2
         shard = Path(ckpt) / "step_2" / "dcp" / [f for f in files if f.endswith(".distcp")][-1]
@@ -64,7 +70,10 @@ def test_dcp_round_trip_and_corrupt_shard_fallback(tmp_path: Path, event_log: Pa
         assert torch.equal(local, (full * 2)[8 * rank : 8 * rank + 8])  # this rank's shard
         step, local, tag = out["fallback"]
         assert step == 1 and tag == "one" and torch.equal(local, full[8 * rank : 8 * rank + 8])
-    corrupt = [e for e in map(json.loads, event_log.read_text().splitlines())
-               if e["kind"] == "checkpoint_corrupt"]
+    corrupt = [
+        e
+        for e in map(json.loads, event_log.read_text().splitlines())
+        if e["kind"] == "checkpoint_corrupt"
+    ]
     assert corrupt and all(e["path"].endswith("step_2") for e in corrupt)
     assert "checksum mismatch" in corrupt[0]["reason"]

@@ -151,9 +151,17 @@ def inproc_train(
         dist.init_process_group("gloo", store=cw.store, rank=r, world_size=w, timeout=PG_TIMEOUT)
         fault = _planned_fault(plan, cw)
         model = _model()
-        with torch.no_grad():
-            for p, saved in zip(model.parameters(), memory["params"], strict=True):
-                p.copy_(saved)
+        tier = None
+        if plan.get("memory_tier"):  # the state kept by CheckpointManager's memory tier
+            from steadfast import CheckpointManager
+
+            tier = CheckpointManager(workdir / "ck", memory_every=1)
+            restored = tier.restore({"model": model})
+            memory["step"] = restored[0] if restored else 0
+        else:
+            with torch.no_grad():
+                for p, saved in zip(model.parameters(), memory["params"], strict=True):
+                    p.copy_(saved)
         for step in range(memory["step"], STEPS):
             cw.ping()
             if plan.get("atomic") and rank == 0 and cw.iteration == 0 and step == FAULT_STEP:
@@ -163,6 +171,10 @@ def inproc_train(
             _strike(fault, plan, rank, step)
             _step(model, step, r, w)
             memory["step"], memory["params"] = step + 1, _params(model)
+            if tier is not None:
+                tier.snapshot(step + 1, {"model": model})
+        if tier is not None:
+            tier.close()
         dist.destroy_process_group()
         return _params(model)
 
@@ -278,6 +290,34 @@ def test_exception_on_one_rank_restarts_every_rank(tmp_path: Path, event_log: Pa
         _assert_bit_exact(res)
         _assert_clean(res)
     wait_for(_no_monitor_left, 10, "monitor processes to exit")
+
+
+def test_the_memory_tier_restores_the_last_completed_step_after_an_in_process_restart(
+    tmp_path: Path, event_log: Path
+) -> None:
+    """The state kept by ``CheckpointManager(memory_every=1)`` instead of by hand: after
+    the restart every rank restores, from its own snapshot in the memory directory the
+    Wrapper keeps for its run, the last step it completed; bit-exact; and the directory
+    is gone when the Wrapper returns."""
+    full = [(2, STEPS, {0: 0, 1: 1})]
+    before = {p.name for p in Path("/dev/shm").glob("steadfast-mem-*")}
+    plan = {"kind": "exception", "rank": 1, "memory_tier": True}
+    _, codes = _run(tmp_path, 2, plan, full)
+    assert codes == [0, 0]
+    evs = read_events(event_log)
+    faults = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "exception"]
+    assert [(e["fault_rank"], e["iteration"]) for e in faults] == [(1, 0)]
+    loaded = _kinds(evs, "checkpoint_loaded")
+    assert sorted((e["rank"], e["step"], e["tier"]) for e in loaded) == [
+        (0, FAULT_STEP, "memory"),
+        (1, FAULT_STEP, "memory"),
+    ]
+    for rank in (0, 1):
+        res = _result(tmp_path, rank)
+        assert res["seen"]["iterations"] == [0, 1]
+        _assert_bit_exact(res)
+        _assert_clean(res)
+    assert {p.name for p in Path("/dev/shm").glob("steadfast-mem-*")} == before
 
 
 @pytest.mark.slow

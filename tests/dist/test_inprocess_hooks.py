@@ -57,7 +57,9 @@ def _wrapped(case: str) -> Wrapper:
         last_call_wait=_td(0.2),
     )
     if case == "compose":
-        return Wrapper(initialize=Compose(RaisingInit(), RetryController(max_iterations=2)), **common)
+        return Wrapper(
+            initialize=Compose(RaisingInit(), RetryController(max_iterations=2)), **common
+        )
     if case == "store_factory":
         return Wrapper(store_factory=BrokenStore, **common)
     return Wrapper(store_kwargs={"port": int(os.environ["SF_STORE_PORT"])}, **common)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from sfharness import run_ranks
 
 STEP_SECONDS = 0.006
@@ -24,10 +22,12 @@ def _run(rank: int, world: int, workdir: Path, steps: int, slow: bool, stop: boo
     from steadfast import CheckpointManager, SlowFault
     from steadfast.straggler import NVRxStragglerDetectionConfig, StragglerDetectionManager
 
-    cfg = NVRxStragglerDetectionConfig(enabled=True, report_time_interval=interval,
-                                       stop_if_detected=stop)
+    cfg = NVRxStragglerDetectionConfig(
+        enabled=True, report_time_interval=interval, stop_if_detected=stop
+    )
     manager = StragglerDetectionManager(cfg)
     fault = SlowFault(factor=1.5, rank=1, start_step=SLOW_FROM if slow else 10**9)
+
     def train_step(step: int) -> None:
         with fault.step(step):  # the slow rank's step itself takes longer
             time.sleep(STEP_SECONDS)
@@ -43,12 +43,16 @@ def _run(rank: int, world: int, workdir: Path, steps: int, slow: bool, stop: boo
             mgr.save(step + 1, {"x": x})
             stopped = step
             break
-        if manager.last_report is not None and (not reports or manager.last_report is not reports[-1][0]):
+        if manager.last_report is not None and (
+            not reports or manager.last_report is not reports[-1][0]
+        ):
             reports.append((manager.last_report, dict(manager.stragglers), step))
     if mgr is not None:
         mgr.close()
-    return [(r.gpu_relative_perf_scores, r.gpu_individual_perf_scores, s, step)
-            for r, s, step in reports], stopped
+    return [
+        (r.gpu_relative_perf_scores, r.gpu_individual_perf_scores, s, step)
+        for r, s, step in reports
+    ], stopped
 
 
 def test_uniform_ranks_have_no_straggler(tmp_path: Path, event_log: Path):
