@@ -52,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument(
-        "--memory-every", type=int, default=1, help="memory-tier snapshots (0: disk only)"
+        "--memory-every", type=int, default=0, help="memory-tier snapshots (0: disk only)"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (pace)")

@@ -99,3 +99,58 @@ def test_a_damaged_replica_is_caught_and_an_older_step_restored(tmp_path):
     assert corrupt and corrupt[0]["cause"] == "replica" and "checksum" in corrupt[0]["reason"]
     tiers = [_events(work, r, "checkpoint_loaded")[0]["tier"] for r in (0, 1)]
     assert tiers == ["memory", "replica"]
+
+
+def _failing_write(rank: int, world: int, workdir: Path, ckpt: str) -> dict:
+    from steadfast import CheckpointManager
+    from steadfast.checkpoint import CheckpointError
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    os.environ["STEADFAST_MEMORY_DIR"] = str(workdir / f"mem_{rank}")
+    os.environ["STEADFAST_EVENTS"] = "off"
+    (workdir / f"mem_{rank}").mkdir(exist_ok=True)
+    mgr = CheckpointManager(ckpt, memory_every=1)
+    errors = []
+    for step in range(1, 5):
+        state = {"w": torch.full((4,), float(step))}
+        if rank == 0 and step == 2:
+            state["bad"] = lambda: None  # cannot be pickled: the background write fails
+        try:
+            mgr.snapshot(step, state)
+        except CheckpointError as exc:
+            errors.append((step, str(exc)))
+    mgr.close()
+    again = CheckpointManager(ckpt, memory_every=1)
+    step, state = again.load()
+    again.close()
+    return {"errors": errors, "step": step, "w": state["w"].tolist()}
+
+
+def test_a_failed_write_still_takes_its_turn_in_the_replica_exchange(tmp_path):
+    """Rank 0's snapshot of step 2 cannot be written: it exchanges an empty replica
+    (rank 1 does not wait for it), the error is raised at its next snapshot (step 3),
+    the ranks go on in step, and the newest snapshot restores."""
+    results = run_ranks(_failing_write, tmp_path / "w", args=(str(tmp_path / "ck"),), timeout=90)
+    assert [s for s, _ in results[0]["errors"]] == [3] and "memory snapshot" in results[0][
+        "errors"
+    ][0][1]
+    assert results[1]["errors"] == []
+    assert [r["step"] for r in results] == [4, 4] and results[0]["w"] == [4.0] * 4
+
+
+def test_only_this_jobs_snapshots_are_offered(tmp_path, monkeypatch):
+    """A manifest naming another job (say, copied in by hand) is never restored."""
+    import json
+
+    from steadfast import CheckpointManager
+
+    monkeypatch.setenv("STEADFAST_MEMORY_DIR", str(tmp_path))
+    monkeypatch.setenv("STEADFAST_EVENTS", "off")
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
+        mgr.snapshot(3, {"w": torch.ones(2)})
+    (manifest,) = tmp_path.glob("*/own/rank_0/step_3/manifest.json")
+    data = json.loads(manifest.read_text())
+    data["job"] = "another-job|" + data["job"].split("|", 1)[1]
+    manifest.write_text(json.dumps(data))
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
+        assert mgr.load() is None

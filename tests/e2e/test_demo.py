@@ -42,7 +42,9 @@ def test_quick_demo_detects_and_recovers_every_fault_bit_exact(tmp_path: Path):
     nan = [(e["rank"], e["step"]) for e in kinds("nan_detected")]
     assert nan == [(1, burst), (1, burst + 1), (1, burst + 2)]  # detected where injected
     (rollback,) = {e["to_step"] for e in kinds("rollback")}
-    assert rollback < burst  # to the checkpoint before the burst
+    # to the newest snapshot before the burst, the state after step burst-1 (the demo
+    # runs the memory tier): the burst is done again, as designed
+    assert rollback <= burst
     killed = [e for e in kinds("rank_failed") if e["cause"] == "signal SIGKILL"]
     assert killed[0]["rank"] == 1
     hung = [e for e in kinds("rank_hung") if e["rank"] == 1]

@@ -48,7 +48,7 @@ def test_the_newest_of_memory_and_disk_is_restored(tmp_path, memory):
         assert mgr.load()[0] == 7
     assert _loaded(tmp_path) == [(7, "disk")]
     kept = sorted(p.name for p in memory.glob("*/own/rank_0/*"))
-    assert kept == ["step_4", "step_6"]  # the two newest, nothing newer than the restore
+    assert kept == ["step_2", "step_4", "step_6"]  # the three newest, none newer than 7
     with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
         mgr.snapshot(8, {"model": net})
     fresh = torch.nn.Linear(3, 2)

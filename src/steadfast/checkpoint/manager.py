@@ -236,6 +236,7 @@ class CheckpointManager:
             "CheckpointManager.memory_every", memory_every, minimum=0, integer=True
         )
         self._memory: MemoryTier | None = None
+        self._ring: Any = None  # the memory tier's replication group
         if self.memory_every:
             if not self.collective or group is not None:
                 raise ConfigError(
@@ -244,6 +245,7 @@ class CheckpointManager:
                 )
             local = int(os.environ.get("LOCAL_WORLD_SIZE", self._world))
             ring = ring_group() if self._coord is not None and self._world > local else None
+            self._ring = ring
             self._memory = MemoryTier(
                 self.dir, self._rank, self._world, local, ring, agree=self._from_rank0
             )
@@ -440,14 +442,18 @@ class CheckpointManager:
         """Finish the save in flight, release the staging buffers and the gloo group."""
         try:
             self.wait()
-            if self._memory is not None:
-                self._memory.close()
         finally:
-            self._stager.clear()
-            self._local_stager.clear()
-            if self._coord is not None and is_distributed():
-                dist.destroy_process_group(self._coord)
-            self._coord = None
+            try:
+                if self._memory is not None:
+                    self._memory.close()
+            finally:
+                self._stager.clear()
+                self._local_stager.clear()
+                if is_distributed():
+                    for group in (self._coord, self._ring):
+                        if group is not None:
+                            dist.destroy_process_group(group)
+                self._coord = self._ring = None
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -678,9 +684,9 @@ class CheckpointManager:
         copy (``checkpoint_corrupt``, cause ``memory`` or ``replica``) is dropped and the
         plan made again. None: no such step (the caller reads the disk)."""
         assert self._memory is not None
-        self._memory.wait()
+        self._quiet_memory_wait()
         offers = self._all_gather(self._memory.holdings())
-        bad: set[tuple[int, int, int]] = set()  # (holder, rank, step) found faulty
+        bad: set[str] = set()  # the snapshots (their folders) found faulty
         while True:
             plan = _plan(offers, self._world, newest_disk, bad)
             if plan is None:
@@ -691,22 +697,25 @@ class CheckpointManager:
             # (sizes and CRC-32 through a memory map), another rank's packed for sending
             # (verified where it arrives)
             packed: dict[int, torch.Tensor] = {}
-            problems: list[tuple[int, int, int, str]] = []
+            problems: list[tuple[str, str]] = []  # (the snapshot's folder, what failed)
             for rank, (holder, snap) in choice.items():
                 if holder != self._rank:
                     continue
-                if rank == self._rank:
-                    found = verify_in_place(Path(snap.path))
-                else:
-                    _, data, found = read_verified(Path(snap.path))
-                    if data is not None and not found:
-                        packed[rank] = data
+                try:  # whatever fails here is reported: the other ranks are waiting
+                    if rank == self._rank:
+                        found = verify_in_place(Path(snap.path))
+                    else:
+                        _, data, found = read_verified(Path(snap.path))
+                        if data is not None and not found:
+                            packed[rank] = data
+                except Exception as exc:
+                    found = [f"{snap.path}: cannot be read ({type(exc).__name__}: {exc})"]
                 if found:
-                    problems.append((holder, rank, step, "; ".join(found)))
+                    problems.append((snap.path, "; ".join(found)))
                     self._memory_corrupt(snap, found)
             problems = [p for share in self._all_gather(problems) for p in share]
             if problems:
-                bad.update((h, r, s) for h, r, s, _ in problems)
+                bad.update(path for path, _ in problems)
                 continue
             # 2. the transfers, holder to rank (sizes known from phase 1)
             sizes = self._all_gather({r: int(t.numel()) for r, t in packed.items()})
@@ -725,21 +734,19 @@ class CheckpointManager:
             # 3. what arrived verified, then loaded (in place: mapped, no copy)
             state: dict[str, Any] | None = None
             found = []
-            if data is not None:
-                _, files, found = decode(data)
             try:
+                if data is not None:
+                    _, files, found = decode(data)
                 if not found:
                     state = load_state(files) if data is not None else load_in_place(mine.path)
             except Exception as exc:
                 found = [f"cannot be loaded ({type(exc).__name__}: {exc})"]
             if found:
                 self._memory_corrupt(mine, found)
-            faults = self._all_gather(
-                [(mine_holder, self._rank, step, "; ".join(found))] if found else []
-            )
+            faults = self._all_gather([(mine.path, "; ".join(found))] if found else [])
             faults = [f for share in faults for f in share]
             if faults or state is None:
-                bad.update((h, r, s) for h, r, s, _ in faults)
+                bad.update(path for path, _ in faults)
                 continue
             self.loaded_path = Path(mine.path)
             events.emit(
@@ -751,6 +758,16 @@ class CheckpointManager:
                 from_rank=mine_holder,
             )
             return step, state
+
+    def _quiet_memory_wait(self) -> None:
+        """Join the memory tier's writer before a restore; a snapshot that failed is
+        logged here (the restore goes on with what is whole) rather than raised before
+        a collective the other ranks have entered."""
+        assert self._memory is not None
+        try:
+            self._memory.wait()
+        except CheckpointError as exc:
+            logger.error("restoring after a failed memory snapshot: %s", exc)
 
     def _memory_corrupt(self, snap: Snapshot, problems: list[str]) -> None:
         reason = "; ".join(problems) or "unreadable"
@@ -833,7 +850,8 @@ class CheckpointManager:
                 self._memory.drop_after(from_memory[0])
                 return from_memory
         loaded = self._load_disk(tries, objects, weights_only)
-        if self._memory is not None:
+        if self._memory is not None and path is None:
+            self._quiet_memory_wait()  # the writer must not publish behind drop_after
             self._memory.drop_after(loaded[0] if loaded is not None else -1)
         return loaded
 
@@ -891,7 +909,7 @@ def _step_of(path: Path) -> int:
 
 
 def _plan(
-    offers: list[list[Snapshot]], world: int, newest_disk: int, bad: set[tuple[int, int, int]]
+    offers: list[list[Snapshot]], world: int, newest_disk: int, bad: set[str]
 ) -> tuple[int, dict[int, tuple[int, Snapshot]]] | None:
     """The newest step, not older than ``newest_disk``, for which every rank's snapshot
     is held by some rank (``offers[h]``: what rank ``h``'s node holds), less the copies
@@ -900,7 +918,7 @@ def _plan(
     held: dict[tuple[int, int], list[tuple[int, Snapshot]]] = {}
     for holder, offer in enumerate(offers):
         for snap in offer:
-            if (holder, snap.rank, snap.step) not in bad:
+            if snap.path not in bad:  # every local rank offers the same folder
                 held.setdefault((snap.rank, snap.step), []).append((holder, snap))
     for step in sorted({s for _, s in held}, reverse=True):
         if step < newest_disk:

@@ -16,12 +16,14 @@ temporary folder and renamed into place: a process killed mid-copy leaves the pr
 snapshots as they were. The job's identity in every manifest (the launcher's run id and
 the checkpoint directory) keeps a snapshot of another job from ever being restored.
 
-Memory budget, per rank: the two newest snapshots (a rank that died while writing its
-newest still shares the one before with every other rank) plus the one being written,
-and as many replica slots: at most ``6 x`` the rank's state (state + rank state) in
-``/dev/shm``. The first snapshot checks that the file system has room for it and stops
-with one :class:`~steadfast.ConfigError` naming the sizes if not, instead of a failed
-write (or a SIGBUS) mid-run.
+Memory budget, per rank: the three newest snapshots (a rank may publish a step while
+another still writes the one before: with three, when one dies mid-write, every rank
+still holds a step all share) plus the one being written, and as many replica slots: at
+most ``8 x`` the rank's state (state + rank state) in ``/dev/shm``, times the node's
+ranks. The first snapshot checks that the file system has room for the node's bound and
+stops with one :class:`~steadfast.ConfigError` naming the sizes if not, instead of a
+failed write (or a SIGBUS) mid-run. What a kill mid-write left is cleared when the tier
+starts; the directories of launchers killed outright, by the next one on the node.
 
 Replication: rank ``r`` sends each snapshot to rank ``r + local_world_size`` (the same
 local rank on the next node; ranks are numbered node by node) and receives from
@@ -63,6 +65,7 @@ from .layout import (
     publish,
     read_manifest,
     remove_all,
+    remove_stale,
 )
 from .staging import Stager
 
@@ -81,8 +84,10 @@ MEMORY_DIR_ENV = "STEADFAST_MEMORY_DIR"
 _PREFIX = "steadfast-mem-"
 STATE = "state.pt"
 RANK = "rank.pt"
-#: published snapshots kept per rank and per replicated rank (plus the one being written)
-KEEP = 2
+#: published snapshots kept per rank and per replicated rank (plus the one being
+#: written): a rank may publish a step while another is still writing the one before, so
+#: with three every rank still holds a step all share when one dies mid-write
+KEEP = 3
 #: how many snapshot sizes the tier may hold in memory per rank, with replicas
 BUDGET_SLOTS = 2 * (KEEP + 1)
 _RING_TIMEOUT = timedelta(seconds=120)
@@ -91,15 +96,70 @@ _RING_TIMEOUT = timedelta(seconds=120)
 def create_memory_dir() -> Path:
     """A fresh memory directory for a job (in ``/dev/shm`` when there is one), for its
     owner to export as ``$STEADFAST_MEMORY_DIR`` and remove with
-    :func:`remove_memory_dir` when the job ends."""
+    :func:`remove_memory_dir` when the job ends. Its name carries the owner's pid, so
+    that the directories of owners killed outright (SIGKILL, no clean-up) are removed
+    here, by the next one made on the node."""
     base = Path("/dev/shm")
-    where = base if base.is_dir() and os.access(base, os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix=_PREFIX, dir=where))
+    where = base if base.is_dir() and os.access(base, os.W_OK) else Path(tempfile.gettempdir())
+    for orphan in where.glob(f"{_PREFIX}*"):
+        pid = orphan.name[len(_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(orphan, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=where))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove_memory_dir(path: str | os.PathLike[str]) -> None:
     """Remove a job's memory directory and every snapshot in it."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+# the guard leaves its parent at once (a fork), so that it is nobody's child: killing
+# the owner's children (its process group, or one by one) does not take it along
+_REAPER = (
+    "import os, shutil, sys\n"
+    "if os.fork():\n    os._exit(0)\n"
+    "os.setsid()\n"
+    "sys.stdin.buffer.read()\n"
+    "shutil.rmtree(sys.argv[1], True)\n"
+)
+
+
+class MemoryDir:
+    """A job's memory directory with a guard: a small process (forked away from the
+    owner's children) that removes it when its owner ends, however it ends (the owner's
+    end of a pipe closes, also on SIGKILL), so that
+    shared memory never outlives the launcher or the Wrapper that made it. The owner
+    exports :attr:`path` as ``$STEADFAST_MEMORY_DIR`` and calls :meth:`remove`."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        self.path = create_memory_dir()
+        self._guard = subprocess.Popen(
+            [sys.executable, "-S", "-c", _REAPER, str(self.path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # not stopped by a Ctrl-C meant for the job
+        )
+        self._guard.wait()  # the first process exits at once; its fork guards
+
+    def remove(self) -> None:
+        """Remove the directory now and let the guard go (it ends at once)."""
+        remove_memory_dir(self.path)
+        if self._guard.stdin is not None:
+            self._guard.stdin.close()
 
 
 @dataclass(frozen=True)
@@ -150,14 +210,23 @@ class MemoryTier:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._checked = False
+        # what a kill mid-write or mid-prune left in this rank's folders
+        for folder in (self.own, self.base / "replica" / f"rank_{self.source}"):
+            if folder.is_dir():
+                remove_stale(folder)
 
     # ------------------------------------------------------------------ snapshots
     def snapshot(self, step: int, replicated: dict[str, Any], local: dict[str, Any]) -> float:
         """Stage the state into host buffers (the only part training waits for) and
         write, publish and replicate it in the background. Returns the stall, in
-        seconds. Waits for the previous snapshot first; raises its error if it failed."""
+        seconds. Waits for the previous snapshot first; if it failed, raises its error
+        once this one is under way (so the ranks' replica exchanges stay in step)."""
         start = time.monotonic()
-        self.wait()
+        failed: CheckpointError | None = None
+        try:
+            self.wait()
+        except CheckpointError as exc:  # raised below, once this snapshot is under way:
+            failed = exc  # its turn in the replica exchange must not be skipped
         if not self._checked:
             self._check_room(replicated, local)
             self._checked = True
@@ -171,23 +240,28 @@ class MemoryTier:
             daemon=True,  # the snapshot is for the next restart: never hold an exit
         )
         self._thread.start()
+        if failed is not None:
+            raise failed
         return stall
 
     def _background(self, step: int, payload: Any, local: Any, stall: float) -> None:
+        written: Path | None = None
+        error: BaseException | None = None
         try:
             start = time.monotonic()
             written = self._write(step, payload, local)
-            logger.debug(
-                "snapshot of step %d in %.3f s (stall %.3f s)",
-                step,
-                time.monotonic() - start,
-                stall,
-            )
-            if self.ring is not None:
+            seconds = time.monotonic() - start
+            logger.debug("snapshot of step %d in %.3f s (stall %.3f s)", step, seconds, stall)
+        except BaseException as exc:
+            error = exc
+        if self.ring is not None:  # always: the peers wait for this rank's turn
+            try:
                 self._replicate(step, written)
-        except BaseException as exc:  # raised at the next snapshot, never swallowed
-            logger.error("memory snapshot of step %d failed: %s", step, exc)
-            self._error = exc
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:  # raised at the next snapshot, never swallowed
+            logger.error("memory snapshot of step %d failed: %s", step, error)
+            self._error = error
 
     def _write(self, step: int, payload: Any, local: Any) -> Path:
         final = self.own / f"step_{step}"
@@ -213,28 +287,39 @@ class MemoryTier:
         hold the tier's bound (see the module's description)."""
         size = _tensor_bytes(replicated) + _tensor_bytes(local) + (1 << 20)
         slots = BUDGET_SLOTS if self.ring is not None else KEEP + 1
-        need = slots * size
+        need = self.local_world * slots * size  # every local rank's, in one /dev/shm
         usage = shutil.disk_usage(self.root)
         held = _folder_bytes(self.base)
         if usage.free + held < need:
             raise ConfigError(
                 f"memory_every: {self.root} ({usage.free / 2**30:.2f} GiB free) cannot hold "
-                f"{slots} snapshots of this rank's {size / 2**30:.2f} GiB state "
-                f"({need / 2**30:.2f} GiB): give /dev/shm more room (a container's "
+                f"{slots} snapshots of each of the node's {self.local_world} ranks' "
+                f"{size / 2**30:.2f} GiB state ({need / 2**30:.2f} GiB): give /dev/shm more "
+                "room (a container's "
                 "--shm-size) or set memory_every=0"
             )
 
     # ------------------------------------------------------------------ replication
-    def _replicate(self, step: int, snapshot: Path) -> None:
+    def _replicate(self, step: int, snapshot: Path | None) -> None:
         """Send ``snapshot`` to the peer and take the source's snapshot of the same
-        step, verified, as a replica (both at once: every rank sends and receives)."""
-        out = pack(snapshot)
+        step, verified, as a replica (both at once: every rank sends and receives). A
+        rank without a snapshot this time (its write failed) still takes its turn and
+        sends an empty one, so that no peer waits for it."""
+        out = torch.empty(0, dtype=torch.uint8)
+        if snapshot is not None:
+            with contextlib.suppress(OSError, CheckpointError):
+                out = pack(snapshot)
         header = torch.tensor([step, out.numel()], dtype=torch.int64)
         theirs = torch.empty(2, dtype=torch.int64)
         _exchange(header, theirs, self.peer, self.source, self.ring)
         their_step, size = (int(v) for v in theirs.tolist())
         incoming = torch.empty(size, dtype=torch.uint8)
-        _exchange(out, incoming, self.peer, self.source, self.ring)
+        _exchange(
+            out if out.numel() else None, incoming if size else None,
+            self.peer, self.source, self.ring,
+        )  # fmt: skip
+        if not size:
+            return
         folder = self.base / "replica" / f"rank_{self.source}"
         folder.mkdir(parents=True, exist_ok=True)
         problems = unpack(incoming, folder, their_step)
@@ -271,7 +356,11 @@ class MemoryTier:
             for folder in sorted(top.iterdir()):
                 for entry in sorted(folder.glob("step_*")):
                     manifest, _ = read_manifest(entry)
-                    if manifest is None or manifest.get("job") != self.job:
+                    if (
+                        manifest is None
+                        or manifest.get("job") != self.job
+                        or manifest.get("world_size") != self.world  # its rank.pt is for
+                    ):  # another numbering: the disk path skips such per-rank state too
                         continue
                     size = sum(int(m.get("bytes", 0)) for m in manifest["files"].values())
                     found.append(
@@ -338,6 +427,9 @@ def decode(data: torch.Tensor) -> tuple[dict[str, Any], dict[str, memoryview], l
     with ThreadPoolExecutor(shares, thread_name_prefix="steadfast-crc") as pool:
         for name in names:
             meta = manifest["files"][name]
+            if not isinstance(meta, dict) or "bytes" not in meta or "crc32" not in meta:
+                problems.append(f"{name}: no size or checksum in the manifest")
+                break
             chunk = view[at : at + int(meta["bytes"])]
             at += int(meta["bytes"])
             if len(chunk) != int(meta["bytes"]):
@@ -371,12 +463,15 @@ def _checksum_threads() -> int:
 
 
 def verify_in_place(snapshot: Path) -> list[str]:
-    """This node's snapshot checked against its manifest without a copy: sizes, then each
-    file's CRC-32 through a memory map, on every core."""
+    """This node's snapshot checked against its manifest without a copy into one
+    buffer: sizes, then each file's CRC-32 on every core (``pread`` into small buffers)."""
     manifest, problems = read_manifest(snapshot)
     if manifest is None:
         return problems
-    problems = check_files(snapshot, manifest["files"], set())  # sizes
+    try:
+        problems = check_files(snapshot, manifest["files"], set())  # sizes
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        return [f"{snapshot}: cannot be verified ({exc})"]
     if problems:
         return problems
     shares = _checksum_threads()
@@ -413,7 +508,10 @@ def read_verified(snapshot: Path) -> tuple[dict[str, Any] | None, torch.Tensor |
     manifest, problems = read_manifest(snapshot)
     if manifest is None:
         return None, None, problems
-    problems = check_files(snapshot, manifest["files"], set())
+    try:
+        problems = check_files(snapshot, manifest["files"], set())
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        return manifest, None, [f"{snapshot}: cannot be verified ({exc})"]
     if problems:
         return manifest, None, problems
     try:
@@ -429,8 +527,16 @@ def ring_group() -> Any:
     return dist.new_group(backend="gloo", timeout=_RING_TIMEOUT)
 
 
-def _exchange(out: torch.Tensor, into: torch.Tensor, dst: int, src: int, group: Any) -> None:
-    works = [dist.isend(out, dst, group=group), dist.irecv(into, src, group=group)]
+def _exchange(
+    out: torch.Tensor | None, into: torch.Tensor | None, dst: int, src: int, group: Any
+) -> None:
+    """Send ``out`` to ``dst`` and receive ``into`` from ``src`` at once (either may be
+    None: nothing to send, nothing to receive)."""
+    works = []
+    if out is not None:
+        works.append(dist.isend(out, dst, group=group))
+    if into is not None:
+        works.append(dist.irecv(into, src, group=group))
     for work in works:
         if work is not None:
             work.wait()

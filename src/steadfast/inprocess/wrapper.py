@@ -36,7 +36,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from .. import events
-from ..checkpoint.memory import MEMORY_DIR_ENV, create_memory_dir, remove_memory_dir
+from ..checkpoint.memory import MEMORY_DIR_ENV, MemoryDir
 from ..config import ConfigError
 from . import monitor as mon
 from .hooks import (
@@ -371,9 +371,9 @@ class CallWrapper:
         monitor_thread: threading.Thread | None = None
         # the memory tier's snapshots live as long as this call: they survive the
         # restarts, not the run (a launcher above already owns a directory)
-        memory_dir = None if os.environ.get(MEMORY_DIR_ENV) else create_memory_dir()
+        memory_dir = None if os.environ.get(MEMORY_DIR_ENV) else MemoryDir()
         if memory_dir is not None:
-            os.environ[MEMORY_DIR_ENV] = str(memory_dir)
+            os.environ[MEMORY_DIR_ENV] = str(memory_dir.path)
         try:
             self.store_client: StoreMixin = make_store(w.store_factory, store_kwargs, False)
             clone = getattr(self.store_client, "clone", None)  # a connection of its own
@@ -403,7 +403,7 @@ class CallWrapper:
         finally:
             self._shutdown(watchdog, monitor_thread, monitor_pid, monitor_stop)
             if memory_dir is not None:
-                remove_memory_dir(memory_dir)
+                memory_dir.remove()
             for key, value in saved_env.items():
                 if value is None:
                     os.environ.pop(key, None)

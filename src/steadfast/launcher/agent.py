@@ -47,7 +47,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from .. import events, seam
-from ..checkpoint.memory import MEMORY_DIR_ENV, create_memory_dir, remove_memory_dir
+from ..checkpoint.memory import MEMORY_DIR_ENV, MemoryDir
 from ..config import FaultToleranceConfig
 from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
 from ..rerun.machine import (
@@ -236,8 +236,8 @@ class FTAgent(LocalElasticAgent):
         os.environ[FT_CONFIG_ENV] = json.dumps(ft.to_dict())
         # the memory tier's snapshots (CheckpointManager(memory_every=...)) live as long
         # as this launcher: they survive its workers' restarts, never the job
-        self.memory_dir = create_memory_dir()
-        os.environ[MEMORY_DIR_ENV] = str(self.memory_dir)
+        self.memory_dir = MemoryDir()
+        os.environ[MEMORY_DIR_ENV] = str(self.memory_dir.path)
         self.watcher = Watcher(self.table, ft, global_rank=self._global_rank)
         self.watcher.start()
         self.no_progress_restarts = 0
@@ -256,7 +256,7 @@ class FTAgent(LocalElasticAgent):
         if self.template is not None:
             self.template.close()
         self.table.close()
-        remove_memory_dir(self.memory_dir)
+        self.memory_dir.remove()
         for name in (HB_TABLE_ENV, FT_CONFIG_ENV, MEMORY_DIR_ENV):
             os.environ.pop(name, None)
 
