@@ -315,6 +315,40 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "
         time.sleep(0.01)
 
 
+def assert_bit_exact(out: Path, reference: dict[str, Any]) -> None:
+    """The parameters a run saved in ``out`` equal ``reference`` bit for bit."""
+    import torch
+
+    got = torch.load(out)
+    assert got.keys() == reference.keys()
+    for name, value in reference.items():
+        assert torch.equal(got[name], value), f"{name} differs from the fault-free run"
+
+
+def fork_when_ready(loop: Callable[[Callable[[], None]], None]) -> int:
+    """Fork a process that runs ``loop(ready)`` until it is killed; return its pid once
+    it called ``ready()``. Forked from this process (torch already imported): a test
+    killing it 30 times pays no import. The fork runs torch ops on one thread: the
+    parent's OpenMP threads do not exist in it, and a parallel op there can hang."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child never returns, it is killed
+        try:
+            os.close(ready_r)
+            import torch
+
+            torch.set_num_threads(1)
+            loop(lambda: os.write(ready_w, b"1") and None)
+        finally:
+            os._exit(1)
+    os.close(ready_w)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+    finally:
+        os.close(ready_r)
+    return pid
+
+
 def read_events(path: Path) -> list[dict[str, Any]]:
     import json
 

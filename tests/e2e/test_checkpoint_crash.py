@@ -11,36 +11,24 @@ from pathlib import Path
 import pytest
 import torch
 
+from sfharness import fork_when_ready
 from steadfast import CheckpointManager, resolve_resume_path
 from steadfast.checkpoint import step_dirs, verify
 
 
 def _start_saver(d: Path, mode: str) -> int:
-    """Fork a process that saves checkpoints in a loop; return its pid once it saves.
+    """A process that saves checkpoints in a loop; its pid once it saves."""
 
-    Forked from this process (torch already imported) instead of a fresh interpreter:
-    30 kills then cost a few seconds instead of 30 imports of torch.
-    """
-    ready_r, ready_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child never returns, it is killed
-        try:
-            os.close(ready_r)
-            mgr = CheckpointManager(d, keep_last_n=3, async_save=mode == "async")
-            loaded = mgr.load()
-            step = loaded[0] if loaded else 0
-            os.write(ready_w, b"1")
-            while True:
-                step += 1
-                mgr.save(step, {"w": torch.full((500_000,), float(step)), "step": step})
-        finally:
-            os._exit(1)
-    os.close(ready_w)
-    try:
-        assert os.read(ready_r, 1) == b"1"
-    finally:
-        os.close(ready_r)
-    return pid
+    def loop(ready) -> None:
+        mgr = CheckpointManager(d, keep_last_n=3, async_save=mode == "async")
+        loaded = mgr.load()
+        step = loaded[0] if loaded else 0
+        ready()
+        while True:
+            step += 1
+            mgr.save(step, {"w": torch.full((500_000,), float(step)), "step": step})
+
+    return fork_when_ready(loop)
 
 
 @pytest.mark.slow

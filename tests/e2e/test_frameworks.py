@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from sfharness import assert_none_left, read_events
+from sfharness import assert_bit_exact, assert_none_left, read_events
 from steadfast import CheckpointManager
 from steadfast.checkpoint import verify
 
@@ -84,13 +84,6 @@ def reference(framework: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
     return torch.load(root / "out.pt")
 
 
-def assert_bit_exact(out: Path, reference: dict[str, torch.Tensor]) -> None:
-    got = torch.load(out)
-    assert got.keys() == reference.keys()
-    for name, value in reference.items():
-        assert torch.equal(got[name], value), f"{name} differs from the fault-free run"
-
-
 def report(workdir: Path) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-m", "steadfast.cli", "report", "--json", "--no-timeline",
@@ -105,25 +98,44 @@ def kinds(evs: list[dict[str, Any]], kind: str, **match: Any) -> list[dict[str, 
 
 
 @pytest.mark.parametrize(
-    ("fault", "detected"),
+    ("fault", "detected", "damaged"),
     [
-        ("rank_killed", ("rank_failed", {"cause": "signal SIGKILL"})),
-        ("rank_hung", ("rank_hung", {"cause": "section:step"})),
+        ("rank_killed", ("rank_failed", {"cause": "signal SIGKILL"}), False),
+        ("rank_hung", ("rank_hung", {"cause": "section:step"}), True),
     ],
 )
 def test_a_failed_rank_restarts_from_the_last_checkpoint_bit_exact(
-    framework, tmp_path, reference, fault, detected
+    framework, tmp_path, reference, fault, detected, damaged
 ):
+    """Rank 1 fails at step 11 (killed, or hung and caught by the step timeout) and every
+    rank restarts from the last checkpoint: Lightning's at the end of epoch 1 (step 8),
+    the Trainer's every 2 steps (10). With ``damaged``, rank 0 first flips a byte of the
+    newest checkpoint (step 10): Lightning (SteadfastCheckpointIO) finds ``last.ckpt``'s
+    checksum wrong on every rank and reads ``epoch=1-step=8.ckpt`` (the newest valid
+    one, the same step); the Trainer's ``checkpoint-10`` fails its manifest and
+    ``last_verified_checkpoint`` resumes from ``checkpoint-8``. Bit-exact either way:
+    with the frameworks' own loading the flipped byte would be trained on silently."""
+    extra = ["--corrupt-last-at", "10"] if damaged else []
     code, evs = launch(
-        framework, tmp_path, "--fault", fault, "--fault-rank", "1", "--fault-step", "11"
-    )
+        framework, tmp_path, "--fault", fault, "--fault-rank", "1", "--fault-step", "11",
+        *extra,
+    )  # fmt: skip
     assert code == 0
     kind, match = detected
     assert kinds(evs, kind, rank=1, **match), [e["kind"] for e in evs]
     assert kinds(evs, "restart", cause="worker_failure")
     resumed = [e for e in kinds(evs, "job_start") if e["resumed_from"]]
-    # Lightning's last checkpoint: the end of epoch 1; the Trainer's: every 2 steps
-    assert {e["step"] for e in resumed} == {8 if framework == "lightning" else 10}
+    assert {e["step"] for e in resumed} == {8 if framework == "lightning" or damaged else 10}
+    ck = tmp_path / "ck"
+    if damaged:
+        bad = ck / ("last.ckpt" if framework == "lightning" else "checkpoint-10")
+        corrupt = kinds(evs, "checkpoint_corrupt", path=str(bad))
+        assert corrupt and all("checksum mismatch" in e["reason"] for e in corrupt)
+        if framework == "lightning":  # both ranks read the valid one in the folder
+            read = kinds(evs, "checkpoint_loaded", path=str(ck / "epoch=1-step=8.ckpt"))
+            assert len(read) == 2
+    else:
+        assert not kinds(evs, "checkpoint_corrupt")
     assert_bit_exact(tmp_path / "out.pt", reference)
     verdict = report(tmp_path)
     assert [f["fault"] for f in verdict["faults"]] == [fault]
@@ -203,32 +215,3 @@ def test_a_slow_rank_is_reported_as_a_straggler(framework, tmp_path):
         assert all(e["relative"] == [1] for e in found)
     else:
         assert all(1 in e["individual"] and not e["relative"] for e in found)
-
-
-def test_a_damaged_checkpoint_is_caught_and_the_newest_valid_one_resumed_bit_exact(
-    framework, tmp_path, reference
-):
-    """Rank 0 flips a byte of the newest checkpoint at step 10, then rank 1 is killed at
-    step 11. Lightning (SteadfastCheckpointIO) asks for ``last.ckpt`` (epoch 1's end),
-    every rank finds its checksum wrong and both load ``epoch=1-step=8.ckpt`` (the newest
-    valid one, the same step); the Trainer's ``checkpoint-10`` fails its manifest, so
-    ``last_verified_checkpoint`` resumes from ``checkpoint-8``. Both end bit-exact; with
-    the frameworks' own loading the flipped byte would be trained on silently."""
-    code, evs = launch(
-        framework, tmp_path, "--corrupt-last-at", "10", "--fault", "rank_killed",
-        "--fault-rank", "1", "--fault-step", "11",
-    )  # fmt: skip
-    assert code == 0
-    ck = tmp_path / "ck"
-    damaged = ck / ("last.ckpt" if framework == "lightning" else "checkpoint-10")
-    corrupt = kinds(evs, "checkpoint_corrupt", path=str(damaged))
-    assert corrupt and all("checksum mismatch" in e["reason"] for e in corrupt)
-    assert kinds(evs, "restart", cause="worker_failure")
-    resumed = [e for e in kinds(evs, "job_start") if e["resumed_from"]]
-    assert {e["step"] for e in resumed} == {8}
-    if framework == "lightning":  # both ranks loaded the valid one in its folder
-        loaded = kinds(evs, "checkpoint_loaded", path=str(ck / "epoch=1-step=8.ckpt"))
-        assert len(loaded) == 2
-    else:
-        assert {e["resumed_from"] for e in resumed} == {str(ck / "checkpoint-8")}
-    assert_bit_exact(tmp_path / "out.pt", reference)

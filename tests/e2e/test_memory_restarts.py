@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from sfharness import assert_none_left, read_events
+from sfharness import assert_bit_exact, assert_none_left, fork_when_ready, read_events
 from steadfast.checkpoint import verify
 
 HERE = Path(__file__).parent
@@ -63,12 +63,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return torch.load(root / "out.pt")
 
 
-def assert_bit_exact(out: Path, reference: dict[str, torch.Tensor]) -> None:
-    got = torch.load(out)
-    for name, value in reference.items():
-        assert torch.equal(got[name], value), f"{name} differs from the fault-free run"
-
-
 def memory_dirs() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("steadfast-mem-*")}
 
@@ -101,33 +95,22 @@ def test_damaged_snapshots_are_caught_and_the_disk_checkpoint_used(tmp_path, ref
 
 
 def _start_snapshotter(mem: Path, ckpt: Path) -> int:
-    """Fork a process that snapshots in a loop (torch already imported: a kill costs no
-    import); return its pid once it snapshots."""
-    ready_r, ready_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child never returns, it is killed
-        try:
-            os.close(ready_r)
-            torch.set_num_threads(1)  # the parent's OpenMP threads are not in this fork
-            os.environ["STEADFAST_MEMORY_DIR"] = str(mem)
-            os.environ["STEADFAST_EVENTS"] = "off"
-            from steadfast import CheckpointManager
+    """A process that snapshots in a loop; its pid once it snapshots."""
 
-            mgr = CheckpointManager(ckpt, memory_every=1)
-            loaded = mgr.load()
-            step = loaded[0] if loaded else 0
-            os.write(ready_w, b"1")
-            while True:
-                step += 1
-                mgr.snapshot(step, {"w": torch.full((2_000_000,), float(step)), "step": step})
-        finally:
-            os._exit(1)
-    os.close(ready_w)
-    try:
-        assert os.read(ready_r, 1) == b"1"
-    finally:
-        os.close(ready_r)
-    return pid
+    def loop(ready) -> None:
+        os.environ["STEADFAST_MEMORY_DIR"] = str(mem)
+        os.environ["STEADFAST_EVENTS"] = "off"
+        from steadfast import CheckpointManager
+
+        mgr = CheckpointManager(ckpt, memory_every=1)
+        loaded = mgr.load()
+        step = loaded[0] if loaded else 0
+        ready()
+        while True:
+            step += 1
+            mgr.snapshot(step, {"w": torch.full((2_000_000,), float(step)), "step": step})
+
+    return fork_when_ready(loop)
 
 
 def test_sigkill_during_snapshots_never_leaves_a_partial_one_visible(tmp_path):
@@ -139,7 +122,7 @@ def test_sigkill_during_snapshots_never_leaves_a_partial_one_visible(tmp_path):
     os.environ["STEADFAST_MEMORY_DIR"] = str(mem)
     last = 0
     try:
-        for kill in range(20):
+        for kill in range(12):
             pid = _start_snapshotter(mem, ckpt)
             time.sleep(rng.uniform(0.0, 0.3))
             os.kill(pid, signal.SIGKILL)

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from sfharness import assert_bit_exact
+
 pytestmark = pytest.mark.slow
 
 STEPS = 40
@@ -50,13 +52,6 @@ def train(bed: Any, *extra: str, steps: int = STEPS) -> list[str]:
     ]
 
 
-def assert_bit_exact(out: Path, reference: dict[str, Any]) -> None:
-    got = torch.load(out)
-    assert got.keys() == reference.keys()
-    for name, value in reference.items():
-        assert torch.equal(got[name], value), f"{name} differs from the fault-free run"
-
-
 def start(bed: Any, flags: list[str], script: list[str], spare: bool = False) -> list[Any]:
     """node1 and node2 start the job; with ``spare``, node3 joins once they train (it
     waits in the rendezvous: the round is full). Their launches, node1 first."""
@@ -72,10 +67,17 @@ def saved_steps(bed: Any, host: str, after: float) -> list[int]:
 
 
 def test_a_killed_node_is_replaced_by_a_spare_and_the_run_ends_bit_exact(bed_factory, reference):
+    """node2 is killed (power loss) while a spare waits; the spare takes its place. The
+    run also keeps the memory tier (``CheckpointManager(memory_every=1)``): every step's
+    snapshot in each node's shared memory, replicated to the other node, so the spare,
+    which has no snapshot of its own, gets the state node1 keeps for node2's rank:
+    nothing is read from the disk checkpoint, no step the job finished is done again.
+    (The other spare tests below restore from the disk.)"""
     bed = bed_factory(3)
-    flags, script = job("2"), train(bed)
+    flags, script = job("2"), train(bed, "--memory-every", "1")
     node1, node2, spare = start(bed, flags, script, spare=True)
     bed.wait_event("checkpoint_saved", step=10)
+    time.sleep(0.5)  # a few steps past the disk checkpoint (0.2 s each)
     killed = time.time()
     bed.do("kill", "node2")
 
@@ -89,6 +91,12 @@ def test_a_killed_node_is_replaced_by_a_spare_and_the_run_ends_bit_exact(bed_fac
     assert len(bed.events("node_lost")) == 1  # one node, reported once
     loaded = [e for e in bed.events("checkpoint_loaded") if e["time"] > killed]
     assert {e["host"] for e in loaded} == {"node1", "node3"}
+    assert {e["tier"] for e in loaded} <= {"memory", "replica"}  # not the disk
+    (on_spare,) = [e for e in loaded if e["host"] == "node3"]
+    (on_node1,) = [e for e in loaded if e["host"] == "node1"]
+    assert on_spare["from_rank"] == on_node1["rank"]  # sent by node1
+    on_disk = [e["step"] for e in bed.events("checkpoint_saved") if e["time"] < killed]
+    assert on_spare["step"] == on_node1["step"] >= max(on_disk)  # the newest there is
     assert_bit_exact(bed.shared / "out.pt", reference(STEPS))
 
 
@@ -209,35 +217,4 @@ def test_a_node_failing_its_health_check_leaves_and_a_spare_takes_its_place(bed_
     assert node2.wait() == 74, bed.logs()
     assert node1.wait() == 0, bed.logs()
     assert spare.wait() == 0, bed.logs()
-    assert_bit_exact(bed.shared / "out.pt", reference(STEPS))
-
-
-def test_a_spare_replacing_a_killed_node_restores_from_the_memory_replica(bed_factory, reference):
-    """The memory tier across nodes (``CheckpointManager(memory_every=1)``): every step's
-    snapshot is in each node's shared memory and replicated to the other node. node2 is
-    killed; the spare that takes its place has no snapshot of its own, so node1 sends it
-    the state it keeps for node2's rank: nothing is read from the disk checkpoint, no
-    step the job finished is done again, and the run ends bit-exact."""
-    bed = bed_factory(3)
-    flags, script = job("2"), train(bed, "--memory-every", "1", "--ckpt-every", "10")
-    node1, node2 = (bed.launch(node, *flags, script=script) for node in ("node1", "node2"))
-    bed.wait_event("checkpoint_saved", step=10)
-    spare = bed.launch("node3", *flags, script=script)
-    time.sleep(1.5)  # a few steps past the disk checkpoint (0.2 s each)
-    killed = time.time()
-    bed.do("kill", "node2")
-
-    bed.wait_event("node_lost", node="node2")
-    bed.wait_event("node_joined", node="node3")
-    assert node1.wait() == 0, bed.logs()
-    assert spare.wait() == 0, bed.logs()
-    assert node2.wait() != 0
-    loaded = [e for e in bed.events("checkpoint_loaded") if e["time"] > killed]
-    assert {e["host"] for e in loaded} == {"node1", "node3"}
-    assert {e["tier"] for e in loaded} <= {"memory", "replica"}  # not the disk
-    (on_spare,) = [e for e in loaded if e["host"] == "node3"]
-    (on_node1,) = [e for e in loaded if e["host"] == "node1"]
-    assert on_spare["from_rank"] == on_node1["rank"]  # sent by node1
-    on_disk = [e["step"] for e in bed.events("checkpoint_saved") if e["time"] < killed]
-    assert on_spare["step"] == on_node1["step"] > max(on_disk)  # newer than the disk's
     assert_bit_exact(bed.shared / "out.pt", reference(STEPS))
