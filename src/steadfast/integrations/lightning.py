@@ -242,9 +242,11 @@ def _same_on_every_rank(used: str | None, failure: BaseException | None, path: P
         )
 
 
-def _wait_for_saves(trainer: Trainer) -> None:
-    """Before a callback exits the process: the background save must be durable (in the
-    ``checkpointing`` section, so the wait is not taken for a hang)."""
+def _save_last(trainer: Trainer) -> None:
+    """Before a callback exits the process: a checkpoint where ``ModelCheckpoint`` keeps
+    its last one, durable even when the plugin writes in the background (the wait in
+    the ``checkpointing`` section, so that it is not taken for a hang)."""
+    trainer.save_checkpoint(_last_checkpoint(trainer))
     wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
     if callable(wait):
         with checkpointing():
@@ -496,8 +498,7 @@ class GracefulShutdownCallback(Callback):
         signalled, saving where the next run resumes."""
         if not self.handler.should_shutdown(int(trainer.global_step)):
             return
-        trainer.save_checkpoint(_last_checkpoint(trainer))
-        _wait_for_saves(trainer)
+        _save_last(trainer)
         self.handler.finish()
         self._registered = False
         # not trainer.should_stop: that ends the epoch early, and the epoch-end
@@ -619,6 +620,5 @@ class StragglerDetectionCallback(Callback):
                         rank_zero_only=True,
                     )
         if stop:
-            trainer.save_checkpoint(_last_checkpoint(trainer))
-            _wait_for_saves(trainer)
+            _save_last(trainer)
             raise SystemExit(EXIT_STRAGGLERS)

@@ -137,6 +137,14 @@ class VerifiedCheckpointCallback(TrainerCallback):
         _sealing = False
 
 
+def _stop_after_a_save(control: TrainerControl) -> bool:
+    """Ask the Trainer for a checkpoint at this step and for no further step (the
+    callback exits in ``on_save``, once it is written); True, for the callback's flag."""
+    control.should_save = True
+    control.should_training_stop = True
+    return True
+
+
 def _seal(args: TrainingArguments, state: TrainerState) -> None:
     """After the Trainer saved ``checkpoint-N`` on every rank (``on_save``): wait for
     every rank's files (a barrier: each writes its RNG state), then rank 0 writes the
@@ -305,9 +313,7 @@ class GracefulShutdownCallback(TrainerCallback):
         """After every step, on every rank (a collective): stop here if any rank was
         signalled; the Trainer saves right after this hook."""
         if self._registered and self.handler.should_shutdown(int(state.global_step)):
-            self._stopping = True
-            control.should_save = True
-            control.should_training_stop = True
+            self._stopping = _stop_after_a_save(control)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
@@ -399,9 +405,7 @@ class StragglerDetectionCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         if self.timer.end(int(state.global_step)):
-            self._stopping = True
-            control.should_save = True
-            control.should_training_stop = True
+            self._stopping = _stop_after_a_save(control)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
