@@ -315,6 +315,23 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "
         time.sleep(0.01)
 
 
+def launch_run(workdir: Path, *args: str, timeout: float = 240) -> tuple[int, list[dict[str, Any]]]:
+    """One ``steadfast launch ARGS`` (launcher flags, the script and its arguments) with
+    its event log in ``workdir/events.jsonl``: (exit status, the events). The output's
+    tail is printed when it fails, for the test's report."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    events = workdir / "events.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(events), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if done.returncode != 0:
+        print(done.stdout[-4000:], done.stderr[-4000:])
+    return done.returncode, read_events(events)
+
+
 def assert_bit_exact(out: Path, reference: dict[str, Any]) -> None:
     """The parameters a run saved in ``out`` equal ``reference`` bit for bit."""
     import torch

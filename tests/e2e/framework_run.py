@@ -84,6 +84,11 @@ def corrupter(
     return corrupt
 
 
+def layers() -> torch.nn.Module:
+    """The tiny model both frameworks train (each wraps it in its own module)."""
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
 def data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     return torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from framework_run import corrupter, data, parse_args, striker
+from framework_run import corrupter, data, layers, parse_args, striker
 from transformers import Trainer, TrainingArguments
 
 from steadfast.integrations.transformers import (
@@ -34,9 +34,7 @@ from steadfast.integrations.transformers import (
 class Net(torch.nn.Module):
     def __init__(self, strike, step_sleep: float, corrupt=None) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
-        )
+        self.net = layers()
         self.strike = strike
         self.step_sleep = step_sleep
         self.corrupt = corrupt

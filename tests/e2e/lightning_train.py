@@ -22,7 +22,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from framework_run import corrupter, data, parse_args, striker
+from framework_run import corrupter, data, layers, parse_args, striker
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -40,9 +40,7 @@ from steadfast.integrations.lightning import (
 class Net(pl.LightningModule):
     def __init__(self, strike, step_sleep: float, corrupt=None) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
-        )
+        self.net = layers()
         self.strike = strike
         self.step_sleep = step_sleep
         self.corrupt = corrupt

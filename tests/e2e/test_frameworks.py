@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from sfharness import assert_bit_exact, assert_none_left, read_events
+from sfharness import assert_bit_exact, assert_none_left, launch_run
 from steadfast import CheckpointManager
 from steadfast.checkpoint import verify
 
@@ -58,21 +58,12 @@ def no_worker_outlives_its_launcher(tmp_path: Path):
 
 def launch(framework: str, workdir: Path, *script_args: str) -> tuple[int, list[dict[str, Any]]]:
     """One ``steadfast launch`` of the framework's script; (exit status, the events)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    events = workdir / "events.jsonl"
-    done = subprocess.run(
-        [
-            sys.executable, "-m", "steadfast.cli", "launch", "--nproc-per-node=2",
-            "--monitor-interval=0.1", "--max-restarts=2", "--events", str(events),
-            "--ft-param-workers_stop_timeout=5",
-            str(FRAMEWORKS[framework][1]), "--ckpt", str(workdir / "ck"),
-            "--out", str(workdir / "out.pt"), "--step-sleep", SLEEP, *script_args,
-        ],
-        capture_output=True, text=True, timeout=240,
+    return launch_run(
+        workdir, "--nproc-per-node=2", "--monitor-interval=0.1", "--max-restarts=2",
+        "--ft-param-workers_stop_timeout=5",
+        str(FRAMEWORKS[framework][1]), "--ckpt", str(workdir / "ck"),
+        "--out", str(workdir / "out.pt"), "--step-sleep", SLEEP, *script_args,
     )  # fmt: skip
-    if done.returncode != 0:
-        print(done.stdout[-4000:], done.stderr[-4000:])
-    return done.returncode, read_events(events)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from sfharness import assert_bit_exact, assert_none_left, fork_when_ready, read_events
+from sfharness import assert_bit_exact, assert_none_left, fork_when_ready, launch_run
 from steadfast.checkpoint import verify
 
 HERE = Path(__file__).parent
@@ -38,21 +36,12 @@ def no_worker_outlives_its_launcher(tmp_path: Path):
 
 
 def launch(workdir: Path, *script_args: str) -> tuple[int, list[dict[str, Any]]]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    events = workdir / "events.jsonl"
-    done = subprocess.run(
-        [
-            sys.executable, "-m", "steadfast.cli", "launch", "--nproc-per-node=2",
-            "--monitor-interval=0.1", "--max-restarts=5", "--events", str(events),
-            str(HERE / "ft_train.py"), "--ckpt", str(workdir / "ck"),
-            "--out", str(workdir / "out.pt"), "--steps", "12", "--ckpt-every", "4",
-            "--step-sleep", "0.05", *script_args,
-        ],
-        capture_output=True, text=True, timeout=240,
+    return launch_run(
+        workdir, "--nproc-per-node=2", "--monitor-interval=0.1", "--max-restarts=5",
+        str(HERE / "ft_train.py"), "--ckpt", str(workdir / "ck"),
+        "--out", str(workdir / "out.pt"), "--steps", "12", "--ckpt-every", "4",
+        "--step-sleep", "0.05", *script_args,
     )  # fmt: skip
-    if done.returncode != 0:
-        print(done.stdout[-4000:], done.stderr[-4000:])
-    return done.returncode, read_events(events)
 
 
 @pytest.fixture(scope="module")
