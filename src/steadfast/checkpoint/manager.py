@@ -84,7 +84,7 @@ from .memory import (
     decode,
     load_in_place,
     load_state,
-    read_verified,
+    read_for_sending,
     ring_group,
     verify_in_place,
 )
@@ -705,7 +705,7 @@ class CheckpointManager:
                     if rank == self._rank:
                         found = verify_in_place(Path(snap.path))
                     else:
-                        _, data, found = read_verified(Path(snap.path))
+                        data, found = read_for_sending(Path(snap.path))
                         if data is not None and not found:
                             packed[rank] = data
                 except Exception as exc:

@@ -465,14 +465,8 @@ def _checksum_threads() -> int:
 def verify_in_place(snapshot: Path) -> list[str]:
     """This node's snapshot checked against its manifest without a copy into one
     buffer: sizes, then each file's CRC-32 on every core (``pread`` into small buffers)."""
-    manifest, problems = read_manifest(snapshot)
-    if manifest is None:
-        return problems
-    try:
-        problems = check_files(snapshot, manifest["files"], set())  # sizes
-    except (OSError, KeyError, TypeError, ValueError) as exc:
-        return [f"{snapshot}: cannot be verified ({exc})"]
-    if problems:
+    manifest, problems = _sized(snapshot)
+    if manifest is None or problems:
         return problems
     shares = _checksum_threads()
     with ThreadPoolExecutor(shares, thread_name_prefix="steadfast-crc") as pool:
@@ -503,22 +497,28 @@ def load_state(files: Mapping[str, memoryview]) -> dict[str, Any]:
     return dict(state)
 
 
-def read_verified(snapshot: Path) -> tuple[dict[str, Any] | None, torch.Tensor | None, list[str]]:
-    """A snapshot of this node, packed and checked against its manifest."""
+def _sized(snapshot: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    """A snapshot's manifest and the problems with its files' sizes (a checksum costs a
+    read of every byte: each caller checks those where it reads them)."""
     manifest, problems = read_manifest(snapshot)
     if manifest is None:
-        return None, None, problems
+        return None, problems
     try:
-        problems = check_files(snapshot, manifest["files"], set())
+        return manifest, check_files(snapshot, manifest["files"], set())
     except (OSError, KeyError, TypeError, ValueError) as exc:
-        return manifest, None, [f"{snapshot}: cannot be verified ({exc})"]
-    if problems:
-        return manifest, None, problems
+        return manifest, [f"{snapshot}: cannot be verified ({exc})"]
+
+
+def read_for_sending(snapshot: Path) -> tuple[torch.Tensor | None, list[str]]:
+    """A snapshot of this node packed for another rank, its sizes checked (the checksums
+    are checked where it arrives, after the transfer: :func:`decode`)."""
+    manifest, problems = _sized(snapshot)
+    if manifest is None or problems:
+        return None, problems
     try:
-        data = pack(snapshot)
+        return pack(snapshot), []
     except (OSError, CheckpointError) as exc:
-        return manifest, None, [f"{snapshot}: cannot be read ({exc})"]
-    return manifest, data, []
+        return None, [f"{snapshot}: cannot be read ({exc})"]
 
 
 # ---------------------------------------------------------------------- helpers
