@@ -137,7 +137,14 @@ def _add_slurm_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own flags")
-    p.add_argument("--nodes", type=int, default=d["nodes"].default)
+    p.add_argument("--nodes", type=int, default=d["nodes"].default, help="nodes that train")
+    p.add_argument(
+        "--spare-nodes",
+        type=int,
+        default=d["spare_nodes"].default,
+        help="nodes allocated beyond --nodes that wait as spares: a lost node's place is "
+        "taken by one of them, with no requeue",
+    )
     p.add_argument(
         "--nproc-per-node",
         default=d["nproc_per_node"].default,

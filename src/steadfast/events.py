@@ -216,7 +216,10 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     }),
     ("job_requeued", "the Slurm job was requeued (cause: restarts_exhausted, node_lost, or "
      "restart_elsewhere after a worker's exit 16: these spend a job retry; preempted, by "
-     "the batch script of steadfast slurm: spends none)", {"slurm_job": "the job id"}),
+     "the batch script of steadfast slurm: spends none)", {
+        "slurm_job": "the job id", "excluded": "Slurm nodes the requeued job is kept away "
+        "from from now on (a lost node, the node of a result to re-check elsewhere)",
+    }),
     ("job_start", "a training process (re)started, after its restore", {
         "world_size": "ranks in the job", "resumed_from": "the checkpoint, or null",
         "process_start": "epoch seconds the process began (see job_start())",
@@ -233,6 +236,11 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     # re-run state machine
     ("rerun_result_rejected", "a validated result was rejected on this rank", {
         "result": "the value", "invocation": "which run of the step",
+    }),
+    ("rerun_elsewhere", "this rank reproduced its rejected result in place (or was "
+     "restarted on the hardware that did): it exits 16, and the job must re-run the step "
+     "on other hardware (the host of this event is the node to move away from)", {
+        "hardware": "the hardware id (node/device) of the doubted result",
     }),
     ("rerun_verdict", "attribution of a rejected result", {
         "verdict": "transient, persistent or correct",

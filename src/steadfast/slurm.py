@@ -26,6 +26,7 @@ naming it, instead of a bare ``int()`` traceback.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -34,14 +35,19 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .config import ConfigError, _signal, require_number
 
 __all__ = [
     "FAILURE_REQUEUE_CAUSES",
     "SLURMInfo",
+    "ExclusionPlan",
     "SbatchSpec",
+    "doubted_hosts",
+    "exclusion_plan",
     "failure_requeues",
     "get_slurm_info",
     "is_slurm_job",
@@ -152,7 +158,10 @@ def log_job_info() -> None:
 
 
 def requeue_job(
-    job_id: str | None = None, timeout: float = 60.0, cause: str = "restarts_exhausted"
+    job_id: str | None = None,
+    timeout: float = 60.0,
+    cause: str = "restarts_exhausted",
+    exclude: Sequence[str] = (),
 ) -> bool:
     """Ask Slurm to requeue the job (``scontrol requeue <job_id>``, default this job).
 
@@ -160,21 +169,25 @@ def requeue_job(
     ``restarts_exhausted``, ``restart_elsewhere`` or ``node_lost``) and by the batch script after a
     preemption (``preempted``); ``cause`` goes into the ``job_requeued`` event, which
     :func:`failure_requeues` reads back. True if scontrol accepted it; the reason is
-    logged when it did not (no scontrol, a job that is not requeueable...)."""
+    logged when it did not (no scontrol, a job that is not requeueable...).
+
+    ``exclude`` names hosts the requeued job must not run on again: a lost node, or the
+    node whose result the re-run state machine must re-check on other hardware (exit
+    16), which Slurm would otherwise be free to hand back, and which would then fail the
+    same way. They are added to the job's ``ExcNodeList`` once it is pending again
+    (Slurm refuses the change while it runs), as the job's own Slurm node names
+    (:func:`exclusion_plan`); the event's ``excluded`` lists them."""
     from . import events
 
     job = job_id or os.environ.get("SLURM_JOB_ID")
     if not job:
         logger.error("cannot requeue: not a Slurm job (SLURM_JOB_ID is not set)")
         return False
+    plan = exclusion_plan(job, exclude, timeout) if exclude else None
     # Slurm SIGTERMs every process of the job as soon as it accepts the requeue: hold
     # the signals until the event is written, or the retry would go uncounted (and a
     # failing job could be requeued for ever). They are delivered on the way out.
-    held = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-            signal.SIGUSR2}  # fmt: skip
-    main_thread = threading.current_thread() is threading.main_thread()
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held) if main_thread else None
-    try:
+    with _signals_held():
         try:
             proc = subprocess.run(
                 ["scontrol", "requeue", job], capture_output=True, text=True, timeout=timeout
@@ -190,12 +203,159 @@ def requeue_job(
                 proc.stderr.strip(),
             )
             return False
-        events.emit("job_requeued", cause=cause, slurm_job=job)
-        logger.warning("requeued Slurm job %s (%s)", job, cause)
+        excluded = _exclude(job, plan, timeout) if plan is not None else []
+        events.emit("job_requeued", cause=cause, slurm_job=job, excluded=excluded)
+        logger.warning(
+            "requeued Slurm job %s (%s)%s",
+            job,
+            cause,
+            f", away from {','.join(excluded)}" if excluded else "",
+        )
         return True
+
+
+#: what Slurm sends the processes of a job it requeues (and what may come with it)
+_HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                 signal.SIGUSR2)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Record :data:`_HELD_SIGNALS` instead of acting on them, and pass them to the
+    handlers they had on the way out.
+
+    Blocking them in this thread is not enough: the kernel hands a process's signal to
+    any thread that does not block it (a launcher has several), and Python then runs the
+    handler in the main thread all the same. Only the main thread can swap handlers;
+    elsewhere the signals are left as they are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum: int, _frame: Any) -> None:
+        pending.append(signum)
+
+    before = {sig: signal.signal(sig, hold) for sig in _HELD_SIGNALS}
+    try:
+        yield
     finally:
-        if before is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        for signum in dict.fromkeys(pending):  # once each, in the order they came
+            signal.raise_signal(signum)
+
+
+def _scontrol(args: list[str], timeout: float) -> str | None:
+    """``scontrol ARGS``' output, or None (the reason logged) when it failed."""
+    try:
+        proc = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        logger.error("scontrol %s failed: %s", " ".join(args), exc)
+        return None
+    if proc.returncode != 0:
+        logger.error(
+            "scontrol %s failed (exit %d): %s", " ".join(args), proc.returncode, proc.stderr.strip()
+        )
+        return None
+    return proc.stdout
+
+
+def _hostnames(hostlist: str, timeout: float) -> list[str]:
+    """Slurm's compressed host list (``node[2-4],gpu7``) as names."""
+    if not hostlist or hostlist == "(null)":
+        return []
+    out = _scontrol(["show", "hostnames", hostlist], timeout)
+    return out.split() if out is not None else []
+
+
+@dataclass
+class ExclusionPlan:
+    """The ``ExcNodeList`` a requeued job gets (see :func:`exclusion_plan`)."""
+
+    added: list[str]
+    nodes: list[str]  # every node excluded from then on: the job's earlier ones too
+
+
+def exclusion_plan(job: str, hosts: Sequence[str], timeout: float = 60.0) -> ExclusionPlan | None:
+    """What to add to job ``job``'s ``ExcNodeList`` to keep it away from ``hosts``.
+
+    A host is matched to the job's Slurm node names (its allocation,
+    ``$SLURM_JOB_NODELIST``, else ``scontrol show job``) by name or short name; one that
+    is not a node of the job is left out with a warning (Slurm would refuse it). A plan
+    that would leave the partition fewer nodes than the job needs excludes nothing more,
+    with an error: a job that can never be placed again is worse than one that may meet
+    the same node. Read before the requeue, while the job still holds its allocation."""
+    record = _scontrol(["show", "job", "-o", job], timeout)
+    if record is None:
+        return None
+    fields = dict(re.findall(r"(\S+?)=(\S*)", record))
+    ours = os.environ.get("SLURM_JOB_ID") == job
+    allocation = os.environ.get("SLURM_JOB_NODELIST") if ours else None
+    names = _hostnames(allocation or fields.get("NodeList", ""), timeout)
+    before = _hostnames(fields.get("ExcNodeList", ""), timeout)
+    added: list[str] = []
+    for host in hosts:
+        name = next((n for n in names if n in (host, host.split(".")[0])), None)
+        if name is None:
+            logger.warning("cannot exclude %s: not a node of job %s (%s)", host, job, names)
+        elif name not in before and name not in added:
+            added.append(name)
+    if not added:
+        return ExclusionPlan([], before)
+    needed = _int_field(fields, "NumNodes")
+    partition = _scontrol(["show", "partition", "-o", fields.get("Partition", "")], timeout)
+    total = _int_field(dict(re.findall(r"(\S+?)=(\S*)", partition or "")), "TotalNodes")
+    if needed is not None and total is not None and total - len(before) - len(added) < needed:
+        logger.error(
+            "not excluding %s from job %s: its partition would have %d node(s) left for a "
+            "job of %d",
+            ",".join(added),
+            job,
+            total - len(before) - len(added),
+            needed,
+        )
+        return ExclusionPlan([], before)
+    return ExclusionPlan(added, before + added)
+
+
+def _int_field(fields: dict[str, str], name: str) -> int | None:
+    match = re.match(r"^(\d+)", fields.get(name, ""))
+    return int(match.group(1)) if match else None
+
+
+def _exclude(job: str, plan: ExclusionPlan, timeout: float) -> list[str]:
+    """Set the requeued (pending) job's ``ExcNodeList``; the nodes added, [] on failure."""
+    if not plan.added:
+        return []
+    done = _scontrol(["update", f"JobId={job}", f"ExcNodeList={','.join(plan.nodes)}"], timeout)
+    return list(plan.added) if done is not None else []
+
+
+def doubted_hosts(job_id: str, restart_count: int = 0) -> list[str]:
+    """The hosts whose results the re-run state machine must re-check on other hardware
+    in this incarnation of job ``job_id`` (``SLURM_RESTART_COUNT`` ``restart_count``):
+    the ``rerun_elsewhere`` events of the run's event log. Empty when the log cannot
+    tell (``STEADFAST_EVENTS=off``)."""
+    from . import events
+
+    path = events.current_path()
+    if path is None or not os.path.exists(path):
+        return []
+    hosts: list[str] = []
+    try:
+        for ev in events.read_events(path):
+            if (
+                ev.kind == "rerun_elsewhere"
+                and ev.get("slurm_job_id") == job_id
+                and (ev.get("slurm_restart") or 0) == restart_count
+                and ev.get("host")
+                and ev.get("host") not in hosts
+            ):
+                hosts.append(str(ev.get("host")))
+    except (OSError, events.EventLogError) as exc:
+        logger.warning("cannot read the doubted nodes from %s: %s", path, exc)
+    return hosts
 
 
 def failure_requeues(job_id: str, restart_count: int = 0) -> int | None:
@@ -303,7 +463,9 @@ RDZV_BACKENDS = ("c10d", "etcd-v2", "etcd")
 class SbatchSpec:
     """What ``steadfast slurm`` writes into a batch script (see :func:`render_sbatch`).
 
-    ``script`` and ``script_args`` are the training script and its flags;
+    ``script`` and ``script_args`` are the training script and its flags; ``nodes``
+    run them and ``spare_nodes`` more are allocated and wait in the rendezvous, each
+    ready to take a lost node's place without a requeue;
     ``nproc_per_node`` is ``steadfast launch --nproc-per-node`` (a number, ``gpu`` or
     ``auto``); ``preempt_signal`` reaches the batch shell ``preempt_time`` seconds before
     the time limit (``--signal=B:SIG@T``, only with a ``time``); ``max_restarts`` are
@@ -321,6 +483,7 @@ class SbatchSpec:
     script: str
     script_args: list[str] = field(default_factory=list)
     nodes: int = 1
+    spare_nodes: int = 0
     nproc_per_node: str = "1"
     job_name: str = "steadfast"
     partition: str | None = None
@@ -356,7 +519,7 @@ class SbatchSpec:
             spaced = name not in ("script", "python") and value is not None
             if value is not None and ("\n" in value or (spaced and re.search(r"\s", value))):
                 raise ConfigError(f"{name}: {value!r} must be one word on one line")
-        for name in ("nodes", "max_restarts", "num_job_retries_on_failure"):
+        for name in ("nodes", "spare_nodes", "max_restarts", "num_job_retries_on_failure"):
             minimum = 1 if name == "nodes" else 0
             setattr(
                 self, name, require_number(name, getattr(self, name), minimum=minimum, integer=True)
@@ -419,12 +582,16 @@ class SbatchSpec:
         run_dir = self.run_dir or f"runs/{self.job_name}"
         opts = [
             f"--job-name={self.job_name}",
-            f"--nodes={self.nodes}",
+            f"--nodes={self.nodes + self.spare_nodes}",
             "--ntasks-per-node=1",  # one steadfast launch per node; it starts the ranks
             "--requeue",
             "--open-mode=append",  # a requeued job adds to the same output files
             f"--output={self.output or run_dir + '/slurm-%j.out'}",
         ]
+        if self.nodes + self.spare_nodes > 1:
+            # a lost node must not end the job: the launchers go on with a spare, or
+            # the launcher of SLURM_PROCID 0 requeues it away from the node
+            opts.append("--no-kill")
         if self.error:
             opts.append(f"--error={self.error}")
         if self.time is not None:
@@ -444,7 +611,8 @@ class SbatchSpec:
 def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
     """The batch script for ``spec``: ``spec.nodes`` nodes, each running one
     ``steadfast launch`` (through srun) that starts ``spec.nproc_per_node`` ranks, all
-    meeting in a c10d rendezvous on the first node of the allocation.
+    meeting in a c10d rendezvous on the first node of the allocation; with
+    ``spec.spare_nodes``, that many more launchers wait there as spares.
 
     Faults are answered in three layers: a failed or hung rank restarts every node's
     workers in the job (``--max-restarts``); when those are spent the launcher of
@@ -459,11 +627,13 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
     handled = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]
     if "SIG" + spec.preempt_signal not in handled:
         handled.append("SIG" + spec.preempt_signal)
+    allocated = spec.nodes + spec.spare_nodes
     srun = " ".join(
         [
             "srun",
-            f"--nodes={spec.nodes}",
+            f"--nodes={allocated}",
             "--ntasks-per-node=1",
+            *(["--no-kill"] if allocated > 1 else []),  # the step outlives a lost node
             "--kill-on-bad-exit=0",  # the launcher of SLURM_PROCID 0 must live to requeue
             # srun does not take the batch job's --cpus-per-task (Slurm 22.05 to 23.02)
             *([f"--cpus-per-task={spec.cpus_per_task}"] if spec.cpus_per_task else []),
@@ -488,7 +658,8 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
     lines = ["#!/bin/bash"]
     lines += [
         f"# Written by `steadfast slurm`: {spec.nodes} node(s) x {spec.nproc_per_node} "
-        f"process(es) of {spec.script}.",
+        f"process(es) of {spec.script}"
+        + (f", and {spec.spare_nodes} spare node(s)." if spec.spare_nodes else "."),
     ]
     if command_line:
         lines.append(f"#   {command_line}")
@@ -503,10 +674,21 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
         "# Faults, in three layers:",
         f"#  1. a rank fails or hangs: every node restarts its ranks in the job "
         f"(--max-restarts={spec.max_restarts});",
-        "#  2. those are spent: the launcher of SLURM_PROCID 0 requeues the job while job",
-        f"#     retries remain (num_job_retries_on_failure={spec.num_job_retries_on_failure};"
-        " exit 17, a result that failed",
-        "#     validation, and 76, restarts that made no progress, are final);",
+        *(
+            [
+                f"#  -  a node is lost: one of the {spec.spare_nodes} spare node(s) waiting in "
+                "the rendezvous takes",
+                "#     its place in the job (--no-kill: Slurm does not end the job for it);",
+            ]
+            if spec.spare_nodes
+            else []
+        ),
+        "#  2. those are spent (or a node is lost, no spare left): the launcher of",
+        "#     SLURM_PROCID 0 requeues the job while job retries remain",
+        f"#     (num_job_retries_on_failure={spec.num_job_retries_on_failure}), away from a "
+        "lost node and from the",
+        "#     node of a result to re-check on other hardware (exit 16); exit 17, a result",
+        "#     that failed validation, and 76, restarts that made no progress, are final;",
         f"#  3. preemption: {preempt}",
         "#     reaches this shell only: it is passed on to the launchers (scancel --signal),",
         "#     which pass it to the ranks; they save a checkpoint and stop; then this",

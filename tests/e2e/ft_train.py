@@ -11,7 +11,9 @@ the save of step K), ``out_of_section`` (after the step section of step K), ``se
 ``--every-generation`` makes it strike in every worker generation, not once per run.
 Under ``--rerun``, ``--fault nan_burst`` is a NaN loss on the first attempt of step K
 (transient), and ``--nan-on HW`` a NaN on every attempt while the hardware id is HW (a
-faulty GPU: persistent).
+faulty GPU: persistent; HW as faked by ``$STEADFAST_RERUN_HARDWARE_ID``), or
+``--nan-on-host HOST`` on every attempt of whichever rank runs on the machine HOST (a
+real move: the tests with several nodes).
 
 The data of a step depends only on (step, rank), so a run that is restarted from its
 latest checkpoint ends bit-identical to one that never failed.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -40,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from steadfast import CheckpointManager, ShutdownHandler, setup_simulated_fault
+from steadfast import CheckpointManager, ShutdownHandler, events, setup_simulated_fault
 from steadfast.faults import FaultKind, fail_at
 from steadfast.monitor import RankMonitorClient, load_ft_state, save_ft_state
 from steadfast.rerun import (
@@ -81,6 +84,7 @@ def main() -> int:
     ap.add_argument("--where", choices=WHERE, default="step")
     ap.add_argument("--every-generation", action="store_true")
     ap.add_argument("--nan-on", default=None, help="with --rerun: NaN at --fault-step on HW")
+    ap.add_argument("--nan-on-host", default=None, help="with --rerun: the same on host HOST")
     ap.add_argument("--calc-timeouts", action="store_true")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--no-ft", action="store_true", help="run without the rank monitor")
@@ -138,6 +142,8 @@ def main() -> int:
     rank_state = {"rerun": machine} if machine is not None else None
     restored = ckpt.restore({**objects, **(rank_state or {})})
     start = restored[0] if restored else 0
+    resumed = str(ckpt.loaded_path) if restored and ckpt.loaded_path else None
+    events.job_start(start, dist.get_world_size(), resumed)
     strike("setup", args.fault_step)
     ft.end_section("setup")
     stop = ShutdownHandler(timeout_sec=30, agree=True) if args.graceful else None
@@ -167,10 +173,13 @@ def main() -> int:
                 bx, by = next(data)
                 opt.zero_grad(set_to_none=True)
                 loss = torch.nn.functional.mse_loss(model(bx), by)
-                faulty_gpu = (
-                    args.nan_on is not None
-                    and os.environ.get(HARDWARE_ID_ENV) == args.nan_on
-                    and (rank, step) == (args.fault_rank, args.fault_step)
+                faulty_gpu = step == args.fault_step and (
+                    (
+                        args.nan_on is not None
+                        and os.environ.get(HARDWARE_ID_ENV) == args.nan_on
+                        and rank == args.fault_rank
+                    )
+                    or args.nan_on_host == socket.gethostname()  # whichever rank runs there
                 )
                 if faulty_gpu or strike("step", step):
                     loss = loss * float("nan")

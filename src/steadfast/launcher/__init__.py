@@ -170,7 +170,7 @@ def _launch(argv: list[str]) -> int:
         return EXIT_NODE_UNHEALTHY
     except NodeLostError as exc:
         logger.error("steadfast launch: %s", exc)
-        return _node_lost(split.ft.num_job_retries_on_failure)
+        return _node_lost(split.ft.num_job_retries_on_failure, exc.hosts)
     except (RendezvousConnectionError, RendezvousTimeoutError) as exc:
         if agents and agents[-1].rounds > 0:  # the job ran: its store went with a node
             logger.error("steadfast launch: the rendezvous is out of reach: %s", exc)
@@ -210,9 +210,10 @@ def _handle_signals_now(names: str) -> None:
             signal.signal(sig, handler)
 
 
-def _node_lost(retries: int) -> int:
-    """Exit 75, or a requeue (78) while job retries remain under Slurm."""
-    return _job_retry(retries, cause="node_lost", otherwise=EXIT_NODE_LOST)
+def _node_lost(retries: int, hosts: list[str] | None = None) -> int:
+    """Exit 75, or a requeue (78) while job retries remain under Slurm, away from the
+    lost ``hosts``."""
+    return _job_retry(retries, cause="node_lost", otherwise=EXIT_NODE_LOST, exclude=hosts or [])
 
 
 def _rerun_exit(code: int, retries: int) -> int:
@@ -226,14 +227,26 @@ def _rerun_exit(code: int, retries: int) -> int:
         "steadfast launch: a worker asked to resume on other hardware (exit 16); not "
         "restarting on this hardware"
     )
-    return _job_retry(retries, cause="restart_elsewhere", otherwise=EXIT_RESTART_ELSEWHERE)
+    from ..slurm import doubted_hosts, get_slurm_info
+
+    # the nodes whose ranks must move: a requeue that may put them back on the same
+    # node would exit 16 again, spending retries for nothing
+    info = get_slurm_info()
+    doubted = doubted_hosts(info.job_id, info.restart_count) if info is not None else []
+    return _job_retry(
+        retries, cause="restart_elsewhere", otherwise=EXIT_RESTART_ELSEWHERE, exclude=doubted
+    )
 
 
 def _job_retry(
-    retries: int, cause: str = "restarts_exhausted", otherwise: int = EXIT_RESTARTS_EXHAUSTED
+    retries: int,
+    cause: str = "restarts_exhausted",
+    otherwise: int = EXIT_RESTARTS_EXHAUSTED,
+    exclude: list[str] | None = None,
 ) -> int:
-    """Requeue the Slurm job when job retries remain (the launcher of SLURM_PROCID 0);
-    ``otherwise`` is the exit code when it is not requeued.
+    """Requeue the Slurm job when job retries remain (the launcher of SLURM_PROCID 0),
+    kept away from the ``exclude`` hosts; ``otherwise`` is the exit code when it is not
+    requeued.
 
     The retries spent are the job's earlier failure requeues in the event log
     (:func:`~steadfast.slurm.failure_requeues`): a preemption or an operator's requeue
@@ -258,7 +271,8 @@ def _job_retry(
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:
-        return EXIT_REQUEUED if requeue_job(info.job_id, cause=cause) else otherwise
+        requeued = requeue_job(info.job_id, cause=cause, exclude=exclude or [])
+        return EXIT_REQUEUED if requeued else otherwise
     except SignalException:  # Slurm's SIGTERM of the requeued job, held until the event
         return EXIT_REQUEUED
 

@@ -103,7 +103,12 @@ class RerunExit(RuntimeError):
 
 class NodeLostError(RuntimeError):
     """A node of the job was lost (or this node was cut off from the job) and no round
-    could form again within ``node_lost_timeout``."""
+    could form again within ``node_lost_timeout``. ``hosts``: the lost nodes' host
+    names, which a requeue keeps the job away from."""
+
+    def __init__(self, message: str, hosts: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.hosts = list(hosts or [])
 
 
 class NodeUnhealthyError(RuntimeError):
@@ -302,6 +307,7 @@ class FTAgent(LocalElasticAgent):
             super()._rendezvous(worker_group)
         else:
             names = _nodes(loss.peer.host for loss in lost)
+            hosts = sorted({loss.peer.host for loss in lost})
             try:
                 with seam.rendezvous_join_timeout(handler, self.ft.node_lost_timeout):
                     super()._rendezvous(worker_group)
@@ -309,10 +315,11 @@ class FTAgent(LocalElasticAgent):
                 raise NodeLostError(
                     f"lost {names}, and no round formed again within "
                     f"node_lost_timeout={self.ft.node_lost_timeout:g} s: no spare came, and "
-                    "the nodes left are fewer than --nnodes' minimum"
+                    "the nodes left are fewer than --nnodes' minimum",
+                    hosts,
                 ) from exc
             except RendezvousClosedError as exc:
-                raise NodeLostError(f"lost {names}, and another node ended the job") from exc
+                raise NodeLostError(f"lost {names}, and another node ended the job", hosts) from exc
         self.rounds += 1
         if self.roster is not None:
             self.roster.enter_round(

@@ -302,8 +302,13 @@ class RerunStateMachine:
             self.state = RerunState.INITIAL_RUN
             return True
         if self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT:  # after a restart
-            if _hardware_id() == self._failed_on:
+            # only a rank whose result was doubted must have moved: the others' hardware
+            # gave the results nobody doubted, and may well be the same as before
+            here = _hardware_id()
+            if agree_any(self._failed_on is not None and here == self._failed_on, self.group):
                 logger.warning("restarted on the same hardware: need a different GPU")
+                if self._failed_on == here:
+                    self._ask_elsewhere(here)
                 self._pending_exit = (False, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
                 return False
             self._iterators = iterators
@@ -335,7 +340,10 @@ class RerunStateMachine:
                 return self._finish_step()
             logger.warning("First rerun: unexpected result is reproducible within the tolerance")
             logger.warning("Need to rerun on a different GPU to verify correctness")
-            self._failed_on = _hardware_id()
+            # the hardware to move away from: that of the rank(s) that doubted a result
+            self._failed_on = _hardware_id() if self._rejected_here else None
+            if self._failed_on is not None:
+                self._ask_elsewhere(self._failed_on)
             self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
             self._pending_exit = (True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
             return False
@@ -582,6 +590,12 @@ class RerunStateMachine:
         if self.state == RerunState.RERUNNING_IN_PLACE:
             return kind != "transient_error"
         return kind == "correct_result"
+
+    def _ask_elsewhere(self, hardware: str) -> None:
+        """This rank's result must be re-checked on other hardware: the event names the
+        hardware (and, through its host, the node) that the launcher asks Slurm to keep
+        the requeued job away from."""
+        events.emit("rerun_elsewhere", step=self.iteration, cause="reproduced", hardware=hardware)
 
     def _verdict(self, kind: str, text: str) -> None:
         for line in text.splitlines():

@@ -1,0 +1,253 @@
+"""steadfast under a real Slurm of several nodes: the batch script of ``steadfast slurm``
+on two nodes of the bed's cluster (``slurm_bed``: slurmctld on node1, slurmd on
+node2..node5, each node its own network, host name and processes).
+
+Every job is ``tests/e2e/ft_train.py``, one gloo rank per node, checkpoints every 2
+steps on the shared file system, submitted with ``sbatch`` on the controller's node.
+Each fault test checks that the fault was detected (events with their cause, naming the
+node), what Slurm did (``scontrol show job``: the state, ``Restarts``, the nodes,
+``ExcNodeList``), and that the final parameters equal a fault-free run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from slurmcluster import REPO, BedCluster
+
+from sfharness import assert_bit_exact
+
+TRAIN = REPO / "tests" / "e2e" / "ft_train.py"
+STEPS = 30
+#: the launchers' node watch: a lost node is seen at once (a reset) or in 2 s (silence),
+#: and the survivors wait 8 s for a spare before the job is requeued
+LAUNCHER = [
+    "--ft-node-heartbeat-interval=0.25",
+    "--ft-node-heartbeat-timeout=2",
+    "--ft-node-lost-timeout=8",
+]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The fault-free run: 2 ranks of ft_train.py on one host, the same steps."""
+    work = tmp_path_factory.mktemp("reference")
+    cmd = [sys.executable, "-m", "steadfast.cli", "launch", "--standalone"]
+    cmd += ["--nproc-per-node=2", str(TRAIN), "--ckpt", str(work / "ck")]
+    cmd += ["--out", str(work / "out.pt"), "--steps", str(STEPS)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=work)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(work / "out.pt", weights_only=True)
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    """The event log so far (a line being written this instant is left for later)."""
+    found = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            found.append(json.loads(line))
+        except ValueError:
+            continue
+    return found
+
+
+class Job:
+    """One ``steadfast slurm`` job of this module: its folders, its events, its record."""
+
+    def __init__(self, slurm: BedCluster, tmp_path: Path, *train: str, spares: int = 0) -> None:
+        self.slurm, self.tmp = slurm, tmp_path
+        self.run_dir = tmp_path / "run"
+        script = tmp_path / "job.sbatch"
+        cmd = [sys.executable, "-m", "steadfast.cli", "slurm", "--nodes=2", "--nproc-per-node=1"]
+        cmd += [f"--spare-nodes={spares}", "--max-restarts=3", "--run-dir", str(self.run_dir)]
+        cmd += ["--job-name", tmp_path.name[:40], "--write", str(script)]
+        cmd += [f"--launcher-arg={arg}" for arg in LAUNCHER]
+        cmd += [str(TRAIN), "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "out.pt")]
+        cmd += ["--steps", str(STEPS), *train]
+        made = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert made.returncode == 0, made.stderr
+        self.id = slurm.sbatch(script)
+
+    def events(self, kind: str | None = None, **match: Any) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in _read(self.run_dir / "events.jsonl")
+            if (kind is None or e["kind"] == kind) and all(e.get(k) == v for k, v in match.items())
+        ]
+
+    def wait_event(self, kind: str, timeout: float = 90, **match: Any) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while not (found := self.events(kind, **match)):
+            assert time.monotonic() < deadline, f"no {kind} {match} in {timeout} s\n{self.out()}"
+            time.sleep(0.1)
+        return found[0]
+
+    def out(self) -> str:
+        outs = sorted(self.run_dir.glob("slurm-*.out"))
+        return outs[0].read_text()[-6000:] if outs else ""
+
+    def record(self) -> dict[str, str]:
+        return self.slurm.job(self.id)
+
+    def nodes(self) -> list[str]:
+        """The job's nodes now (``scontrol show hostnames`` of its NodeList)."""
+        listed = self.slurm.run("scontrol", "show", "hostnames", self.record()["NodeList"])
+        return listed.stdout.split()
+
+    def finish(self, timeout: float = 240) -> dict[str, str]:
+        return self.slurm.wait_state(
+            self.id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout, log=next(
+                iter(sorted(self.run_dir.glob("slurm-*.out"))), None
+            )
+        )  # fmt: skip
+
+    def hosts_of(self, incarnation: int) -> dict[int, str]:
+        """rank -> host of the training processes of Slurm incarnation ``incarnation``."""
+        starts = self.events("job_start", slurm_job_id=self.id)
+        return {e["rank"]: e["host"] for e in starts if (e["slurm_restart"] or 0) == incarnation}
+
+
+def _training_nodes(job: Job) -> tuple[str, str]:
+    """(the batch host, the other node that trains), once both ranks started."""
+    deadline = time.monotonic() + 90
+    while len(hosts := job.hosts_of(0)) < 2:
+        assert time.monotonic() < deadline, job.out()
+        time.sleep(0.1)
+    batch = job.record()["BatchHost"]
+    (other,) = set(hosts.values()) - {batch}
+    assert batch in hosts.values(), (batch, hosts)  # the first node trains too
+    return batch, other
+
+
+def test_a_rank_killed_on_one_node_restarts_both_nodes_in_job(
+    slurm_bed: BedCluster, tmp_path: Path, reference
+):
+    job = Job(slurm_bed, tmp_path, "--fault", "rank_killed", "--fault-rank", "1",
+              "--fault-step", "7")  # fmt: skip
+    info = job.finish()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, job.out())
+    # each node's launcher names the first of its own ranks to go down: rank 0 lost its
+    # peer on the other node (exit 1); the fault is rank 1's SIGKILL
+    (failed,) = job.events("rank_failed", cause="signal SIGKILL")
+    assert failed["rank"] == 1
+    hosts = job.hosts_of(0)
+    assert len(set(hosts.values())) == 2  # one rank per node
+    assert failed["host"] == hosts[1]  # seen by the launcher of rank 1's node
+    restarts = job.events("restart")
+    assert {e["host"] for e in restarts} == set(hosts.values())  # both nodes restarted
+    assert {e["restart_count"] for e in restarts} == {1}
+    assert job.events("job_requeued") == []
+    resumed = [e["resumed_from"] for e in job.events("job_start") if e["restart"] == 1]
+    assert resumed == [str(tmp_path / "ck" / "step_6")] * 2
+    assert_bit_exact(tmp_path / "out.pt", reference)
+
+
+def test_a_lost_node_requeues_the_job_away_from_it(
+    slurm_bed: BedCluster, tmp_path: Path, reference
+):
+    job = Job(slurm_bed, tmp_path, "--step-sleep", "0.2")
+    batch, other = _training_nodes(job)
+    job.wait_event("checkpoint_saved", step=6)
+    slurm_bed.kill(other)  # power loss: its slurmd, launcher and rank at once
+    info = job.finish()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, job.out())
+    (lost,) = job.events("node_lost")
+    assert (lost["node"], lost["cause"], lost["host"]) == (other, "connection_reset", batch)
+    (requeued,) = job.events("job_requeued")
+    assert (requeued["cause"], requeued["excluded"], requeued["host"]) == (
+        "node_lost", [other], batch
+    )  # fmt: skip
+    assert info["ExcNodeList"] == other  # Slurm keeps the job away from it
+    # the requeued job: two nodes Slurm gave it, the lost one not among them (the node
+    # left may be one: it is still busy with the old job until the lost one is DOWN)
+    again = set(job.hosts_of(1).values())
+    assert other not in again and len(again) == 2, again
+    starts = [e for e in job.events("job_start") if e["slurm_restart"] == 1]
+    saved = [e["step"] for e in job.events("checkpoint_saved") if e["slurm_restart"] == 0]
+    assert {e["resumed_from"] for e in starts} == {str(tmp_path / "ck" / f"step_{max(saved)}")}
+    assert_bit_exact(tmp_path / "out.pt", reference)
+
+
+def test_a_lost_node_with_a_spare_in_the_allocation_is_not_requeued(
+    slurm_bed: BedCluster, tmp_path: Path, reference
+):
+    job = Job(slurm_bed, tmp_path, "--step-sleep", "0.2", spares=1)
+    batch, other = _training_nodes(job)
+    allocated = job.nodes()
+    assert len(allocated) == 3  # 2 that train and the spare
+    (spare,) = set(allocated) - {batch, other}
+    job.wait_event("checkpoint_saved", step=6)
+    slurm_bed.kill(other)
+    info = job.finish()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, job.out())
+    (lost,) = job.events("node_lost")
+    assert (lost["node"], lost["cause"]) == (other, "connection_reset")
+    joined = job.wait_event("node_joined", node=spare)
+    assert joined["cause"] == "spare" and joined["replaced"] == [other]
+    assert job.events("job_requeued") == []
+    after = {e["host"] for e in job.events("job_start") if e["time"] > lost["time"]}
+    assert after == {batch, spare}
+    assert_bit_exact(tmp_path / "out.pt", reference)
+
+
+def test_exit_16_moves_the_doubted_rank_to_other_hardware(
+    slurm_bed: BedCluster, tmp_path: Path, reference
+):
+    """node3's "GPU" returns a NaN loss at step 5 on every attempt. The re-run state
+    machine reproduces it in place and exits 16; the job is requeued away from node3, the
+    step is re-run on another node for real (no faked hardware id), the NaN is not
+    reproduced there, and the verdict is a persistent fault of node3."""
+    job = Job(slurm_bed, tmp_path, "--rerun", "--nan-on-host", "node3", "--fault-step", "5")
+    first = job.nodes()
+    assert first == ["node2", "node3"], first  # Slurm places it on the first idle nodes
+    info = job.finish()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, job.out())
+    rejected = job.events("rerun_result_rejected")
+    assert {(e["host"], e["step"]) for e in rejected} == {("node3", 5)}
+    (elsewhere,) = job.events("rerun_elsewhere")
+    assert (elsewhere["host"], elsewhere["hardware"]) == ("node3", "node3/cpu")
+    assert {e["exit_code"] for e in job.events("rank_failed")} == {16}
+    (requeued,) = job.events("job_requeued")
+    assert (requeued["cause"], requeued["excluded"]) == ("restart_elsewhere", ["node3"])
+    assert info["ExcNodeList"] == "node3"
+    again = set(job.hosts_of(1).values())
+    assert "node3" not in again and len(again) == 2
+    assert [e["verdict"] for e in job.events("rerun_verdict")] == ["persistent"] * 2
+    tracker = [json.loads(line) for line in (tmp_path / "ck" / "rerun_tracker.jsonl").open()]
+    blamed = {(t["node"], t["device"]) for t in tracker if t["status"] == "rejected"}
+    assert blamed == {("node3", "node3/cpu")}  # who to blame
+    assert_bit_exact(tmp_path / "out.pt", reference)
+
+
+def test_preemption_across_nodes_saves_on_both_and_resumes(
+    slurm_bed: BedCluster, tmp_path: Path, reference
+):
+    job = Job(slurm_bed, tmp_path, "--graceful", "--step-sleep", "0.2")
+    batch, other = _training_nodes(job)
+    job.wait_event("checkpoint_saved", step=4)
+    # what --signal=B:USR1@T does before the time limit: the signal to the batch shell only
+    slurm_bed.run("scancel", "--signal=USR1", "--batch", job.id)
+    info = job.finish()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, job.out())
+    asked = job.events("shutdown_requested")
+    assert {(e["host"], e["cause"]) for e in asked} == {(batch, "SIGUSR1"), (other, "SIGUSR1")}
+    agreed = {e["step"] for e in job.events("shutdown_agreed")}
+    assert len(agreed) == 1  # every rank stops after the same step
+    (step,) = agreed
+    saved = job.events("checkpoint_saved", step=step + 1)
+    assert {e["host"] for e in saved if e["slurm_restart"] == 0} >= {batch}
+    (requeued,) = job.events("job_requeued")
+    assert (requeued["cause"], requeued["excluded"]) == ("preempted", [])
+    resumed = {e["resumed_from"] for e in job.events("job_start") if e["slurm_restart"] == 1}
+    assert resumed == {str(tmp_path / "ck" / f"step_{step + 1}")}
+    assert job.events("rank_failed") == []  # a planned stop, not a crash
+    assert_bit_exact(tmp_path / "out.pt", reference)
