@@ -246,10 +246,17 @@ def _signals_held() -> Iterator[None]:
             signal.raise_signal(signum)
 
 
-def _scontrol(args: list[str], timeout: float) -> str | None:
-    """``scontrol ARGS``' output, or None (the reason logged) when it failed."""
+#: runs a command with the signals of a requeue ignored (an ignored signal stays ignored
+#: across exec): Slurm signals every process of the requeued job, this one included
+_SHIELD = ["sh", "-c", "trap '' TERM INT HUP QUIT USR1 USR2; exec \"$@\"", "sh"]
+
+
+def _scontrol(args: list[str], timeout: float, shielded: bool = False) -> str | None:
+    """``scontrol ARGS``' output, or None (the reason logged) when it failed;
+    ``shielded``: safe from the signals Slurm sends the job it requeues."""
+    cmd = [*(_SHIELD if shielded else []), "scontrol", *args]
     try:
-        proc = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         logger.error("scontrol %s failed: %s", " ".join(args), exc)
         return None
@@ -328,7 +335,8 @@ def _exclude(job: str, plan: ExclusionPlan, timeout: float) -> list[str]:
     """Set the requeued (pending) job's ``ExcNodeList``; the nodes added, [] on failure."""
     if not plan.added:
         return []
-    done = _scontrol(["update", f"JobId={job}", f"ExcNodeList={','.join(plan.nodes)}"], timeout)
+    update = ["update", f"JobId={job}", f"ExcNodeList={','.join(plan.nodes)}"]
+    done = _scontrol(update, timeout, shielded=True)  # the job's SIGTERM is under way
     return list(plan.added) if done is not None else []
 
 

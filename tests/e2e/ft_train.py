@@ -158,6 +158,7 @@ def main() -> int:
             extra_delay_max=0.3,
         )
     for step in range(start, args.steps):
+        began = time.monotonic()
         ft.send_heartbeat()
         ft.start_section("step")
         if args.fault != FaultKind.NAN_BURST.value:  # a NaN strikes in the forward
@@ -206,6 +207,7 @@ def main() -> int:
                 _corrupt_own_snapshots(rank)  # then die: the restart must not trust them
             killer.check(step, rank)
         ft.end_section("step")
+        events.emit("step_done", step=step, seconds=round(time.monotonic() - began, 6))
         if args.step_log is not None:  # for bench_node_loss.py: when each step ended
             with args.step_log.open("a") as log:
                 log.write(f"{rank} {step} {time.time()}\n")

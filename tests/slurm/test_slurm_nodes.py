@@ -154,27 +154,47 @@ def test_a_rank_killed_on_one_node_restarts_both_nodes_in_job(
 def test_a_lost_node_requeues_the_job_away_from_it(
     slurm_bed: BedCluster, tmp_path: Path, reference
 ):
-    job = Job(slurm_bed, tmp_path, "--step-sleep", "0.2")
+    """node B is killed: the job is requeued away from it, and resumes on two other
+    nodes. Then it is preempted there and requeued once more: the report reads the three
+    incarnations as one run, with their nodes."""
+    job = Job(slurm_bed, tmp_path, "--graceful", "--step-sleep", "0.2")
     batch, other = _training_nodes(job)
     job.wait_event("checkpoint_saved", step=6)
     slurm_bed.kill(other)  # power loss: its slurmd, launcher and rank at once
+    job.wait_event("checkpoint_saved", slurm_restart=1, timeout=150)
+    assert job.record()["ExcNodeList"] == other  # Slurm keeps the job away from it
+    slurm_bed.run("scancel", "--signal=USR1", "--batch", job.id)
     info = job.finish()
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, job.out())
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", (info, job.out())
     (lost,) = job.events("node_lost")
     assert (lost["node"], lost["cause"], lost["host"]) == (other, "connection_reset", batch)
-    (requeued,) = job.events("job_requeued")
-    assert (requeued["cause"], requeued["excluded"], requeued["host"]) == (
-        "node_lost", [other], batch
-    )  # fmt: skip
-    assert info["ExcNodeList"] == other  # Slurm keeps the job away from it
+    requeued = job.events("job_requeued")
+    assert [(e["cause"], e["excluded"], e["slurm_restart"]) for e in requeued] == [
+        ("node_lost", [other], 0), ("preempted", [], 1)
+    ]  # fmt: skip
+    assert requeued[0]["host"] == batch  # the launcher of SLURM_PROCID 0
     # the requeued job: two nodes Slurm gave it, the lost one not among them (the node
     # left may be one: it is still busy with the old job until the lost one is DOWN)
     again = set(job.hosts_of(1).values())
     assert other not in again and len(again) == 2, again
-    starts = [e for e in job.events("job_start") if e["slurm_restart"] == 1]
     saved = [e["step"] for e in job.events("checkpoint_saved") if e["slurm_restart"] == 0]
-    assert {e["resumed_from"] for e in starts} == {str(tmp_path / "ck" / f"step_{max(saved)}")}
+    resumed = {e["resumed_from"] for e in job.events("job_start") if e["slurm_restart"] == 1}
+    assert resumed == {str(tmp_path / "ck" / f"step_{max(saved)}")}
     assert_bit_exact(tmp_path / "out.pt", reference)
+    report = subprocess.run(
+        [sys.executable, "-m", "steadfast.cli", "report", "--json", "--no-timeline",
+         str(job.run_dir)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    summary = json.loads(report.stdout)
+    assert (summary["steps_done"], summary["requeues"]) == (STEPS, 2), summary
+    incs = summary["incarnations"]
+    assert [(i["slurm_restart"], i["requeued"], i["lost"], i["excluded"]) for i in incs] == [
+        (0, "node_lost", [other], [other]), (1, "preempted", [], []), (2, None, [], [])
+    ]  # fmt: skip
+    assert set(incs[0]["nodes"]) == {batch, other} and set(incs[1]["nodes"]) == again
+    assert set(summary["nodes"]) == {batch, other} | again | set(incs[2]["nodes"])
 
 
 def test_a_lost_node_with_a_spare_in_the_allocation_is_not_requeued(
@@ -207,6 +227,7 @@ def test_exit_16_moves_the_doubted_rank_to_other_hardware(
     step is re-run on another node for real (no faked hardware id), the NaN is not
     reproduced there, and the verdict is a persistent fault of node3."""
     job = Job(slurm_bed, tmp_path, "--rerun", "--nan-on-host", "node3", "--fault-step", "5")
+    slurm_bed.wait_state(job.id, {"RUNNING"}, 60)
     first = job.nodes()
     assert first == ["node2", "node3"], first  # Slurm places it on the first idle nodes
     info = job.finish()

@@ -38,6 +38,7 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -278,6 +279,13 @@ class FTAgent(LocalElasticAgent):
             result: RunResult | None = super().run(role)
         except (NodeLostError, NodeUnhealthyError):
             raise  # cut off or lost (nothing to tell), or it said so already
+        except SignalException:
+            # stopped by a signal: a preemption or an operator's requeue, which reach
+            # every node (and the ranks agree to stop together): the job stops, no node
+            # is lost
+            if self.roster is not None:
+                self.roster.finish()
+            raise
         except BaseException as exc:  # exit 16/17, no progress, an error of its own
             self._leave(f"its launcher stopped ({type(exc).__name__}: {exc})")
             raise

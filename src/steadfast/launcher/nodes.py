@@ -347,6 +347,8 @@ class NodeRoster:
         self._stopping = True
         self._wake()
         self._thread.join(timeout=5)
+        if self._finished:  # the loop may have stopped before it said goodbye
+            self._beat()
         self._calls.close()
         self._confirms.close()
         with self._lock:

@@ -8,6 +8,7 @@ from .goodput import (
     DETECTION_KINDS,
     FaultRecord,
     GoodputReport,
+    Incarnation,
     compute_report,
     load_events,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "DETECTION_KINDS",
     "FaultRecord",
     "GoodputReport",
+    "Incarnation",
     "compute_report",
     "format_report",
     "load_events",
@@ -46,6 +48,20 @@ def format_report(report: GoodputReport, title: str = "") -> str:
         f"{report.generations} process generations, {report.restarts} in-job restarts"
         + (f", {report.requeues} Slurm requeues or resubmissions" if report.requeues else "")
     )
+    if len(report.incarnations) > 1 or len(report.nodes) > 1:
+        lines.append(f"  nodes: {', '.join(report.nodes)}")
+    if len(report.incarnations) > 1:
+        lines.append(f"  Slurm incarnations ({len(report.incarnations)}):")
+        for inc in report.incarnations:
+            ended = f"requeued ({inc.requeued})" if inc.requeued else "not requeued"
+            if inc.lost:
+                ended += f", lost {','.join(inc.lost)}"
+            if inc.excluded:
+                ended += f", excluded {','.join(inc.excluded)}"
+            lines.append(
+                f"    job {inc.slurm_job_id} restart {inc.slurm_restart}: "
+                f"{','.join(inc.nodes) or '-'}: {ended}"
+            )
     if report.faults:
         lines.append(f"  faults ({len(report.faults)} injected):")
         lines.append(

@@ -85,6 +85,20 @@ class FaultRecord:
 
 
 @dataclass
+class Incarnation:
+    """One run of a Slurm job (its id and ``SLURM_RESTART_COUNT``): the nodes its
+    training processes ran on, the nodes lost while it ran, and the requeue that ended
+    it (its cause and the nodes it excluded), if one did."""
+
+    slurm_job_id: str
+    slurm_restart: int
+    nodes: list[str]
+    lost: list[str] = field(default_factory=list)
+    requeued: str | None = None
+    excluded: list[str] = field(default_factory=list)
+
+
+@dataclass
 class GoodputReport:
     """The accounting of one run (see the module docstring)."""
 
@@ -101,6 +115,10 @@ class GoodputReport:
     #: preemption, an operator; or a new job resubmitted into the same run), from the
     #: distinct (slurm_job_id, slurm_restart) pairs.
     requeues: int = 0
+    #: every host that ran a training process, in the order they first did
+    nodes: list[str] = field(default_factory=list)
+    #: the Slurm incarnations, in order: each one's nodes and how it ended
+    incarnations: list[Incarnation] = field(default_factory=list)
 
     @property
     def goodput(self) -> float:
@@ -237,13 +255,17 @@ def compute_report(
         badput["restart"] += max(0.0, next_start - det)
     accounted = productive + sum(badput.values())
     badput["other"] = max(0.0, wall - accounted)
-    generations = len({e.get("pid") for e in starts})
+    # a process is its host and pid: pids of different nodes (or PID namespaces) repeat
+    generations = len({(e.get("host"), e.get("pid")) for e in starts})
     restarts = sum(1 for e in evs if e.kind == "restart")
     incarnations = {
         (e.get("slurm_job_id"), e.get("slurm_restart"))
         for e in starts
         if e.get("slurm_job_id") is not None
     }
+    nodes = list(
+        dict.fromkeys(str(e.get("host")) for e in evs if e.kind == "job_start" and e.get("host"))
+    )
     return GoodputReport(
         wall_time=wall,
         productive_time=productive,
@@ -255,7 +277,31 @@ def compute_report(
         restarts=restarts,
         problems=list(problems or []),
         requeues=max(0, len(incarnations) - 1),
+        nodes=nodes,
+        incarnations=_incarnations(evs),
     )
+
+
+def _incarnations(evs: list[ev.Event]) -> list[Incarnation]:
+    """The Slurm incarnations of the run, from every rank's events (not only the
+    reporting rank's: a node's name is in its own ranks' events)."""
+    found: dict[tuple[str, int], Incarnation] = {}
+    for e in evs:
+        job = e.get("slurm_job_id")
+        if job is None:
+            continue
+        key = (str(job), int(e.get("slurm_restart") or 0))
+        inc = found.get(key)
+        if inc is None:
+            inc = found[key] = Incarnation(key[0], key[1], [])
+        if e.kind == "job_start" and e.get("host") and e.get("host") not in inc.nodes:
+            inc.nodes.append(str(e.get("host")))
+        elif e.kind == "node_lost" and e.get("node") and e.get("node") not in inc.lost:
+            inc.lost.append(str(e.get("node")))
+        elif e.kind == "job_requeued":
+            inc.requeued = e.cause
+            inc.excluded = [str(n) for n in e.get("excluded") or []]
+    return [inc for _, inc in sorted(found.items())]
 
 
 def _generation_gaps(mine: list[ev.Event], starts: list[ev.Event]) -> list[tuple[float, float]]:
@@ -265,7 +311,10 @@ def _generation_gaps(mine: list[ev.Event], starts: list[ev.Event]) -> list[tuple
     progress = [e for e in mine if e.kind in ("step_done", "checkpoint_saved")]
     for s in starts[1:]:
         began = _began(s)
-        before = [e.time for e in progress if e.time < began and e.get("pid") != s.get("pid")]
+        me = (s.get("host"), s.get("pid"))
+        before = [
+            e.time for e in progress if e.time < began and (e.get("host"), e.get("pid")) != me
+        ]
         if before:
             gaps.append((max(before), began))
     return gaps
