@@ -234,3 +234,27 @@ def test_get_slurm_info_matches_scontrol_show_job(slurm: Cluster, tmp_path: Path
         else:
             (tmp_path / "checked-1").touch()
     assert slurm.wait_state(job, {"COMPLETED"}, 30)["Restarts"] == "1"
+
+
+def test_an_exclusion_that_would_leave_too_few_nodes_is_not_made(
+    slurm: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
+):
+    """The single node of this cluster cannot be excluded from a 1-node job: the job
+    could never run again. A host that is not a node of the job is not excluded either.
+    (Excluding a node that is, on a cluster that has more, is test_slurm_nodes.py's.)"""
+    from steadfast.slurm import exclusion_plan
+
+    script = tmp_path / "sleep.sbatch"
+    script.write_text(f"#!/bin/bash\n#SBATCH --output={tmp_path}/sleep-%j.out\nsleep 60\n")
+    job = slurm.sbatch(script)
+    info = slurm.wait_state(job, {"RUNNING"}, 30)
+    for name, value in slurm.env.items():
+        monkeypatch.setenv(name, value)  # SLURM_CONF: scontrol reaches this cluster
+    node = info["NodeList"]
+    with caplog.at_level("WARNING", logger="steadfast.slurm"):
+        plan = exclusion_plan(job, [node, "no-such-node"])
+    assert plan is not None and (plan.added, plan.nodes) == ([], [])
+    assert f"not excluding {node} from job {job}: its partition would have 0 node(s)" in (
+        caplog.text
+    )
+    assert "cannot exclude no-such-node: not a node of job" in caplog.text

@@ -300,7 +300,8 @@ def _incarnations(evs: list[ev.Event]) -> list[Incarnation]:
             inc.lost.append(str(e.get("node")))
         elif e.kind == "job_requeued":
             inc.requeued = e.cause
-            inc.excluded = [str(n) for n in e.get("excluded") or []]
+            excluded = e.get("excluded")
+            inc.excluded = [str(n) for n in excluded] if isinstance(excluded, list) else []
     return [inc for _, inc in sorted(found.items())]
 
 
