@@ -596,9 +596,11 @@ class SbatchSpec:
             "--open-mode=append",  # a requeued job adds to the same output files
             f"--output={self.output or run_dir + '/slurm-%j.out'}",
         ]
-        if self.nodes + self.spare_nodes > 1:
-            # a lost node must not end the job: the launchers go on with a spare, or
-            # the launcher of SLURM_PROCID 0 requeues it away from the node
+        if self.spare_nodes:
+            # a lost node must not end the job: a spare takes its place. Only then: a
+            # --no-kill job whose *first* node is lost loses its batch script but keeps
+            # running (Slurm 22.05), holding the other nodes until its time limit, while
+            # without it Slurm ends such a job (NODE_FAIL) and requeues it
             opts.append("--no-kill")
         if self.error:
             opts.append(f"--error={self.error}")
@@ -635,13 +637,12 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
     handled = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]
     if "SIG" + spec.preempt_signal not in handled:
         handled.append("SIG" + spec.preempt_signal)
-    allocated = spec.nodes + spec.spare_nodes
     srun = " ".join(
         [
             "srun",
-            f"--nodes={allocated}",
+            f"--nodes={spec.nodes + spec.spare_nodes}",
             "--ntasks-per-node=1",
-            *(["--no-kill"] if allocated > 1 else []),  # the step outlives a lost node
+            *(["--no-kill"] if spec.spare_nodes else []),  # the step outlives a lost node
             "--kill-on-bad-exit=0",  # the launcher of SLURM_PROCID 0 must live to requeue
             # srun does not take the batch job's --cpus-per-task (Slurm 22.05 to 23.02)
             *([f"--cpus-per-task={spec.cpus_per_task}"] if spec.cpus_per_task else []),
@@ -686,7 +687,9 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
             [
                 f"#  -  a node is lost: one of the {spec.spare_nodes} spare node(s) waiting in "
                 "the rendezvous takes",
-                "#     its place in the job (--no-kill: Slurm does not end the job for it);",
+                "#     its place in the job (--no-kill: Slurm does not end the job for it;",
+                "#     the first node lost takes the batch script with it: use an etcd",
+                "#     rendezvous, and see the README on losing the first node);",
             ]
             if spec.spare_nodes
             else []

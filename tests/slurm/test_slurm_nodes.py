@@ -197,6 +197,31 @@ def test_a_lost_node_requeues_the_job_away_from_it(
     assert set(summary["nodes"]) == {batch, other} | again | set(incs[2]["nodes"])
 
 
+def test_the_first_node_lost_slurm_requeues_the_job_itself(
+    slurm_bed: BedCluster, tmp_path: Path, reference
+):
+    """The batch host is powered off: the batch script, srun and the c10d store go with
+    it, and no launcher is left to requeue (the survivor is cut off from the store and its
+    peer at once). Slurm ends the job (NODE_FAIL) once the node is DOWN and requeues it
+    itself: the run resumes elsewhere from the last save. This is why a job without spares
+    is not --no-kill."""
+    job = Job(slurm_bed, tmp_path, "--step-sleep", "0.2")
+    batch, other = _training_nodes(job)
+    job.wait_event("checkpoint_saved", step=6)
+    slurm_bed.kill(batch)
+    info = job.finish()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, job.out())
+    (isolated,) = job.events("node_isolated")  # what the survivor can tell
+    assert (isolated["host"], isolated["cause"]) == (other, "partition")
+    assert job.events("job_requeued") == []  # Slurm's requeue: no job retry spent
+    again = set(job.hosts_of(1).values())
+    assert batch not in again and len(again) == 2, again
+    saved = [e["step"] for e in job.events("checkpoint_saved") if e["slurm_restart"] == 0]
+    resumed = {e["resumed_from"] for e in job.events("job_start") if e["slurm_restart"] == 1}
+    assert resumed == {str(tmp_path / "ck" / f"step_{max(saved)}")}
+    assert_bit_exact(tmp_path / "out.pt", reference)
+
+
 def test_a_lost_node_with_a_spare_in_the_allocation_is_not_requeued(
     slurm_bed: BedCluster, tmp_path: Path, reference
 ):

@@ -204,14 +204,11 @@ def test_rendered_script_is_valid_bash_with_every_option(tmp_path):
     ]
     assert sbatch == [
         "--job-name=llm", "--nodes=4", "--ntasks-per-node=1", "--requeue", "--open-mode=append",
-        "--output=runs/llm/slurm-%j.out", "--no-kill", "--time=4:00:00", "--signal=B:TERM@300",
+        "--output=runs/llm/slurm-%j.out", "--time=4:00:00", "--signal=B:TERM@300",
         "--partition=gpu", "--account=proj", "--gpus-per-node=8", "--cpus-per-task=32",
         "--qos=high", "--exclusive",
     ]  # fmt: skip
-    assert (
-        "srun --nodes=4 --ntasks-per-node=1 --no-kill --kill-on-bad-exit=0 --cpus-per-task=32"
-        in text
-    )
+    assert "srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=0 --cpus-per-task=32" in text
     assert '--rdzv-endpoint="$SF_HEAD:$SF_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID"' in text
     assert "--max-restarts=5 --ft-num-job-retries-on-failure=1" in text
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT\n" in text.replace(" \\", "")
@@ -229,7 +226,8 @@ def test_rendered_script_is_valid_bash_with_every_option(tmp_path):
 def test_spare_nodes_are_allocated_and_run_a_launcher_that_waits():
     """--spare-nodes 1 on 2 nodes: 3 nodes allocated, a launcher on each, --nnodes=2 (the
     third waits in the rendezvous); --no-kill so that Slurm does not end the job when it
-    loses one. One node alone needs neither."""
+    loses one. Without spares there is no --no-kill: Slurm's own NODE_FAIL requeue stays
+    for a lost first node (which takes the batch script with it)."""
     from steadfast.config import ConfigError
     from steadfast.slurm import SbatchSpec, render_sbatch
 
@@ -240,6 +238,7 @@ def test_spare_nodes_are_allocated_and_run_a_launcher_that_waits():
     assert "and 1 spare node(s)." in text
     single = render_sbatch(SbatchSpec(script="t.py"))
     assert "--no-kill" not in single and "--nnodes=1 " in single
+    assert "--no-kill" not in render_sbatch(SbatchSpec(script="t.py", nodes=4))
     with pytest.raises(ConfigError, match="spare_nodes"):
         SbatchSpec(script="t.py", spare_nodes=-1)
 
