@@ -116,6 +116,61 @@ def test_failure_requeues_count_only_failures_of_this_job(monkeypatch, event_log
     assert failure_requeues("7") is None  # no log: the caller uses SLURM_RESTART_COUNT
 
 
+def test_doubted_hosts_are_this_incarnations_rerun_elsewhere_hosts(monkeypatch, event_log):
+    """The hosts a requeue after exit 16 keeps the job away from: those of the
+    rerun_elsewhere events of this job and this SLURM_RESTART_COUNT only."""
+    import json
+
+    from steadfast import events
+    from steadfast.slurm import doubted_hosts
+
+    assert doubted_hosts("7") == []  # no log yet
+    rows = [
+        ("7", 0, "node3", "rerun_elsewhere"),
+        ("7", 0, "node3", "rerun_elsewhere"),  # two ranks of one node: once
+        ("7", 0, "node5", "rerun_result_rejected"),  # rejected, not (yet) reproduced
+        ("7", 1, "node4", "rerun_elsewhere"),  # the next incarnation's
+        ("8", 0, "node6", "rerun_elsewhere"),  # another job's
+    ]
+    with event_log.open("w") as fh:
+        for job, restart, host, kind in rows:
+            fields = {"hardware": f"{host}/cpu"} if kind == "rerun_elsewhere" else {}
+            fh.write(json.dumps({"time": 1.0, "kind": kind, "rank": 1, "step": 5,
+                                 "cause": "c", "host": host, "pid": 1, "restart": 0,
+                                 "slurm_job_id": job, "slurm_restart": restart,
+                                 **fields}) + "\n")  # fmt: skip
+    assert doubted_hosts("7", 0) == ["node3"]
+    assert doubted_hosts("7", 1) == ["node4"]
+    monkeypatch.setenv(events.EVENTS_ENV, events.EVENTS_OFF)
+    assert doubted_hosts("7", 0) == []  # no log: nothing to exclude
+
+
+def test_the_requeues_signals_are_held_even_when_another_thread_takes_them():
+    """A process signal goes to any thread that does not block it, and Python runs the
+    handler in the main thread all the same: the requeue holds them by handler. A
+    SIGUSR2 sent (by another thread) while held reaches the original handler only on
+    the way out."""
+    import os
+    import signal
+    import threading
+
+    from steadfast.slurm import _signals_held
+
+    seen: list[int] = []
+    before = signal.signal(signal.SIGUSR2, lambda signum, _frame: seen.append(signum))
+    try:
+        with _signals_held():
+            sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGUSR2))
+            sender.start()
+            sender.join()
+            for _ in range(100):  # the main thread runs Python handlers between bytecodes
+                sum(range(1000))
+            assert seen == []
+        assert seen == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
 @pytest.mark.parametrize(
     ("text", "seconds"),
     [("90", 5400), ("5:30", 360), ("1:00:00", 3600), ("2-3", 183600), ("1-0:10", 87000),
