@@ -20,6 +20,16 @@ this module (checked against a real single-node Slurm in ``tests/slurm/``):
   ``scontrol requeue`` as well as failures. Job retries count only the failures, from
   the ``job_requeued`` events of the run's event log (:func:`failure_requeues`).
 
+Across nodes (checked on a cluster of network-namespace nodes in ``tests/slurm/``):
+
+- ``scontrol update ExcNodeList`` is refused while a job runs ("no longer pending"), so
+  a requeue sets it after ``scontrol requeue``, and Slurm SIGTERMs every process of the
+  requeued job, an ``scontrol`` child included: that one runs with the signals ignored.
+- A job without ``--no-kill`` is ended (``NODE_FAIL``) and requeued by Slurm once a node
+  is DOWN (``SlurmdTimeout``). With ``--no-kill`` Slurm removes the node and the job goes
+  on (what spares need), but a job that loses its *first* node, and with it the batch
+  script, keeps running until its time limit: only jobs with spares are ``--no-kill``.
+
 A variable that is set but malformed raises :class:`~steadfast.config.ConfigError`
 naming it, instead of a bare ``int()`` traceback.
 """
