@@ -64,8 +64,12 @@ _BEAT = b"\x01"
 _BYE = b"\x02"  # instead of beats once this node's workers finished
 #: Successors each node watches (each node is watched by as many predecessors).
 WATCHERS = 2
-#: The least time a loss gets to be confirmed in the store (see NodeRoster).
-CONFIRM_MIN = 5.0
+#: The least time a loss gets to be confirmed in the store (see NodeRoster). Above
+#: etcd's own request timeout (5 s + 2 election timeouts: 7 s with etcd's defaults), which
+#: a write in flight when the leader dies waits out before it fails and is tried again:
+#: at 5 s, a node whose etcd lost its leader with the killed node took itself for the
+#: one cut off (seen in tests/multinode: "etcdserver: request timed out" after 7 s).
+CONFIRM_MIN = 10.0
 #: How long a fence answer is reused for the other ranks of the node.
 _FENCE_REUSE = 0.5
 
