@@ -170,8 +170,12 @@ class _StoreCalls:
                 del error
         return value
 
-    def close(self) -> None:
-        self._jobs.put(None)  # a call stuck in the store keeps the (daemon) thread
+    def close(self, wait: float = 0.0) -> None:
+        """End the thread after the calls queued; wait up to ``wait`` seconds for it (a
+        call stuck in the store keeps the daemon thread until the store gives up)."""
+        self._jobs.put(None)
+        if wait > 0:
+            self._thread.join(wait)
 
 
 def _keepalive(sock: socket.socket) -> None:
@@ -218,6 +222,7 @@ class NodeRoster:
         self._stopping = False
         self._calls = _StoreCalls()  # fence probes, round bookkeeping
         self._confirms = _StoreCalls()  # loss confirmations: never queued behind probes
+        self._timers: list[threading.Timer] = []  # their deadlines
         self._probing: list[socket.socket] | None = None  # ranks waiting on a fence probe
         self._thread = threading.Thread(target=self._loop, name="steadfast-nodes", daemon=True)
         self._thread.start()
@@ -353,8 +358,13 @@ class NodeRoster:
         self._thread.join(timeout=5)
         if self._finished:  # the loop may have stopped before it said goodbye
             self._beat()
+        with self._lock:
+            timers, self._timers = self._timers, []
+        for timer in timers:  # a confirmation still waiting: the roster is gone
+            timer.cancel()
+            timer.join()
         self._calls.close()
-        self._confirms.close()
+        self._confirms.close(wait=1.0)
         with self._lock:
             socks = [*self._watched, *self._watchers, *self._to_close, *(self._probing or [])]
             self._watched.clear()
@@ -500,6 +510,8 @@ class NodeRoster:
 
         def bounded() -> Any:
             while True:  # a store that fails for a moment (etcd electing a leader): again
+                if self._stopping:
+                    raise RuntimeError("the node roster closed")
                 if time.monotonic() > deadline:
                     raise TimeoutError("the store did not answer in time")
                 try:
@@ -514,6 +526,8 @@ class NodeRoster:
             self.confirm_timeout, self._confirm_timeout, args=(current, peer, how)
         )
         timer.daemon = True
+        with self._lock:
+            self._timers = [t for t in self._timers if t.is_alive()] + [timer]
         timer.start()
 
         def finished(value: Any, exc: BaseException | None) -> None:
@@ -593,6 +607,8 @@ class NodeRoster:
             self.timeout, answer, args=("fenced: the rendezvous store did not answer in time",)
         )
         timer.daemon = True
+        with self._lock:
+            self._timers = [t for t in self._timers if t.is_alive()] + [timer]
         timer.start()
 
         def bounded() -> str:
