@@ -110,6 +110,16 @@ class Job:
             )
         )  # fmt: skip
 
+    def resumed_elsewhere(self, away_from: str) -> set[str]:
+        """The requeued job (Slurm incarnation 1) ran on two nodes, ``away_from`` not
+        among them, from the first incarnation's last save; its nodes."""
+        again = set(self.hosts_of(1).values())
+        assert away_from not in again and len(again) == 2, again
+        saved = [e["step"] for e in self.events("checkpoint_saved") if e["slurm_restart"] == 0]
+        resumed = {e["resumed_from"] for e in self.events("job_start") if e["slurm_restart"] == 1}
+        assert resumed == {str(self.tmp / "ck" / f"step_{max(saved)}")}
+        return again
+
     def hosts_of(self, incarnation: int) -> dict[int, str]:
         """rank -> host of the training processes of Slurm incarnation ``incarnation``."""
         starts = self.events("job_start", slurm_job_id=self.id)
@@ -175,11 +185,7 @@ def test_a_lost_node_requeues_the_job_away_from_it(
     assert requeued[0]["host"] == batch  # the launcher of SLURM_PROCID 0
     # the requeued job: two nodes Slurm gave it, the lost one not among them (the node
     # left may be one: it is still busy with the old job until the lost one is DOWN)
-    again = set(job.hosts_of(1).values())
-    assert other not in again and len(again) == 2, again
-    saved = [e["step"] for e in job.events("checkpoint_saved") if e["slurm_restart"] == 0]
-    resumed = {e["resumed_from"] for e in job.events("job_start") if e["slurm_restart"] == 1}
-    assert resumed == {str(tmp_path / "ck" / f"step_{max(saved)}")}
+    again = job.resumed_elsewhere(other)
     assert_bit_exact(tmp_path / "out.pt", reference)
     report = subprocess.run(
         [sys.executable, "-m", "steadfast.cli", "report", "--json", "--no-timeline",
@@ -214,11 +220,7 @@ def test_the_first_node_lost_slurm_requeues_the_job_itself(
     (isolated,) = job.events("node_isolated")  # what the survivor can tell
     assert (isolated["host"], isolated["cause"]) == (other, "partition")
     assert job.events("job_requeued") == []  # Slurm's requeue: no job retry spent
-    again = set(job.hosts_of(1).values())
-    assert batch not in again and len(again) == 2, again
-    saved = [e["step"] for e in job.events("checkpoint_saved") if e["slurm_restart"] == 0]
-    resumed = {e["resumed_from"] for e in job.events("job_start") if e["slurm_restart"] == 1}
-    assert resumed == {str(tmp_path / "ck" / f"step_{max(saved)}")}
+    job.resumed_elsewhere(batch)
     assert_bit_exact(tmp_path / "out.pt", reference)
 
 
@@ -265,8 +267,7 @@ def test_exit_16_moves_the_doubted_rank_to_other_hardware(
     (requeued,) = job.events("job_requeued")
     assert (requeued["cause"], requeued["excluded"]) == ("restart_elsewhere", ["node3"])
     assert info["ExcNodeList"] == "node3"
-    again = set(job.hosts_of(1).values())
-    assert "node3" not in again and len(again) == 2
+    job.resumed_elsewhere("node3")  # from the save the machine made before its exit 16
     assert [e["verdict"] for e in job.events("rerun_verdict")] == ["persistent"] * 2
     tracker = [json.loads(line) for line in (tmp_path / "ck" / "rerun_tracker.jsonl").open()]
     blamed = {(t["node"], t["device"]) for t in tracker if t["status"] == "rejected"}
