@@ -163,7 +163,10 @@ def test_simulated_fault_megatron_bridge_names(
     injected = _events(event_log, "fault_injected")
     assert [(e["rank"], e["fault"]) for e in injected] == [(1, fault_type)]
     detected = _events(event_log, kind)
-    assert any(e["rank"] == 1 and e["cause"] in (cause, "out_of_section") for e in detected)
+    # the simulated hang strikes 0.5-0.8 s in, at a random moment: in a step, between
+    # steps, or (rarely) inside the save of step 2, which then times out on both ranks
+    causes = (cause, "out_of_section", "section:checkpointing")
+    assert any(e["rank"] == 1 and e["cause"] in causes for e in detected), detected
 
 
 def test_rank_without_a_first_heartbeat(tmp_path: Path, event_log: Path, reference):
