@@ -36,9 +36,9 @@
 # which every node reaches (a Unix socket is not bound to a network namespace). A node's
 # /sys is its network namespace's, without the cgroup mounts slurmd reads at start: the
 # machine's cgroup mounts are repeated in the node's own mount namespace, where they go
-# with it. --no-kill jobs (what `steadfast slurm` writes for several nodes) outlive a
-# node's loss; SlurmdTimeout=10 lets slurmctld declare a killed node DOWN in ~10 s, so a
-# job requeued away from it is released (its epilog there can never run) and placed.
+# with it. --no-kill jobs (what `steadfast slurm --spare-nodes` writes) outlive a node's
+# loss; SlurmdTimeout=10 lets slurmctld declare a killed node DOWN in ~30 s, so a job
+# requeued away from it is released (its epilog there can never run) and placed.
 set -euo pipefail
 
 PKGS=(munge slurmctld slurmd slurm-client)

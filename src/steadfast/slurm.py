@@ -198,20 +198,7 @@ def requeue_job(
     # the signals until the event is written, or the retry would go uncounted (and a
     # failing job could be requeued for ever). They are delivered on the way out.
     with _signals_held():
-        try:
-            proc = subprocess.run(
-                ["scontrol", "requeue", job], capture_output=True, text=True, timeout=timeout
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            logger.error("scontrol requeue %s failed: %s", job, exc)
-            return False
-        if proc.returncode != 0:
-            logger.error(
-                "scontrol requeue %s failed (exit %d): %s",
-                job,
-                proc.returncode,
-                proc.stderr.strip(),
-            )
+        if _scontrol(["requeue", job], timeout) is None:  # the reason is logged
             return False
         excluded = _exclude(job, plan, timeout) if plan is not None else []
         events.emit("job_requeued", cause=cause, slurm_job=job, excluded=excluded)

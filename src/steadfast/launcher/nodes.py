@@ -222,7 +222,7 @@ class NodeRoster:
         self._stopping = False
         self._calls = _StoreCalls()  # fence probes, round bookkeeping
         self._confirms = _StoreCalls()  # loss confirmations: never queued behind probes
-        self._timers: list[threading.Timer] = []  # their deadlines
+        self._timers: list[threading.Timer] = []  # the deadlines of store calls (_deadline)
         self._probing: list[socket.socket] | None = None  # ranks waiting on a fence probe
         self._thread = threading.Thread(target=self._loop, name="steadfast-nodes", daemon=True)
         self._thread.start()
@@ -360,7 +360,7 @@ class NodeRoster:
             self._beat()
         with self._lock:
             timers, self._timers = self._timers, []
-        for timer in timers:  # a confirmation still waiting: the roster is gone
+        for timer in timers:  # a deadline still waiting: the roster is gone
             timer.cancel()
             timer.join()
         self._calls.close()
@@ -522,19 +522,23 @@ class NodeRoster:
                     time.sleep(0.2)
 
         # the deadline also covers a store call stuck in the store's own timeout
-        timer = threading.Timer(
-            self.confirm_timeout, self._confirm_timeout, args=(current, peer, how)
-        )
-        timer.daemon = True
-        with self._lock:
-            self._timers = [t for t in self._timers if t.is_alive()] + [timer]
-        timer.start()
+        timer = self._deadline(self.confirm_timeout, self._confirm_timeout, current, peer, how)
 
         def finished(value: Any, exc: BaseException | None) -> None:
             timer.cancel()
             done(value, exc)
 
         self._confirms.submit(bounded, finished)
+
+    def _deadline(self, seconds: float, fn: Callable[..., None], *args: Any) -> threading.Timer:
+        """``fn(*args)`` in ``seconds`` unless cancelled first; :meth:`close` cancels the
+        timers still waiting, so none outlives the roster."""
+        timer = threading.Timer(seconds, fn, args=args)
+        timer.daemon = True
+        with self._lock:
+            self._timers = [t for t in self._timers if t.is_alive()] + [timer]
+        timer.start()
+        return timer
 
     def _confirm_timeout(self, current: _Round, peer: Peer, how: str) -> None:
         with self._lock:
@@ -603,13 +607,9 @@ class NodeRoster:
 
         deadline = time.monotonic() + self.timeout
         # the deadline also covers a store call stuck in the store's own timeout
-        timer = threading.Timer(
-            self.timeout, answer, args=("fenced: the rendezvous store did not answer in time",)
+        timer = self._deadline(
+            self.timeout, answer, "fenced: the rendezvous store did not answer in time"
         )
-        timer.daemon = True
-        with self._lock:
-            self._timers = [t for t in self._timers if t.is_alive()] + [timer]
-        timer.start()
 
         def bounded() -> str:
             if time.monotonic() > deadline:
