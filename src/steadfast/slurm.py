@@ -337,29 +337,39 @@ def _exclude(job: str, plan: ExclusionPlan, timeout: float) -> list[str]:
     return list(plan.added) if done is not None else []
 
 
+def _logged_events(what: str) -> list[Any] | None:
+    """The run's event log, as events ([] before its first event); None when there is no
+    log (``STEADFAST_EVENTS=off``) or it cannot be read (a warning says ``what`` was
+    not read from it)."""
+    from . import events
+
+    path = events.current_path()
+    if path is None:
+        return None
+    if not os.path.exists(path):
+        return []
+    try:
+        return list(events.read_events(path))
+    except (OSError, events.EventLogError) as exc:
+        logger.warning("cannot read %s from %s: %s", what, path, exc)
+        return None
+
+
 def doubted_hosts(job_id: str, restart_count: int = 0) -> list[str]:
     """The hosts whose results the re-run state machine must re-check on other hardware
     in this incarnation of job ``job_id`` (``SLURM_RESTART_COUNT`` ``restart_count``):
     the ``rerun_elsewhere`` events of the run's event log. Empty when the log cannot
     tell (``STEADFAST_EVENTS=off``)."""
-    from . import events
-
-    path = events.current_path()
-    if path is None or not os.path.exists(path):
-        return []
     hosts: list[str] = []
-    try:
-        for ev in events.read_events(path):
-            if (
-                ev.kind == "rerun_elsewhere"
-                and ev.get("slurm_job_id") == job_id
-                and (ev.get("slurm_restart") or 0) == restart_count
-                and ev.get("host")
-                and ev.get("host") not in hosts
-            ):
-                hosts.append(str(ev.get("host")))
-    except (OSError, events.EventLogError) as exc:
-        logger.warning("cannot read the doubted nodes from %s: %s", path, exc)
+    for ev in _logged_events("the doubted nodes") or []:
+        if (
+            ev.kind == "rerun_elsewhere"
+            and ev.get("slurm_job_id") == job_id
+            and (ev.get("slurm_restart") or 0) == restart_count
+            and ev.get("host")
+            and ev.get("host") not in hosts
+        ):
+            hosts.append(str(ev.get("host")))
     return hosts
 
 
@@ -373,33 +383,28 @@ def failure_requeues(job_id: str, restart_count: int = 0) -> int | None:
     that was requeued (``restart_count`` > 0) whose log holds no event of an earlier
     incarnation (a log on a node-local disk, a new log per incarnation). The caller then
     falls back to ``SLURM_RESTART_COUNT``, which can only retry less, never more."""
-    from . import events
-
-    path = events.current_path()
-    if path is None:
+    logged = _logged_events("the job's requeues")
+    if logged is None:
         return None
     failures = 0
     earlier = False
-    if os.path.exists(path):
-        try:
-            for ev in events.read_events(path):
-                incarnation = ev.get("slurm_restart") or 0
-                if ev.get("slurm_job_id") == job_id and incarnation < restart_count:
-                    earlier = True
-                if (
-                    ev.kind == "job_requeued"
-                    and ev.get("slurm_job") == job_id
-                    and ev.cause in FAILURE_REQUEUE_CAUSES
-                ):
-                    failures += 1
-        except (OSError, events.EventLogError) as exc:
-            logger.warning("cannot count the job's requeues in %s: %s", path, exc)
-            return None
+    for ev in logged:
+        incarnation = ev.get("slurm_restart") or 0
+        if ev.get("slurm_job_id") == job_id and incarnation < restart_count:
+            earlier = True
+        if (
+            ev.kind == "job_requeued"
+            and ev.get("slurm_job") == job_id
+            and ev.cause in FAILURE_REQUEUE_CAUSES
+        ):
+            failures += 1
     if restart_count > 0 and not earlier:
+        from . import events
+
         logger.warning(
             "the event log %s has no event of this job's earlier runs: job retries are "
             "counted from SLURM_RESTART_COUNT instead",
-            path,
+            events.current_path(),
         )
         return None
     return failures
