@@ -9,6 +9,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,10 +156,22 @@ def nvrx_calls(rank: int, world: int, workdir: Path, case: str) -> Any:
     else:
         wrapper = Wrapper(monitor_process_logfile=str(workdir / "monitor_{rank}.log"), **common)
 
+    busy_to_the_end: list[bool] = []
+
     @wrapper
-    def train(call_wrapper: CallWrapper | None = None) -> int:
+    def train(call_wrapper: CallWrapper | None = None) -> Any:
         assert call_wrapper is not None
-        return call_wrapper.iteration
+        if case != "store":
+            return call_wrapper.iteration
+        if call_wrapper.iteration == 0:
+            # rank 1 fails while rank 0 is busy: only the store's interruption, seen by
+            # rank 0's monitor thread on its own connection, frees rank 0 early
+            if rank == 1:
+                raise ValueError("injected")
+            for _ in range(3000):
+                time.sleep(0.01)
+            busy_to_the_end.append(True)
+        return call_wrapper.iteration, busy_to_the_end
 
     if case == "initialized":
         dist.init_process_group("gloo", init_method=f"file://{workdir}/pg", rank=rank,
@@ -206,7 +219,9 @@ def test_unconfigured_logging_warns_and_the_monitor_logs(tmp_path: Path) -> None
 
 
 def test_a_store_of_nvrxs_shape(tmp_path: Path) -> None:
-    assert _run(tmp_path, "store", {"SF_STORE_PORT": str(_free_port())}) == [0, 0]
+    """The restart protocol runs over the user's store: rank 1's fault interrupts rank 0
+    through it, both restart, and the host (rank 0's monitor) stays until both left."""
+    assert _run(tmp_path, "store", {"SF_STORE_PORT": str(_free_port())}) == [(1, [])] * 2
 
 
 def _lines(tmp_path: Path) -> list[str]:

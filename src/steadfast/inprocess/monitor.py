@@ -158,7 +158,11 @@ class MonitorProcessConfig:
     rank_pid: int
     store_factory: Callable[..., StoreMixin]
     store_kwargs: dict[str, Any]
-    serve_store: bool
+    serve_store: bool  #: make the restart store's server (steadfast's store, rank 0)
+    #: initial rank 0's monitor: checks the others' heartbeats and stays until every
+    #: rank left, whoever hosts the store (a user's NVRx-shaped store may be hosted by
+    #: this very process, having been built here first)
+    coordinate: bool
     interval: float
     thread_interval: float
     soft_timeout: float
@@ -340,11 +344,12 @@ class _Monitor:
                     detail = f"no progress for {age:.2f}s (hard_timeout {cfg.hard_timeout:g}s)"
                     self._rank_gone(iteration, "hard_timeout", detail, pidfd)
                     break
-            if cfg.serve_store:
+            if cfg.coordinate:
                 self._check_heartbeats(iteration)
         os.close(pidfd)
-        if server is not None:
+        if cfg.coordinate:
             self._serve_until_all_left()
+        del server  # a server made here closes only now, once every rank has left
         return 0
 
     def _report(
@@ -416,7 +421,8 @@ class _Monitor:
                 self._report(iteration, r, "heartbeat_lost", detail, terminated=True)
 
     def _serve_until_all_left(self) -> None:
-        """The store's host lingers until every other rank has left or is gone."""
+        """Initial rank 0's monitor (the store's host, where it serves it) lingers until
+        every other rank has left or is gone."""
         deadline = time.monotonic() + self.cfg.linger
         everyone = frozenset(range(self.cfg.world_size))
         while time.monotonic() < deadline:

@@ -25,7 +25,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["StoreMixin", "TCPStore", "default_address", "make_store"]
+__all__ = ["StoreMixin", "TCPStore", "default_address", "make_store", "own_connection"]
 
 INTERRUPTED = b"interrupted"
 COMPLETED = b"completed"
@@ -176,6 +176,29 @@ class TCPStore(StoreMixin):
         other.host_name, other.port = self.host_name, self.port
         other.store = self.store.clone()
         return other
+
+
+class _Connection(StoreMixin):
+    """The restart protocol over a plain torch Store: another client of a user's store."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+
+def own_connection(client: Any) -> Any:
+    """A connection of its own to the restart store, with the protocol's methods.
+
+    A TCPStore client serialises its operations, so a thread that blocks on the store
+    (the monitor thread waits for an iteration to end) needs its own. Steadfast's
+    :class:`TCPStore` clones itself; an NVRx-shaped store (a torch Store deriving from
+    :class:`StoreMixin`) clones only its torch part, which is wrapped so that the clone
+    still speaks the protocol; a store that cannot clone is shared.
+    """
+    clone = getattr(client, "clone", None)
+    if clone is None:
+        return client
+    other = clone()
+    return other if isinstance(other, StoreMixin) else _Connection(other)
 
 
 def default_address(host_name: str | None, port: int | None) -> tuple[str, int]:

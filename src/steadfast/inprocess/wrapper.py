@@ -64,6 +64,7 @@ from .store import (
     TCPStore,
     default_address,
     make_store,
+    own_connection,
 )
 
 __all__ = ["CallWrapper", "Wrapper"]
@@ -356,6 +357,7 @@ class CallWrapper:
                 and "host_name" not in w.store_kwargs
                 and initial_rank == 0
             ),
+            coordinate=initial_rank == 0,
             interval=w.seconds["monitor_process_interval"],
             heartbeat_interval=w.seconds["heartbeat_interval"],
             thread_interval=w.seconds["monitor_thread_interval"],
@@ -376,8 +378,7 @@ class CallWrapper:
             os.environ[MEMORY_DIR_ENV] = str(memory_dir.path)
         try:
             self.store_client: StoreMixin = make_store(w.store_factory, store_kwargs, False)
-            clone = getattr(self.store_client, "clone", None)  # a connection of its own
-            self._pg_store = clone() if clone is not None else self.store_client
+            self._pg_store = own_connection(self.store_client)  # a connection of its own
             watchdog.start()
             monitor_thread = threading.Thread(
                 target=self._monitor_thread, name="steadfast-inprocess-monitor", daemon=True
@@ -561,7 +562,7 @@ class CallWrapper:
 
     # -- interruption, from the monitor thread ----------------------------------------
     def _monitor_thread(self) -> None:
-        store = self.store_client.clone()  # type: ignore[attr-defined]
+        store = own_connection(self.store_client)
         interval = self.wrapper.seconds["monitor_thread_interval"]
         watched = -1
         while True:
