@@ -348,7 +348,7 @@ class _Monitor:
                 self._check_heartbeats(iteration)
         os.close(pidfd)
         if cfg.coordinate:
-            self._serve_until_all_left()
+            self._stay_until_all_left()
         del server  # a server made here closes only now, once every rank has left
         return 0
 
@@ -420,9 +420,9 @@ class _Monitor:
                 detail = f"no heartbeat from rank {r}'s monitor for {now - seen[1]:.1f}s"
                 self._report(iteration, r, "heartbeat_lost", detail, terminated=True)
 
-    def _serve_until_all_left(self) -> None:
-        """Initial rank 0's monitor (the store's host, where it serves it) lingers until
-        every other rank has left or is gone."""
+    def _stay_until_all_left(self) -> None:
+        """The coordinator stays until every other rank has left or is gone, still
+        checking heartbeats: a store it hosts must outlive every rank that uses it."""
         deadline = time.monotonic() + self.cfg.linger
         everyone = frozenset(range(self.cfg.world_size))
         while time.monotonic() < deadline:
