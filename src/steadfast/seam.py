@@ -228,6 +228,14 @@ def process_groups() -> list[Any]:
     return sorted(names, key=lambda g: names[g])
 
 
+def process_group_stores() -> list[Any]:
+    """The store each live process group was made with (c10d's registry), newest last."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg_map = c10d._world.pg_map
+    return [store for _, store in pg_map.values() if store is not None]
+
+
 # ------------------------------------------------------------------------ the stdlib
 def option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """argparse's option string -> action table of ``parser``."""

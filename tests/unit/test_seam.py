@@ -237,6 +237,33 @@ def test_process_groups_and_abort_all() -> None:
     assert not dist.is_initialized()
 
 
+def test_process_group_stores() -> None:
+    """process_group_stores gives the store each live group was made with; under a
+    PrefixStore the TCPStore's port is found (the abort keeps those connections)."""
+    done = _run_python(
+        """
+        import socket
+        from datetime import timedelta
+        import torch.distributed as dist
+        from steadfast import seam
+        from steadfast.inprocess import transport
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
+        dist.init_process_group("gloo", store=dist.PrefixStore("it0", store), rank=0, world_size=1)
+        dist.new_group([0])
+        stores = seam.process_group_stores()
+        assert len(stores) >= 1, stores
+        assert transport.store_ports(stores) == {port}, transport.store_ports(stores)
+        dist.destroy_process_group()
+        assert seam.process_group_stores() == []
+        print("ok")
+        """
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
 def test_option_actions() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--with-value", "--with_value")

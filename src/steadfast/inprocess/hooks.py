@@ -81,13 +81,16 @@ class HealthCheck(_Hook):
 class AbortTorchDistributed(Abort):
     """Abort every torch.distributed process group of this process, then destroy them.
 
-    Aborting NCCL communicators releases kernels blocked in a collective. A gloo group
-    cannot release its own rank's blocked collective, but aborting it closes this rank's
-    connections, so every *peer* blocked in a collective with this rank fails at once with
-    "connection closed" instead of waiting out the group's timeout. Since every healthy
-    rank aborts on an interruption, every blocked rank is released by its peers. The
-    destroy runs only on the main thread (the monitor thread aborts, the main thread
-    destroys before the restart), so no group is torn down under a running collective.
+    Aborting NCCL communicators releases kernels blocked in a collective. gloo's
+    ``abort()`` closes nothing (its connections close only when the group object is
+    destroyed, and the user's code, DDP's reducer or a ``new_group`` handle, usually
+    still holds it), so the connections accepted on this process's group listeners are
+    shut down first (:mod:`steadfast.inprocess.transport`): every collective blocked on
+    them, on this rank and on its peers, fails at once instead of waiting out the
+    group's timeout. Since every healthy rank aborts on an interruption, and a killed
+    rank's kernel closes its side, every pair of the job is closed. The destroy runs
+    only on the main thread (the monitor thread aborts, the main thread destroys before
+    the restart), so no group is torn down under a running collective.
     """
 
     def __call__(self, state: State) -> State:
@@ -96,7 +99,13 @@ class AbortTorchDistributed(Abort):
         if not dist.is_available() or not dist.is_initialized():
             return state
         from .. import seam
+        from . import transport
 
+        try:
+            keep = transport.store_ports(seam.process_group_stores())
+            transport.close_collective_connections(keep)
+        except Exception as exc:
+            logger.debug("closing the process groups' connections failed: %s", exc)
         if threading.current_thread() is threading.main_thread():
             # Abort every group (NCCL ones inside one group start/end) and clear the
             # registry, so the next iteration can init_process_group again.

@@ -39,6 +39,7 @@ from .. import events
 from ..checkpoint.memory import MEMORY_DIR_ENV, MemoryDir
 from ..config import ConfigError
 from . import monitor as mon
+from . import transport
 from .hooks import (
     Abort,
     AbortTorchDistributed,
@@ -275,7 +276,8 @@ class CallWrapper:
     ``Optional[CallWrapper]``: ``iteration`` is the restart iteration (0 first),
     ``ping()`` reports progress, ``atomic()`` keeps the interruption out of a block,
     ``state`` holds the ranks of this iteration and ``store`` is a fresh store prefix per
-    iteration for ``init_process_group``.
+    iteration for ``init_process_group``; ``monitor_process`` is this rank's monitor
+    process (NVRx's shape: ``monitor_process.process_monitor_proc.pid``).
     """
 
     def __init__(self, wrapper: Wrapper) -> None:
@@ -290,6 +292,7 @@ class CallWrapper:
         self.state: State = State.first(0, 1)
         self._pg_store: Any = None
         self.shared: mon.SharedProgress | None = None
+        self.monitor_process: MonitorProcess | None = None
 
     # -- the public surface -----------------------------------------------------------
     @property
@@ -369,6 +372,7 @@ class CallWrapper:
             logfile=w.monitor_process_logfile,
         )
         monitor_pid, monitor_stop = mon.start_monitor_process(cfg, self.shared)
+        self.monitor_process = MonitorProcess(monitor_pid)
         watchdog = mon.ProgressWatchdog(self.shared, w.progress_watchdog_interval)
         monitor_thread: threading.Thread | None = None
         # the memory tier's snapshots live as long as this call: they survive the
@@ -377,6 +381,7 @@ class CallWrapper:
         if memory_dir is not None:
             os.environ[MEMORY_DIR_ENV] = str(memory_dir.path)
         try:
+            transport.mark_baseline(_known_store_ports(store_kwargs))
             self.store_client: StoreMixin = make_store(w.store_factory, store_kwargs, False)
             self._pg_store = own_connection(self.store_client)  # a connection of its own
             watchdog.start()
@@ -403,6 +408,7 @@ class CallWrapper:
             return result
         finally:
             self._shutdown(watchdog, monitor_thread, monitor_pid, monitor_stop)
+            transport.clear_baseline()
             if memory_dir is not None:
                 memory_dir.remove()
             for key, value in saved_env.items():
@@ -745,6 +751,7 @@ class CallWrapper:
             os.write(monitor_stop, b"x")
             os.close(monitor_stop)
         _reap(monitor_pid, self.wrapper.seconds["completion_timeout"] + 10)
+        self.monitor_process = None
         self._pg_store = None
         self.store_client = None  # type: ignore[assignment]
         import torch.distributed as dist
@@ -756,7 +763,44 @@ class CallWrapper:
         self.shared = None
 
 
+class MonitorProcess:
+    """This rank's monitor process, in NVRx's shape (``CallWrapper.monitor_process``):
+    ``process_monitor_proc`` is a ``psutil.Process`` where psutil is installed, else an
+    object with its ``pid``; ``pid`` is there either way."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.process_monitor_proc: Any
+        try:
+            import psutil  # type: ignore[import-untyped]
+
+            self.process_monitor_proc = psutil.Process(pid)
+        except Exception:  # psutil missing (it is no dependency of steadfast's)
+            self.process_monitor_proc = _Pid(pid)
+
+    def __repr__(self) -> str:
+        return f"MonitorProcess(pid={self.pid})"
+
+
+class _Pid:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __repr__(self) -> str:
+        return f"Process(pid={self.pid})"
+
+
 _TERMINAL = (RestartAbort, HealthCheckError, BarrierTimeout, KeyboardInterrupt, SystemExit)
+
+
+def _known_store_ports(store_kwargs: dict[str, Any]) -> set[int]:
+    """Ports of the stores known before the function runs: the restart store's and the
+    launcher's (``MASTER_PORT``); the abort never closes their connections."""
+    ports = set()
+    for value in (store_kwargs.get("port"), os.environ.get("MASTER_PORT")):
+        with contextlib.suppress(TypeError, ValueError):
+            ports.add(int(value))  # type: ignore[arg-type]
+    return ports
 
 
 def _reap(pid: int, timeout: float) -> None:
