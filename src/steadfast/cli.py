@@ -294,5 +294,16 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def console_main() -> None:
+    """Entry point of the ``steadfast`` console script: ``steadfast launch`` ends its
+    process at once after its work (see :func:`steadfast.launcher.exit_now`)."""
+    code = main()
+    if sys.argv[1:2] == ["launch"]:
+        from .launcher import exit_now
+
+        exit_now(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

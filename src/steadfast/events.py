@@ -214,6 +214,30 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
      "replaced: a healed partition): its workers are stopped and write nothing", {
         "how": "in words", "nodes": "nodes in the round it was cut off from",
     }),
+    # the launcher's own record of its node (host: the node), for any script
+    ("launcher_start", "a node's launcher started (steadfast launch)", {
+        "nnodes": "--nnodes as given", "nproc_per_node": "workers per node",
+        "entrypoint": "the script or program", "max_restarts": "in-job restarts allowed",
+        "rdzv_backend": "the rendezvous backend",
+    }),
+    ("workers_started", "this node's launcher started its workers for a round of the "
+     "rendezvous (a generation)", {
+        "generation": "this node's round count (1 for its first)",
+        "restart_count": "TORCHELASTIC_RESTART_COUNT given to the workers",
+        "node_rank": "this node's rank in the round", "nodes": "nodes in the round",
+        "world_size": "ranks in the round", "ranks": "the global ranks started here",
+        "pids": "their process ids",
+    }),
+    ("workers_exited", "this node's workers of a generation ended (cause: succeeded, "
+     "failed, stopped: by the launcher after a fault elsewhere, a lost node or a node "
+     "joining)", {
+        "generation": "as in workers_started", "exits": "per worker: rank, local_rank, "
+        "pid, exit_code, signal, time (epoch seconds it exited, when known)",
+        "seconds": "from workers_started to the last exit",
+    }),
+    ("launcher_end", "a node's launcher ended", {
+        "exit_code": "its exit status", "reason": "why, in words",
+    }),
     ("job_requeued", "the Slurm job was requeued (cause: restarts_exhausted, node_lost, or "
      "restart_elsewhere after a worker's exit 16: these spend a job retry; preempted, by "
      "the batch script of steadfast slurm: spends none)", {

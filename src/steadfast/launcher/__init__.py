@@ -45,6 +45,7 @@ Exit codes (for job scripts that decide whether to requeue):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -64,6 +65,7 @@ __all__ = [
     "EXIT_RESTART_ELSEWHERE",
     "EXIT_RESULT_VALIDATION_FAILED",
     "PRESTART_ENV",
+    "exit_now",
     "get_args_parser",
     "main",
 ]
@@ -79,6 +81,18 @@ EXIT_RESTART_ELSEWHERE = 16  # = rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE
 EXIT_RESULT_VALIDATION_FAILED = 17  # = rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDATION
 EXIT_NODE_UNHEALTHY = 74
 EXIT_NODE_LOST = 75
+EXIT_LAUNCHER_ERROR = 1  # the launcher itself raised (a bug, or torch's own error)
+_EXIT_REASONS = {
+    EXIT_OK: "the workers finished successfully",
+    EXIT_BAD_CONFIG: "bad flags or FT config",
+    EXIT_NO_PROGRESS: "no progress: consecutive restarts completed no step",
+    EXIT_RESTARTS_EXHAUSTED: "the workers failed and the in-job restarts are spent",
+    EXIT_REQUEUED: "the workers failed; the Slurm job was requeued",
+    EXIT_RESTART_ELSEWHERE: "restart elsewhere: a worker exited 16",
+    EXIT_RESULT_VALIDATION_FAILED: "a worker exited 17: failed result validation",
+    EXIT_NODE_UNHEALTHY: "this node is unhealthy and left the job",
+    EXIT_NODE_LOST: "a node was lost and no round formed again",
+}
 #: ``STEADFAST_TEMPLATE_PRESTART=0`` starts the worker template only once the agent
 #: exists (after the launcher imported torch), as before the prestart: the baseline of
 #: ``bench/bench_launch_start.py``, and a way out if an import-time setting must come
@@ -87,6 +101,28 @@ PRESTART_ENV = "STEADFAST_TEMPLATE_PRESTART"
 
 
 def _launch(argv: list[str]) -> int:
+    """Run the launcher; its start and end are events of the run's log (for any
+    script: the report's wall time and the node's story come from them)."""
+    from .. import events
+
+    started = [False]
+    code = EXIT_LAUNCHER_ERROR
+    reason = "the launcher raised"
+    try:
+        code = _launch_agent(argv, started)
+        reason = _EXIT_REASONS.get(code) or (
+            f"stopped by signal {code - 128}" if code > 128 else f"exit {code}"
+        )
+        return code
+    except BaseException as exc:
+        reason = f"the launcher raised {type(exc).__name__}: {exc}"
+        raise
+    finally:
+        if started[0]:
+            events.emit("launcher_end", exit_code=code, reason=reason)
+
+
+def _launch_agent(argv: list[str], started: list[bool]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -112,6 +148,15 @@ def _launch(argv: list[str]) -> int:
     if not split.ft.worker_template:
         discard_prestarted()
     args = parser.parse_args(split.torchrun_argv)
+    events.emit(
+        "launcher_start",
+        nnodes=str(args.nnodes),
+        nproc_per_node=str(args.nproc_per_node),
+        entrypoint=str(args.training_script),
+        max_restarts=int(args.max_restarts),
+        rdzv_backend=str(args.rdzv_backend),
+    )
+    started[0] = True
     single_node_default = (
         args.rdzv_backend == "static"
         and not args.rdzv_endpoint
@@ -312,4 +357,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def console_main() -> None:
     """Entry point of the ``ft_launcher`` / ``steadfast-launch`` scripts."""
-    raise SystemExit(main())
+    exit_now(main())
+
+
+def exit_now(code: int) -> None:
+    """End the launcher process with ``code`` as the interpreter would (non-daemon
+    threads joined, ``atexit`` handlers run, output flushed), but without tearing down
+    the modules it imported (torch's teardown costs ~0.4 s): a launcher ends right after
+    its workers, as the job's last step of a Slurm allocation should."""
+    from .. import seam
+
+    seam.interpreter_exit()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)

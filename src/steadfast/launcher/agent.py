@@ -249,6 +249,9 @@ class FTAgent(LocalElasticAgent):
         self.no_progress_restarts = 0
         self.restarts = 0
         self._client_seen = False
+        # the running generation's workers_started (time, pids by local rank), until
+        # its workers_exited is written
+        self._generation: tuple[float, dict[int, int]] | None = None
         self.template: Template | None = None
         if ft.worker_template:  # importing torch, in parallel with the rendezvous
             self.template = take_prestarted() or Template()
@@ -378,14 +381,85 @@ class FTAgent(LocalElasticAgent):
         else:
             ids = super()._start_workers(worker_group)
         pcontext = seam.agent_pcontext(self)
+        pids = {
+            int(k): int(v) for k, v in (pcontext.pids() if pcontext is not None else {}).items()
+        }
         if pcontext is not None:
-            self.watcher.watch(pcontext.pids())
+            self.watcher.watch(pids)
+        self._workers_started(worker_group, pids)
         return ids  # type: ignore[no-any-return]
 
+    def _workers_started(self, worker_group: WorkerGroup, pids: Mapping[int, int]) -> None:
+        """``workers_started``: what this node runs in this round, for any script."""
+        self._generation = (time.time(), dict(pids))
+        workers = sorted(worker_group.workers, key=lambda w: int(w.local_rank))
+        events.emit(
+            "workers_started",
+            generation=self.rounds,
+            restart_count=max(
+                0, worker_group.spec.max_restarts - seam.agent_remaining_restarts(self)
+            ),
+            node_rank=int(worker_group.group_rank or 0),
+            nodes=int(worker_group.group_world_size or 1),
+            world_size=int(workers[0].world_size) if workers else 0,
+            ranks=[int(w.global_rank) for w in workers],
+            pids=[pids.get(int(w.local_rank)) for w in workers],
+        )
+
+    def _workers_exited(
+        self, worker_group: WorkerGroup, cause: str, failures: Mapping[int, Any] | None = None
+    ) -> None:
+        """``workers_exited``: how and when each of this generation's workers ended
+        (once per generation; the exit times are the watcher's, ms resolution)."""
+        if self._generation is None:
+            return
+        started, pids = self._generation
+        self._generation = None
+        now_wall, now_mono = time.time(), time.monotonic()
+        exits_at = {k: now_wall - (now_mono - t) for k, t in self.watcher.exit_times().items()}
+        by_local = {int(f.local_rank): f for f in (failures or {}).values()}
+        exits: list[dict[str, Any]] = []
+        for w in sorted(worker_group.workers, key=lambda w: int(w.local_rank)):
+            local = int(w.local_rank)
+            failure = by_local.get(local)
+            code = int(failure.exitcode) if failure is not None else 0
+            exits.append(
+                {
+                    "rank": int(w.global_rank),
+                    "local_rank": local,
+                    "pid": pids.get(local),
+                    "exit_code": code,
+                    "signal": _signal_name(-code) if code < 0 else None,
+                    # stopped workers are no longer watched: they ended by now
+                    "time": round(exits_at.get(local, now_wall if cause == "stopped" else 0), 6)
+                    or None,
+                }
+            )
+        last = max((float(t) for t in exits_at.values()), default=now_wall)
+        events.emit(
+            "workers_exited",
+            cause=cause,
+            generation=self.rounds,
+            exits=exits,
+            seconds=round(last - started, 6),
+        )
+
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        running = self._generation is not None
         self.watcher.unwatch()
         timeout = max(1, math.ceil(self.ft.workers_stop_timeout))
         seam.agent_shutdown(self, signal.SIGTERM, timeout)
+        if running:  # stopped while running: a node joining, a signal, the launcher's end
+            stopped = {
+                int(w.global_rank): ProcessFailure(
+                    local_rank=int(w.local_rank),
+                    pid=int(w.id or 0),
+                    exitcode=-int(signal.SIGTERM),
+                    error_file="",
+                )
+                for w in worker_group.workers
+            }
+            self._workers_exited(worker_group, "stopped", stopped)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result: RunResult = super()._monitor_workers(worker_group)
@@ -417,6 +491,10 @@ class FTAgent(LocalElasticAgent):
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed:
             self._record_failures(result.failures)
+        if result.state == WorkerState.SUCCEEDED:
+            self._workers_exited(worker_group, "succeeded")
+        elif failed:
+            self._workers_exited(worker_group, "failed", result.failures)
         if result.state != WorkerState.HEALTHY:  # the group ended: no more hangs to watch
             self.watcher.unwatch()
         if failed:

@@ -531,3 +531,9 @@ def template_start_processes(template: Template) -> Any:
 
 if __name__ == "__main__":
     serve(int(sys.argv[1]))
+    # nothing of the template needs finalising (its workers are reaped): skip the
+    # interpreter's teardown of torch (~0.4 s the launcher would wait for at its end)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(0)
