@@ -46,13 +46,25 @@ class Launch:
 
     def __init__(self, node: str, proc: subprocess.Popen[bytes], log: Path) -> None:
         self.node, self.proc, self.log = node, proc, log
+        self.started = 0.0
+        self.ended: float | None = None  # when wait() saw it exit
+
+    def poll(self) -> int | None:
+        """The exit status once it ended (noting when it was first seen ended), else None."""
+        code = self.proc.poll()
+        if code is not None and self.ended is None:
+            self.ended = time.time()
+        return code
 
     def wait(self, timeout: float = 120) -> int:
         """The launcher's exit status (a node killed under it: the signal's 128 + n)."""
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the launcher on {self.node} did not end in {timeout} s:\n{self.tail()}")
+        if self.ended is None:
+            self.ended = time.time()
+        return code
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -83,10 +95,13 @@ class Bed:
         done = _script(args[0], str(self.root), *args[1:])
         assert done.returncode == 0, f"nodes-localhost.sh {' '.join(args)}: {done.stderr}"
 
-    def launch(self, node: str, *args: str, script: list[str] | None = None) -> Launch:
-        """Start ``steadfast launch ARGS ft_train.py SCRIPT`` on ``node``."""
+    def launch(
+        self, node: str, *args: str, script: list[str] | None = None, program: Path = TRAIN
+    ) -> Launch:
+        """Start ``steadfast launch ARGS PROGRAM SCRIPT`` on ``node`` (ft_train.py by
+        default)."""
         log = self.root / f"{node}-{len(self.launches)}.log"
-        cmd = [*LAUNCH, "--events", str(self.events_path), *args, str(TRAIN), *(script or [])]
+        cmd = [*LAUNCH, "--events", str(self.events_path), *args, str(program), *(script or [])]
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 ["bash", str(SCRIPT), "run", str(self.root), node, *cmd],
@@ -96,6 +111,7 @@ class Bed:
                 cwd=REPO,
             )
         launch = Launch(node, proc, log)
+        launch.started = time.time()
         self.launches.append(launch)
         return launch
 

@@ -190,6 +190,10 @@ def _sample(name: str) -> object:
     """A plausible value for a field, by its name."""
     if name in ("relative", "individual", "scores", "details"):
         return {"0": 1.0}
+    if name == "exits":
+        return [{"rank": 0, "local_rank": 0, "pid": 5, "exit_code": 0, "signal": None, "time": 1.5}]
+    if name in ("ranks", "pids", "replaced", "terminated"):
+        return [0] if name != "replaced" else ["h"]
     if name in ("resumed_from", "path", "section", "reason", "detail", "source", "action",
                 "signal", "verdict", "slurm_job", "fault", "causes"):  # fmt: skip
         return "x" if name != "fault" else "rank_killed"

@@ -12,19 +12,27 @@ from .goodput import (
     compute_report,
     load_events,
 )
+from .launchers import Generation, LauncherView, ObservedFault, launcher_view
 from .timeline import plot_timeline
 
 __all__ = [
     "BADPUT_CAUSES",
     "DETECTION_KINDS",
     "FaultRecord",
+    "Generation",
     "GoodputReport",
     "Incarnation",
+    "LauncherView",
+    "ObservedFault",
     "compute_report",
     "format_report",
+    "launcher_view",
     "load_events",
     "plot_timeline",
 ]
+
+#: what a script adds to give the report its productive time (the one line per step)
+STEP_LINE = 'steadfast.events.emit("step_done", step=step, seconds=step_seconds)'
 
 
 def _secs(value: float | None) -> str:
@@ -33,21 +41,27 @@ def _secs(value: float | None) -> str:
 
 def format_report(report: GoodputReport, title: str = "") -> str:
     """The printed report: wall and productive time, goodput, time lost by cause, each
-    fault with its detection latency and recovery time, and a verdict line."""
+    fault with its detection latency and recovery time, and a verdict line. A script
+    that reports no steps gets the launchers' account instead of the goodput: the wall
+    time split into start-up, running workers, each fault's cost and the end."""
     wall = report.wall_time or 1.0
+    view = report.launchers
     lines = [f"== steadfast report{': ' + title if title else ''} =="]
     lines.append(f"  wall time        {report.wall_time:8.2f} s")
-    goodput = f"goodput {100 * report.goodput:5.1f} %"
-    lines.append(f"  productive time  {report.productive_time:8.2f} s   {goodput}")
-    lines.append("  time lost by cause:")
-    for cause in BADPUT_CAUSES:
-        value = report.badput.get(cause, 0.0)
-        lines.append(f"    {cause:<16} {value:8.2f} s  {100 * value / wall:5.1f} %")
-    lines.append(
-        f"  steps kept {report.steps_done}, re-done {report.steps_redone}; "
-        f"{report.generations} process generations, {report.restarts} in-job restarts"
-        + (f", {report.requeues} Slurm requeues or resubmissions" if report.requeues else "")
-    )
+    if report.reports_steps or view is None:
+        goodput = f"goodput {100 * report.goodput:5.1f} %"
+        lines.append(f"  productive time  {report.productive_time:8.2f} s   {goodput}")
+        lines.append("  time lost by cause:")
+        for cause in BADPUT_CAUSES:
+            value = report.badput.get(cause, 0.0)
+            lines.append(f"    {cause:<16} {value:8.2f} s  {100 * value / wall:5.1f} %")
+        lines.append(
+            f"  steps kept {report.steps_done}, re-done {report.steps_redone}; "
+            f"{report.generations} process generations, {report.restarts} in-job restarts"
+            + (f", {report.requeues} Slurm requeues or resubmissions" if report.requeues else "")
+        )
+    else:
+        lines.extend(_launchers_split(view, wall))
     if len(report.incarnations) > 1 or len(report.nodes) > 1:
         lines.append(f"  nodes: {', '.join(report.nodes)}")
     if len(report.incarnations) > 1:
@@ -62,6 +76,10 @@ def format_report(report: GoodputReport, title: str = "") -> str:
                 f"    job {inc.slurm_job_id} restart {inc.slurm_restart}: "
                 f"{','.join(inc.nodes) or '-'}: {ended}"
             )
+    if view is not None and view.generations:
+        lines.extend(_generations(view))
+    if view is not None and view.faults:
+        lines.extend(_faults_seen(view))
     if report.faults:
         lines.append(f"  faults ({len(report.faults)} injected):")
         lines.append(
@@ -76,16 +94,83 @@ def format_report(report: GoodputReport, title: str = "") -> str:
                 f"{'-' if f.step is None else f.step:>5}  {f.detected_by or 'NOT DETECTED':<19} "
                 f"{_secs(f.detection_latency):>9} {recovery:>9}"
             )
-    else:
-        lines.append("  faults: none injected")
+    elif view is None or not view.faults:
+        lines.append("  faults: none injected" + (", none seen" if view is not None else ""))
     for problem in report.problems:
         lines.append(f"  note: {problem}")
-    if not report.faults:
-        verdict = "no injected faults"
-    elif report.all_recovered:
-        verdict = f"every injected fault ({len(report.faults)}) was detected and recovered"
-    else:
-        missed = [f.fault for f in report.faults if f.detected_by is None or not f.recovered]
-        verdict = f"NOT every fault was detected and recovered: {', '.join(missed)}"
-    lines.append(f"  verdict: {verdict}")
+    lines.append(f"  verdict: {_verdict(report)}")
     return "\n".join(lines)
+
+
+def _launchers_split(view: LauncherView, wall: float) -> list[str]:
+    lines = [
+        "  productive time  unknown: the script reports no steps; one line per step gives",
+        f"                   it: {STEP_LINE}",
+        "  the wall time, from the launchers:",
+    ]
+    parts = (
+        ("start-up", view.startup, "first launcher start -> every worker of the first "
+         "generation running"),
+        ("running workers", view.running, ""),
+        ("lost to faults", view.lost, f"{len(view.faults)} fault(s), each below"),
+        ("end", view.ending, "last worker exit -> last launcher end"),
+    )  # fmt: skip
+    for name, value, note in parts:
+        lines.append(
+            f"    {name:<16} {value:8.2f} s  {100 * value / wall:5.1f} %   {note}".rstrip()
+        )
+    restarts = sum(1 for g in view.generations if g.in_job_restart)
+    lines.append(
+        f"  {len(view.generations)} generations of workers, {restarts} in-job restarts "
+        "(each a new rendezvous round of every node)"
+    )
+    return lines
+
+
+def _generations(view: LauncherView) -> list[str]:
+    lines = ["  generations (seconds from the first launcher's start):"]
+    for g in view.generations:
+        end = "-" if g.end is None else f"{g.end - view.start:.2f}"
+        lines.append(
+            f"    {g.index:>2}  {','.join(g.nodes):<28} world {g.world_size:<4} "
+            f"{g.start - view.start:7.2f} -> {end:>7}  {g.outcome}"
+        )
+    return lines
+
+
+def _faults_seen(view: LauncherView) -> list[str]:
+    lines = [
+        f"  faults seen by the launchers ({len(view.faults)}):",
+        f"    {'what':<14} {'node':<8} {'rank':>4}  {'cause':<24} {'latency':>9} "
+        f"{'next gen.':>9}  replaced by",
+    ]
+    for f in view.faults:
+        lines.append(
+            f"    {f.what:<14} {f.node or '-':<8} {'-' if f.rank is None else f.rank:>4}  "
+            f"{f.cause[:24]:<24} {_secs(f.detection_latency):>9} "
+            f"{_secs(f.next_generation):>9}  {','.join(f.replaced_by) or '-'}"
+        )
+    return lines
+
+
+def _verdict(report: GoodputReport) -> str:
+    view = report.launchers
+    if report.faults:
+        if report.all_recovered:
+            return f"every injected fault ({len(report.faults)}) was detected and recovered"
+        missed = [f.fault for f in report.faults if f.detected_by is None or not f.recovered]
+        return f"NOT every fault was detected and recovered: {', '.join(missed)}"
+    if view is None or not view.faults:
+        return "no injected faults" + (", no fault seen" if view is not None else "")
+    after = [f for f in view.faults if f.next_generation is not None]
+    codes = sorted(set(view.exit_codes.values()))
+    ended = "every launcher exited 0" if codes == [0] else f"launcher exit codes {codes}"
+    gone = [n for n in view.nodes if n not in view.exit_codes]
+    if gone:
+        ended = ended.replace("every launcher", "every other launcher") + (
+            f" ({', '.join(gone)}: no end recorded, lost with the node)"
+        )
+    n = len(view.faults)
+    if len(after) == n:
+        return f"{n} fault(s) seen, each followed by a new generation of workers; {ended}"
+    return f"{n} fault(s) seen, {n - len(after)} with no new generation after; {ended}"

@@ -40,6 +40,7 @@ from typing import Any
 
 from .. import events as ev
 from ..faults import FaultKind
+from .launchers import LauncherView, launcher_view
 
 __all__ = [
     "BADPUT_CAUSES",
@@ -119,6 +120,15 @@ class GoodputReport:
     nodes: list[str] = field(default_factory=list)
     #: the Slurm incarnations, in order: each one's nodes and how it ended
     incarnations: list[Incarnation] = field(default_factory=list)
+    #: what the launchers recorded (any script): generations, faults seen, the wall
+    #: time's split; None for a run without ``steadfast launch`` (or an older log)
+    launchers: LauncherView | None = None
+
+    @property
+    def reports_steps(self) -> bool:
+        """Whether the script reported its steps (``step_done``): without them the
+        productive time is unknown, not zero."""
+        return self.steps_done > 0
 
     @property
     def goodput(self) -> float:
@@ -198,7 +208,8 @@ def compute_report(
     mine = [e for e in evs if e.rank == rank] if rank is not None else []
     steps = [e for e in mine if e.kind == "step_done" and e.step is not None]
     starts = [e for e in mine if e.kind == "job_start"]
-    t0 = min([evs[0].time, *[_began(e) for e in starts]])
+    view = launcher_view(evs)
+    t0 = min([evs[0].time, *[_began(e) for e in starts], *([view.start] if view else [])])
     wall = evs[-1].time - t0
     badput = dict.fromkeys(BADPUT_CAUSES, 0.0)
 
@@ -258,6 +269,10 @@ def compute_report(
     # a process is its host and pid: pids of different nodes (or PID namespaces) repeat
     generations = len({(e.get("host"), e.get("pid")) for e in starts})
     restarts = sum(1 for e in evs if e.kind == "restart")
+    if view is not None:  # job-wide, not once per node that restarted
+        restarts = sum(1 for g in view.generations if g.in_job_restart)
+        if not starts:  # a script that reports nothing: its generations of workers
+            generations = len(view.generations)
     incarnations = {
         (e.get("slurm_job_id"), e.get("slurm_restart"))
         for e in starts
@@ -266,6 +281,9 @@ def compute_report(
     nodes = list(
         dict.fromkeys(str(e.get("host")) for e in evs if e.kind == "job_start" and e.get("host"))
     )
+    if view is not None and not nodes:
+        nodes = [n for g in view.generations for n in g.nodes] or view.nodes
+        nodes = list(dict.fromkeys(nodes))
     return GoodputReport(
         wall_time=wall,
         productive_time=productive,
@@ -279,6 +297,7 @@ def compute_report(
         requeues=max(0, len(incarnations) - 1),
         nodes=nodes,
         incarnations=_incarnations(evs),
+        launchers=view,
     )
 
 

@@ -1,14 +1,18 @@
 """The timeline picture: one lane per rank, time on the x axis, showing steps, faults,
 detections, restarts and checkpoints (matplotlib, an optional dependency:
-``pip install steadfast[report]``)."""
+``pip install steadfast[report]``). A run whose script reports no steps gets one lane
+per node instead, from its launchers' events: each generation of workers, the launcher's
+start and end, a lost node, a spare joining and each restart."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from .. import events as ev
 from .goodput import DETECTION_KINDS
+from .launchers import as_list
 
 __all__ = ["plot_timeline"]
 
@@ -30,6 +34,10 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
         raise ImportError("the timeline needs matplotlib: pip install 'steadfast[report]'") from exc
     if not events:
         raise ValueError("no events to draw")
+    if not any(e.kind == "step_done" for e in events) and any(
+        e.kind == "workers_started" for e in events
+    ):
+        return _plot_nodes(plt, events, Path(path), title)
     starts = [e.get("process_start") for e in events if e.kind == "job_start"]
     t0 = min([events[0].time] + [float(s) for s in starts if s is not None])
     ranks = sorted({e.rank for e in events if e.rank is not None})
@@ -95,6 +103,113 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
         )
         fig.tight_layout()
         out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+        return out
+    finally:
+        plt.close(fig)
+
+
+_OUTCOME_COLOURS = {"succeeded": "tab:blue", "stopped": "tab:gray", "failed": "tab:red"}
+
+
+def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path:
+    """One lane per node, from the launchers' events (a script that reports no steps)."""
+    t0 = min(e.time for e in events)
+    nodes = list(
+        dict.fromkeys(
+            str(e.get("host"))
+            for e in events
+            if e.kind in ("launcher_start", "workers_started") and e.get("host")
+        )
+    )
+    nodes.sort()  # node1 at the top
+    lane = {n: len(nodes) - 1 - i for i, n in enumerate(nodes)}
+    lost_at = {  # a node lost with its workers: they ran until the loss began
+        str(e.get("node")): e.time - float(e.get("latency") or 0.0) - t0
+        for e in events
+        if e.kind == "node_lost"
+    }
+    fig, ax = plt.subplots(figsize=(12, 1.4 + 0.8 * max(1, len(nodes))))
+    try:
+        started: dict[tuple[str, int], float] = {}
+        open_bars: dict[tuple[str, int], float] = {}  # started, never seen to exit
+        for e in events:
+            host = str(e.get("host"))
+            if host not in lane:
+                continue
+            y, x = lane[host], e.time - t0
+            if e.kind in ("workers_started", "workers_exited"):
+                key = (host, int(e.get("generation") or 0))
+            if e.kind == "workers_started":
+                started[key] = x
+                open_bars[key] = x
+            elif e.kind == "workers_exited" and key in started:
+                exits = [
+                    float(w["time"]) - t0
+                    for w in as_list(e.get("exits"))
+                    if isinstance(w, dict) and w.get("time")
+                ]
+                end = max(exits) if exits else x
+                open_bars.pop(key, None)
+                colour = _OUTCOME_COLOURS.get(str(e.cause), "tab:gray")
+                ax.broken_barh(
+                    [(started[key], end - started[key])], (y - 0.3, 0.6), facecolors=colour,
+                    alpha=0.6,
+                )  # fmt: skip
+            elif e.kind == "launcher_start":
+                ax.plot(x, y, ">", color="black", markersize=7)
+            elif e.kind == "launcher_end":
+                ax.plot(x, y, "|", color="black", markersize=14, markeredgewidth=2)
+            elif e.kind in ("rank_failed", "rank_hung", "node_unhealthy", "node_isolated"):
+                ax.plot(x, y + 0.42, "^", color="darkorange", markersize=9)
+        for (host, _), x in open_bars.items():
+            end = lost_at.get(host, events[-1].time - t0)
+            ax.broken_barh([(x, end - x)], (lane[host] - 0.3, 0.6), facecolors="tab:red",
+                           alpha=0.35)  # fmt: skip
+        for e in events:
+            x = e.time - t0
+            if e.kind == "node_lost":
+                node = str(e.get("node"))
+                latency = float(e.get("latency") or 0.0)
+                ax.axvline(x, color="red", linestyle="--", linewidth=1)
+                if node in lane:
+                    ax.plot(x - latency, lane[node], "X", color="red", markersize=12)
+                    ax.annotate(f"{node} lost ({e.cause})", (x, lane[node] + 0.42),
+                                fontsize=7, color="red")  # fmt: skip
+            elif e.kind == "node_joined":
+                node = str(e.get("node"))
+                if node in lane:
+                    ax.plot(x, lane[node], "D", color="green", markersize=8)
+                    ax.annotate(f"{node} joins", (x, lane[node] - 0.48), fontsize=7,
+                                color="green")  # fmt: skip
+        ax.set_yticks([lane[n] for n in nodes], nodes)
+        ax.set_ylim(-0.8, len(nodes) - 0.2 + 0.6)
+        ax.set_xlabel("seconds since the first launcher started")
+        ax.set_title(title or "steadfast run timeline (by node: the script reports no steps)",
+                     fontsize=10)  # fmt: skip
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+
+        ax.legend(
+            handles=[
+                Patch(color="tab:blue", alpha=0.6, label="workers running (ended well)"),
+                Patch(color="tab:gray", alpha=0.6, label="workers stopped"),
+                Patch(color="tab:red", alpha=0.6, label="workers failed"),
+                Patch(color="tab:red", alpha=0.35, label="workers lost with their node"),
+                Line2D([], [], marker="X", color="red", linestyle="", label="node lost"),
+                Line2D([], [], color="red", linestyle="--", label="loss detected"),
+                Line2D([], [], marker="D", color="green", linestyle="", label="node joined"),
+                Line2D([], [], marker=">", color="black", linestyle="", label="launcher start"),
+                Line2D([], [], marker="|", color="black", linestyle="", label="launcher end"),
+            ],
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.25),
+            ncol=5,
+            fontsize=8,
+            frameon=False,
+        )
+        fig.tight_layout()
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110)
         return out

@@ -1,0 +1,239 @@
+"""The launchers' account of a run: what ``steadfast launch`` saw, for any script.
+
+A script that uses no steadfast API writes no event of its own; its launchers still
+record, per node, their start and end (``launcher_start``, ``launcher_end``), each
+generation of workers they ran (``workers_started``, ``workers_exited``: when, which
+ranks, how each worker ended) and each fault they detected (``node_lost``,
+``rank_failed``, ``rank_hung``, ``node_unhealthy``, ``node_isolated``), and each node
+that joined later (``node_joined``). From those alone this module gives the run's true
+wall time, its generations (one per rendezvous round, across nodes), every fault with
+its node, cause, detection latency and the time to the next generation's start, and
+the wall time split into time running workers, time lost to each fault, start-up (the
+first launcher's start to the first generation running) and the end (the last worker's
+exit to the last launcher's end).
+
+Assumptions: every node's launcher writes to the same event log (a shared run
+directory, as ``steadfast slurm`` and the multi-node tests do) and the nodes' clocks
+agree to well under the latencies reported (NTP on a cluster: milliseconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import events as ev
+
+__all__ = ["Generation", "LauncherView", "ObservedFault", "as_list", "launcher_view"]
+
+#: the launchers' own fault verdicts, and what each is called in the report
+FAULT_KINDS = {
+    "node_lost": "node lost",
+    "rank_failed": "rank failed",
+    "rank_hung": "rank hung",
+    "node_unhealthy": "node unhealthy",
+    "node_isolated": "node cut off",
+}
+
+
+@dataclass
+class Generation:
+    """One generation of workers: a round of the rendezvous, across its nodes."""
+
+    index: int  # 1 for the first, job-wide
+    nodes: list[str]  # in node-rank order where known
+    world_size: int
+    start: float  # when its last node started its workers: the whole group is running
+    end: float | None = None  # its last worker's exit
+    outcome: str = "running"  # succeeded, failed or stopped (the worst of its nodes)
+    in_job_restart: bool = False  # a launcher that ran an earlier one started it
+
+
+@dataclass
+class ObservedFault:
+    """A fault a launcher detected, with what it cost."""
+
+    what: str  # node lost, rank failed, rank hung, node unhealthy, node cut off
+    cause: str
+    node: str | None  # the node at fault
+    rank: int | None  # the rank at fault, where it is one
+    time: float  # when it was detected
+    detection_latency: float | None  # from the fault (its last sign of life) to then
+    next_generation: float | None = None  # detection -> the next generation running
+    replaced_by: list[str] = field(default_factory=list)  # nodes that joined in its place
+
+    @property
+    def began(self) -> float:
+        """When the fault itself happened (its detection less the latency)."""
+        return self.time - (self.detection_latency or 0.0)
+
+
+@dataclass
+class LauncherView:
+    """The run as its launchers saw it (see the module's description)."""
+
+    start: float
+    end: float
+    nodes: list[str]
+    generations: list[Generation]
+    faults: list[ObservedFault]
+    running: float  # seconds with a generation of workers running
+    startup: float  # first launcher start -> first generation running
+    ending: float  # last worker exit -> last launcher end
+    exit_codes: dict[str, int] = field(default_factory=dict)  # node -> its launcher's
+
+    @property
+    def wall_time(self) -> float:
+        return self.end - self.start
+
+    @property
+    def lost(self) -> float:
+        """Seconds lost to faults: each from its fault to the next generation running."""
+        return sum(_lost(f) for f in self.faults)
+
+
+def _lost(f: ObservedFault) -> float:
+    if f.next_generation is None:
+        return 0.0
+    return f.next_generation + (f.detection_latency or 0.0)
+
+
+def as_list(value: object) -> list[Any]:
+    """A list field of an event, or [] when a (hand-edited, older) log has another type."""
+    return value if isinstance(value, list) else []
+
+
+def _generations(evs: list[ev.Event]) -> list[Generation]:
+    """Group every node's ``workers_started`` into job-wide generations: a generation
+    takes one event per node until it has the round's ``nodes``; a node seen again
+    starts the next one."""
+    gens: list[Generation] = []
+    hosts: list[str] = []
+    want = 0
+    keys: list[tuple[str, int]] = []  # (host, its generation count) of the current one
+    members: list[list[tuple[str, int]]] = []
+    order: dict[int, dict[str, int]] = {}  # generation -> host -> node rank
+    for e in (x for x in evs if x.kind == "workers_started"):
+        host = str(e.get("host"))
+        if not gens or host in hosts or len(hosts) >= want:
+            gens.append(Generation(len(gens) + 1, [], int(e.get("world_size") or 0), e.time))
+            hosts, keys = [], []
+            members.append(keys)
+            want = int(e.get("nodes") or 1)
+        hosts.append(host)
+        keys.append((host, int(e.get("generation") or 0)))
+        gen = gens[-1]
+        gen.in_job_restart = gen.in_job_restart or int(e.get("generation") or 0) > 1
+        rank = int(e.get("node_rank") or 0)
+        order.setdefault(gen.index, {})[host] = rank
+        gen.nodes = sorted([*gen.nodes, host], key=lambda h: order[gen.index].get(h, 0))
+        gen.start = max(gen.start, e.time)
+    ends = {
+        (str(e.get("host")), int(e.get("generation") or 0)): e
+        for e in evs
+        if e.kind == "workers_exited"
+    }
+    severity = {"succeeded": 0, "stopped": 1, "failed": 2}
+    for gen, keys_of in zip(gens, members, strict=True):
+        mine = [ends[k] for k in keys_of if k in ends]
+        if not mine:
+            continue
+        times = [
+            float(x["time"])
+            for e in mine
+            for x in as_list(e.get("exits"))
+            if isinstance(x, dict) and x.get("time")
+        ]
+        gen.end = max(times or [e.time for e in mine])
+        gen.outcome = max((str(e.cause) for e in mine), key=lambda c: severity.get(c, 1))
+    return gens
+
+
+def _exit_time(evs: list[ev.Event], host: str | None, pid: object) -> float | None:
+    """When worker ``pid`` of ``host`` exited, from its node's ``workers_exited``."""
+    for e in evs:
+        if e.kind != "workers_exited" or e.get("host") != host:
+            continue
+        for x in as_list(e.get("exits")):
+            if isinstance(x, dict) and x.get("pid") == pid and x.get("time"):
+                return float(x["time"])
+    return None
+
+
+def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
+    out = []
+    for e in evs:
+        if e.kind not in FAULT_KINDS:
+            continue
+        if e.kind == "node_lost":
+            node, rank = e.get("node"), None
+            latency = e.get("latency")
+        else:
+            node, rank = e.get("host"), e.rank
+            latency = None
+            if e.kind == "rank_failed":
+                exited = _exit_time(evs, node, e.get("worker_pid"))
+                latency = max(0.0, e.time - exited) if exited is not None else None
+            elif e.kind == "rank_hung":
+                latency = e.get("elapsed")
+        out.append(
+            ObservedFault(
+                what=FAULT_KINDS[e.kind],
+                cause=str(e.cause or "-"),
+                node=None if node is None else str(node),
+                rank=None if rank is None else int(rank),
+                time=e.time,
+                detection_latency=None if latency is None else float(latency),
+            )
+        )
+    for f in out:
+        later = [g for g in gens if g.start > f.time]
+        if later:
+            f.next_generation = later[0].start - f.time
+        if f.node is not None:
+            f.replaced_by = sorted(
+                {
+                    str(j.get("node"))
+                    for j in evs
+                    if j.kind == "node_joined"
+                    and j.time >= f.time
+                    and f.node in as_list(j.get("replaced"))
+                }
+            )
+    return out
+
+
+def launcher_view(evs: list[ev.Event]) -> LauncherView | None:
+    """The launchers' account of ``evs`` (sorted by time), or None where no launcher of
+    this version wrote one (an older log, a script run without ``steadfast launch``)."""
+    starts = [e for e in evs if e.kind == "launcher_start"]
+    if not starts:
+        return None
+    ends = [e for e in evs if e.kind == "launcher_end"]
+    start = min(e.time for e in starts)
+    end = max([e.time for e in ends] or [evs[-1].time])
+    nodes = list(dict.fromkeys(str(e.get("host")) for e in starts))
+    gens = _generations(evs)
+    faults = _faults(evs, gens)
+    # running: each generation from its start to its end, or to the fault that ended it
+    running = 0.0
+    for i, g in enumerate(gens):
+        stop = g.end if g.end is not None else end
+        nxt = gens[i + 1].start if i + 1 < len(gens) else None
+        ended_by = [f.began for f in faults if g.start <= f.time and (nxt is None or f.time < nxt)]
+        if ended_by:
+            stop = min(stop, min(ended_by))
+        running += max(0.0, stop - g.start)
+    first = gens[0].start if gens else end
+    last_exit = max((g.end for g in gens if g.end is not None), default=end)
+    return LauncherView(
+        start=start,
+        end=end,
+        nodes=nodes,
+        generations=gens,
+        faults=faults,
+        running=running,
+        startup=max(0.0, first - start),
+        ending=max(0.0, end - last_exit),
+        exit_codes={str(e.get("host")): int(e.get("exit_code") or 0) for e in ends},
+    )

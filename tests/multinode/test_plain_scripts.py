@@ -1,0 +1,156 @@
+"""A plain torchrun script (``plain_ddp.py``: no steadfast import, its own snapshot.pt)
+under ``steadfast launch`` on the bed: what a user switching from torchrun brings.
+
+Each run checks what such a user can see: the launchers' exit codes, that every epoch
+ran (the script's own per-epoch lines), that each launcher ended soon after its node's
+last worker (none left waiting in torch's exit barrier), and the fault in the log.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PLAIN = Path(__file__).with_name("plain_ddp.py")
+EPOCHS = int(os.environ.get("PLAIN_EPOCHS", "30"))
+KILL_AT = int(os.environ.get("PLAIN_KILL_AT", "8"))
+END_WITHIN = float(
+    os.environ.get("PLAIN_END_WITHIN", "2.0")
+)  # a launcher ends this soon after its node's last worker
+
+
+def job(nnodes: str, *, backend: str = "c10d", endpoint: str = "node1:29500") -> list[str]:
+    return [
+        "--nnodes", nnodes, "--nproc-per-node", "1",
+        "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", "plain",
+        "--max-restarts", "3",
+    ]  # fmt: skip
+
+
+def script(bed: Any) -> list[str]:
+    return [
+        "--snapshot", str(bed.shared / "snapshot.pt"), "--epochs", str(EPOCHS),
+        "--epoch-sleep", os.environ.get("PLAIN_SLEEP", "0.2"), "--out", str(bed.shared / "out.pt"),
+        "--trace", str(bed.shared / "trace"),
+    ]  # fmt: skip
+
+
+def trace(bed: Any) -> list[dict[str, Any]]:
+    """Every line the script's ranks wrote: epochs and ends, with their file's name."""
+    lines = []
+    folder = bed.shared / "trace"
+    for f in sorted(folder.iterdir()) if folder.exists() else []:
+        for line in f.read_text().splitlines():
+            words = line.split()
+            if len(words) % 2 or not words:
+                continue  # a line being written
+            rec: dict[str, Any] = dict(zip(words[::2], words[1::2], strict=True))
+            rec["file"] = f.name
+            lines.append(rec)
+    return lines
+
+
+def wait_epoch(bed: Any, epoch: int, timeout: float = 90) -> None:
+    end = time.monotonic() + timeout
+    while not any(r.get("epoch") == str(epoch) for r in trace(bed)):
+        if time.monotonic() > end:
+            pytest.fail(f"epoch {epoch} never ran:\n{bed.logs()}")
+        time.sleep(0.05)
+
+
+def wait_all(launches: list[Any], timeout: float = 150) -> dict[str, int]:
+    """Every launcher's exit code, each end noted as it happens (polled together)."""
+    end = time.monotonic() + timeout
+    while any(lc.poll() is None for lc in launches):
+        if time.monotonic() > end:
+            left = [lc.node for lc in launches if lc.proc.poll() is None]
+            pytest.fail(f"launchers on {left} did not end in {timeout} s")
+        time.sleep(0.05)
+    return {lc.node: lc.proc.returncode for lc in launches}
+
+
+def assert_every_epoch_ran_and_launchers_ended(bed: Any, launches: list[Any]) -> None:
+    lines = trace(bed)
+    ran = {int(r["epoch"]) for r in lines if "epoch" in r}
+    assert ran == set(range(EPOCHS)), sorted(set(range(EPOCHS)) - ran)
+    assert (bed.shared / "out.pt").exists()
+    # each launcher ended soon after its own worker's last line
+    for lc in launches:
+        done = [float(r["time"]) for r in lines if "done" in r and r["host"] == lc.node]
+        if not done or lc.proc.returncode != 0:
+            continue
+        assert lc.ended is not None
+        late = lc.ended - max(done)
+        assert late <= END_WITHIN, f"{lc.node}'s launcher ended {late:.1f}s after its worker"
+
+
+def test_a_spare_replaces_a_killed_node_and_every_launcher_ends(bed_factory):
+    """3 nodes and a spare that joins once the round has formed; node2 is killed
+    mid-run. The new round (node1, node3, node4) trains to the end, and every launcher,
+    the store's host included, ends within 2 s of its worker (before the fix two runs in
+    five never ended: every launcher sat in torch's exit barrier)."""
+    bed = bed_factory(4)
+    flags, args = job("3"), script(bed)
+    launches = [
+        bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2", "node3")
+    ]
+    wait_epoch(bed, 1)
+    launches.append(bed.launch("node4", *flags, script=args, program=PLAIN))
+    wait_epoch(bed, KILL_AT)
+    bed.do("kill", "node2")
+    codes = wait_all(launches)
+    assert codes["node1"] == codes["node3"] == codes["node4"] == 0, bed.logs()
+    assert codes["node2"] != 0
+    lost = bed.events("node_lost", node="node2")
+    assert len(lost) == 1, lost
+    assert bed.events("node_joined", node="node4")
+    assert_every_epoch_ran_and_launchers_ended(bed, [lc for lc in launches if lc.node != "node2"])
+    assert os.path.getsize(bed.shared / "out.pt") > 0
+    assert_the_report_tells_the_launchers_story(bed, lost[0])
+
+
+def assert_the_report_tells_the_launchers_story(bed: Any, lost: dict[str, Any]) -> None:
+    """`steadfast report` on the shared run directory, checked against the launchers'
+    own events: the true wall time, the two generations, the loss (node, cause, its
+    detection latency, the time to the next generation, the spare), the wall time split,
+    and what the user adds for productive time; and the timeline by node."""
+    from steadfast.report import compute_report, format_report, load_events, plot_timeline
+
+    evs, problems = load_events(bed.shared)
+    report = compute_report(evs, problems)
+    raw = bed.events()
+    starts = [e["time"] for e in raw if e["kind"] == "launcher_start"]
+    ends = [e["time"] for e in raw if e["kind"] == "launcher_end"]
+    assert len(starts) == 4 and len(ends) == 3  # node2's launcher died with its node
+    assert report.wall_time == pytest.approx(max(ends) - min(starts), abs=1e-6)
+    view = report.launchers
+    assert view is not None and not report.reports_steps
+    assert [g.nodes for g in view.generations] == [
+        ["node1", "node2", "node3"],
+        ["node1", "node3", "node4"],
+    ]
+    assert [g.outcome for g in view.generations] == ["stopped", "succeeded"]
+    assert report.generations == 2 and report.restarts == 1
+    (fault,) = view.faults
+    assert (fault.what, fault.node, fault.cause) == ("node lost", "node2", lost["cause"])
+    assert fault.detection_latency == pytest.approx(lost["latency"])
+    started_again = [
+        e["time"] for e in raw if e["kind"] == "workers_started" and e["time"] > lost["time"]
+    ]
+    assert len(started_again) == 3
+    assert fault.next_generation == pytest.approx(max(started_again) - lost["time"])
+    assert fault.replaced_by == ["node4"]
+    split = view.startup + view.running + view.lost + view.ending
+    assert split == pytest.approx(report.wall_time, abs=0.5)  # a fault's windows overlap
+    text = format_report(report)
+    assert "productive time  unknown" in text and 'emit("step_done"' in text
+    assert "node lost      node2" in text and "node4" in text
+    assert "verdict: 1 fault(s) seen, each followed by a new generation" in text
+    picture = plot_timeline(evs, bed.root / "timeline.png")
+    assert picture.stat().st_size > 10_000
