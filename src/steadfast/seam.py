@@ -138,6 +138,11 @@ def agent_remaining_restarts(agent: Any) -> int:
     return int(agent._remaining_restarts)
 
 
+def agent_exit_barrier_timeout(agent: Any) -> float:
+    """Seconds torch's agent waits at its exit barrier (``exit_barrier_timeout``)."""
+    return float(agent._exit_barrier_timeout)
+
+
 def agent_shutdown(agent: Any, death_sig: signal.Signals, timeout: int) -> None:
     """Stop the agent's workers: ``death_sig``, then SIGKILL after ``timeout`` seconds."""
     agent._shutdown(death_sig, timeout=timeout)

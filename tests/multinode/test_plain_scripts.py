@@ -154,3 +154,47 @@ def assert_the_report_tells_the_launchers_story(bed: Any, lost: dict[str, Any]) 
     assert "verdict: 1 fault(s) seen, each followed by a new generation" in text
     picture = plot_timeline(evs, bed.root / "timeline.png")
     assert picture.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("fault", ["silent_kill", "partition", "etcd_host_lost"])
+def test_a_plain_script_survives_a_lost_node_with_a_spare(bed_factory, fault, request):
+    """The lost-node matrix with the plain script: 2 nodes and a spare, one node lost
+    silently (power and link gone at once), cut off by a partition (it learns it was
+    replaced when the link returns, and exits 75), or the rendezvous host (node1) lost
+    under etcd. The job goes on with the spare to the end, every epoch runs, and the
+    launchers that finish end within 2 s of their workers."""
+    if fault == "etcd_host_lost":
+        request.getfixturevalue("etcd_installed")
+    bed = bed_factory(3)
+    if fault == "etcd_host_lost":
+        bed.do("etcd")
+        flags, victim = job("2", backend="etcd-v2", endpoint="127.0.0.1:2379"), "node1"
+    else:
+        flags, victim = job("2"), "node2"
+    flags = [*flags, "--ft-node-heartbeat-interval", "0.25", "--ft-node-heartbeat-timeout", "2"]
+    args = script(bed)
+    launches = [bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2")]
+    wait_epoch(bed, 0)
+    launches.append(bed.launch("node3", *flags, script=args, program=PLAIN))
+    wait_epoch(bed, KILL_AT)
+    if fault == "partition":
+        bed.do("partition", victim)
+    else:
+        bed.do("kill", victim, *(["--silent"] if fault == "silent_kill" else []))
+    lost = bed.wait_event("node_lost", node=victim)
+    if fault == "partition":
+        bed.wait_event("node_joined", node="node3")
+        wait_epoch(bed, KILL_AT + 3)  # the new round trains
+        bed.do("heal", victim)
+    codes = wait_all(launches)
+    survivors = [lc for lc in launches if lc.node != victim]
+    assert [codes[lc.node] for lc in survivors] == [0, 0], bed.logs()
+    if fault == "partition":  # back, it found itself replaced
+        assert codes[victim] == 75, bed.logs()
+    else:  # killed with its node
+        assert codes[victim] != 0
+    # a silent loss is found by the missing beats; a killed launcher's connections reset
+    assert lost["cause"] == ("connection_reset" if fault == "etcd_host_lost" else "silent"), lost
+    assert len(bed.events("node_lost")) == 1
+    assert bed.events("node_joined", node="node3")
+    assert_every_epoch_ran_and_launchers_ended(bed, survivors)

@@ -79,6 +79,9 @@ class _Recording(LocalElasticAgent):
         self.calls.append("restart")
         super()._restart_workers(worker_group)
 
+    def _exit_barrier(self) -> None:
+        self.calls.append(f"exit_barrier:{seam.agent_exit_barrier_timeout(self):g}")
+
 
 def _launch(tmp_path: Any, code: str, max_restarts: int) -> tuple[list[_Recording], Any]:
     agents: list[_Recording] = []
@@ -144,6 +147,7 @@ def test_launch_agent_builds_the_agent_and_runs_its_hooks(tmp_path: Any) -> None
         "rendezvous",
         "start",
         "monitor:SUCCEEDED",
+        "exit_barrier:300",  # after a success, with torch's exit_barrier_timeout
     ]
     assert agent.started_by == ["replacement", "replacement"]
     assert agent.remaining == [1, 0]

@@ -298,6 +298,19 @@ class FTAgent(LocalElasticAgent):
             self._leave(f"its workers {result.state.name}, no restarts left")
         return result
 
+    def _exit_barrier(self) -> None:
+        """The workers of this node finished: wait for the round's other nodes to finish
+        theirs before leaving (the store's host must outlive their use of it), through
+        the roster's own barrier (see :meth:`NodeRoster.exit_barrier`: it cannot stall
+        on, or stall, the store client the rendezvous shares), up to torch's
+        ``exit_barrier_timeout``. One node: nothing to wait for."""
+        if self.roster is None:
+            return
+        try:
+            self.roster.exit_barrier(seam.agent_exit_barrier_timeout(self))
+        except Exception as exc:  # the store's host already gone: nothing to keep alive
+            logger.info("exit barrier: %s", exc)
+
     def _leave(self, reason: str) -> None:
         """This node's launcher stops on a fault of its own: record it for the nodes
         that watch it, which report it (``node_lost``, cause ``left``, with the reason)

@@ -307,6 +307,59 @@ class NodeRoster:
             self._finished = True
         self._wake()  # the loop sends the goodbye at once, then instead of beats
 
+    def exit_barrier(self, timeout: float) -> list[str]:
+        """Wait until every node of the round has finished its workers (or is lost), up
+        to ``timeout`` seconds: torch's exit barrier, which keeps the store's host alive
+        while other nodes may still need it, done so that it cannot hang a job.
+
+        torch's barrier blocks in one ``store.wait`` of up to 300 s on the round's store
+        *client*, which the rendezvous keep-alive and this roster's store threads share:
+        a TCPStore client serves one call at a time, so the wait stalls every other call
+        on it and any of them stalls the barrier's own ``add``. This one takes a
+        connection of its own (``clone``), marks this node done under its node rank,
+        polls (never a long blocking call), stops waiting for nodes found lost, and names
+        the nodes it waits for every 10 s. Returns the hosts it stopped waiting for."""
+        with self._lock:
+            current = self._round
+        if current is None or current.nodes <= 1:
+            return []
+        store = current.store.clone()  # a connection of its own
+        key = f"{current.prefix}exit/"
+        store.set(f"{key}{current.rank}", b"1")
+        if int(store.add(f"{key}count", 1)) >= current.nodes:
+            store.set(f"{key}all", b"1")
+        start = time.monotonic()
+        deadline, report, pause = start + timeout, start + 10.0, 0.005
+        while not store.check([f"{key}all"]):
+            with self._lock:
+                lost = set(self._losses)
+            waiting = [
+                r
+                for r in range(current.nodes)
+                if r not in lost and (lost or time.monotonic() > report)
+                and not store.check([f"{key}{r}"])
+            ]  # fmt: skip
+            if lost and not waiting:  # every node left finished: the lost ones never will
+                return sorted(current.peers[r].host for r in lost)
+            now = time.monotonic()
+            if now > report and waiting:
+                logger.info(
+                    "waiting for %s to finish their workers (%.0f s so far)",
+                    ", ".join(current.peers[r].host for r in waiting),
+                    now - start,
+                )
+                report = now + 10.0
+            if now > deadline:
+                logger.warning(
+                    "exit barrier: %s did not finish within %.0f s; leaving without them",
+                    ", ".join(current.peers[r].host for r in waiting) or "some nodes",
+                    timeout,
+                )
+                return [current.peers[r].host for r in waiting]
+            time.sleep(pause)
+            pause = min(pause * 2, 0.25)
+        return []
+
     def losses(self) -> list[Loss]:
         """The round's confirmed losses so far."""
         with self._lock:
