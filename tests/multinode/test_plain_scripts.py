@@ -135,7 +135,10 @@ def assert_the_report_tells_the_launchers_story(bed: Any, lost: dict[str, Any]) 
         ["node1", "node2", "node3"],
         ["node1", "node3", "node4"],
     ]
-    assert [g.outcome for g in view.generations] == ["stopped", "succeeded"]
+    # the first ended when node2 went: stopped by the launchers, or failed on their own
+    # when a collective lost its peer before the roster stopped them
+    assert view.generations[0].outcome in ("stopped", "failed")
+    assert view.generations[1].outcome == "succeeded"
     assert report.generations == 2 and report.restarts == 1
     (fault,) = view.faults
     assert (fault.what, fault.node, fault.cause) == ("node lost", "node2", lost["cause"])

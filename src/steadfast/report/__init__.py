@@ -141,14 +141,16 @@ def _generations(view: LauncherView) -> list[str]:
 def _faults_seen(view: LauncherView) -> list[str]:
     lines = [
         f"  faults seen by the launchers ({len(view.faults)}):",
+        "    (latency: the fault -> its detection; next gen.: the detection -> the next",
+        "    generation running; cost: both)",
         f"    {'what':<14} {'node':<8} {'rank':>4}  {'cause':<24} {'latency':>9} "
-        f"{'next gen.':>9}  replaced by",
+        f"{'next gen.':>9} {'cost':>9}  replaced by",
     ]
     for f in view.faults:
         lines.append(
             f"    {f.what:<14} {f.node or '-':<8} {'-' if f.rank is None else f.rank:>4}  "
             f"{f.cause[:24]:<24} {_secs(f.detection_latency):>9} "
-            f"{_secs(f.next_generation):>9}  {','.join(f.replaced_by) or '-'}"
+            f"{_secs(f.next_generation):>9} {_secs(f.cost):>9}  {','.join(f.replaced_by) or '-'}"
         )
     return lines
 

@@ -63,6 +63,13 @@ class ObservedFault:
     replaced_by: list[str] = field(default_factory=list)  # nodes that joined in its place
 
     @property
+    def cost(self) -> float | None:
+        """Seconds it cost: from the fault itself to the next generation running."""
+        if self.next_generation is None:
+            return None
+        return self.next_generation + (self.detection_latency or 0.0)
+
+    @property
     def began(self) -> float:
         """When the fault itself happened (its detection less the latency)."""
         return self.time - (self.detection_latency or 0.0)
@@ -89,13 +96,7 @@ class LauncherView:
     @property
     def lost(self) -> float:
         """Seconds lost to faults: each from its fault to the next generation running."""
-        return sum(_lost(f) for f in self.faults)
-
-
-def _lost(f: ObservedFault) -> float:
-    if f.next_generation is None:
-        return 0.0
-    return f.next_generation + (f.detection_latency or 0.0)
+        return sum(f.cost or 0.0 for f in self.faults)
 
 
 def as_list(value: object) -> list[Any]:
