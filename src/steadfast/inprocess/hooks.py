@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
+from typing import Any
 
+from . import transport
 from .state import HealthCheckError, InterruptedIteration, RestartAbort, State
 
 __all__ = [
@@ -84,10 +86,11 @@ class AbortTorchDistributed(Abort):
     Aborting NCCL communicators releases kernels blocked in a collective. gloo's
     ``abort()`` closes nothing (its connections close only when the group object is
     destroyed, and the user's code, DDP's reducer or a ``new_group`` handle, usually
-    still holds it), so the connections accepted on this process's group listeners are
-    shut down first (:mod:`steadfast.inprocess.transport`): every collective blocked on
-    them, on this rank and on its peers, fails at once instead of waiting out the
-    group's timeout. Since every healthy rank aborts on an interruption, and a killed
+    still holds it), so when any group runs on gloo, the connections accepted on this
+    process's group listeners are shut down after the abort
+    (:mod:`steadfast.inprocess.transport`): every collective blocked on them, on this
+    rank and on its peers, fails at once instead of waiting out the group's timeout
+    (after, not before: NCCL's own sockets are never cut under a live communicator). Since every healthy rank aborts on an interruption, and a killed
     rank's kernel closes its side, every pair of the job is closed. The destroy runs
     only on the main thread (the monitor thread aborts, the main thread destroys before
     the restart), so no group is torn down under a running collective.
@@ -99,13 +102,9 @@ class AbortTorchDistributed(Abort):
         if not dist.is_available() or not dist.is_initialized():
             return state
         from .. import seam
-        from . import transport
 
-        try:
-            keep = transport.store_ports(seam.process_group_stores())
-            transport.close_collective_connections(keep)
-        except Exception as exc:
-            logger.debug("closing the process groups' connections failed: %s", exc)
+        # what the gloo groups' connections are found by, before the abort forgets them
+        keep, gloo = self._gloo_transport(seam)
         if threading.current_thread() is threading.main_thread():
             # Abort every group (NCCL ones inside one group start/end) and clear the
             # registry, so the next iteration can init_process_group again.
@@ -113,15 +112,34 @@ class AbortTorchDistributed(Abort):
                 seam.abort_all_process_groups()
             except Exception as exc:
                 logger.debug("abort of the process groups failed: %s", exc)
-            return state
-        # Monitor thread: abort only (newest group first); the registry stays for the
-        # main thread, which may still be inside a collective.
-        for group in reversed(seam.process_groups()):
+        else:
+            # Monitor thread: abort only (newest group first); the registry stays for
+            # the main thread, which may still be inside a collective.
+            for group in reversed(seam.process_groups()):
+                try:
+                    group.abort()
+                except Exception as exc:
+                    logger.debug("abort of %s failed: %s", group, exc)
+        if gloo:  # after the abort: NCCL's own sockets are never cut under a live comm
             try:
-                group.abort()
+                transport.close_collective_connections(keep)
             except Exception as exc:
-                logger.debug("abort of %s failed: %s", group, exc)
+                logger.debug("closing the process groups' connections failed: %s", exc)
         return state
+
+    @staticmethod
+    def _gloo_transport(seam: Any) -> tuple[set[int], bool]:
+        """The stores' ports (their connections are kept) and whether any live group
+        runs on gloo (``dist.get_backend``: ``gloo``, or ``cpu:gloo,cuda:nccl``)."""
+        import torch.distributed as dist
+
+        try:
+            keep = transport.store_ports(seam.process_group_stores())
+            gloo = any("gloo" in str(dist.get_backend(g)) for g in seam.process_groups())
+        except Exception as exc:
+            logger.debug("could not read the process groups: %s", exc)
+            return set(), False
+        return keep, gloo
 
 
 class RetryController(Initialize):
