@@ -155,3 +155,73 @@ def test_process_start_time_is_accurate_to_a_few_ticks():
         child.kill()
         child.wait()
     assert process_start_time(2**22 + 1) is None  # no such process
+
+
+def _launcher_log(tmp_path: Path) -> Path:
+    """What the launchers of a plain script write: node1..node3 start, node4 waits as a
+    spare; node2 is lost at t=20 (0.5 s after its last beat), node4 takes its place."""
+
+    def e(t: float, kind: str, host: str, **fields: object) -> str:
+        base = {"time": t, "kind": kind, "rank": None, "step": None, "cause": None,
+                "host": host, "pid": 7, "restart": 0}  # fmt: skip
+        return json.dumps({**base, **fields})
+
+    def started(t: float, host: str, gen: int, node_rank: int) -> str:
+        return e(t, "workers_started", host, generation=gen, restart_count=gen - 1,
+                 node_rank=node_rank, nodes=3, world_size=3, ranks=[node_rank],
+                 pids=[100])  # fmt: skip
+
+    def exited(t: float, host: str, gen: int, cause: str) -> str:
+        exits = [{"rank": 0, "local_rank": 0, "pid": 100, "exit_code": 0, "signal": None,
+                  "time": t - 0.01}]  # fmt: skip
+        return e(t, "workers_exited", host, cause=cause, generation=gen, exits=exits,
+                 seconds=1.0)  # fmt: skip
+
+    lines = [
+        *(e(0.0 + i, "launcher_start", f"node{i + 1}", nnodes="3") for i in range(3)),
+        started(4.0, "node1", 1, 0), started(4.2, "node2", 1, 1), started(4.4, "node3", 1, 2),
+        e(10.0, "launcher_start", "node4", nnodes="3"),
+        e(20.0, "node_lost", "node1", cause="connection_reset", node="node2", latency=0.5),
+        exited(20.3, "node1", 1, "stopped"), exited(20.4, "node3", 1, "stopped"),
+        e(21.0, "node_joined", "node1", cause="spare", node="node4", replaced=["node2"]),
+        started(22.0, "node1", 2, 0), started(22.1, "node3", 2, 1), started(22.5, "node4", 1, 2),
+        exited(40.0, "node1", 2, "succeeded"), exited(40.0, "node3", 2, "succeeded"),
+        exited(40.1, "node4", 1, "succeeded"),
+        *(e(40.3, "launcher_end", h, exit_code=0, reason="ok")
+          for h in ("node1", "node3", "node4")),
+    ]  # fmt: skip
+    log = tmp_path / "events.jsonl"
+    log.write_text("\n".join(lines) + "\n")
+    return log
+
+
+def test_a_plain_scripts_run_is_told_from_its_launchers(tmp_path: Path) -> None:
+    evs, problems = load_events(_launcher_log(tmp_path))
+    report = compute_report(evs, problems)
+    view = report.launchers
+    assert view is not None and not problems
+    assert report.wall_time == pytest.approx(40.3)  # first launcher start -> last end
+    assert [g.nodes for g in view.generations] == [
+        ["node1", "node2", "node3"],
+        ["node1", "node3", "node4"],
+    ]
+    first, second = view.generations
+    assert (first.start, first.outcome, first.in_job_restart) == (4.4, "stopped", False)
+    assert (second.start, second.outcome, second.in_job_restart) == (22.5, "succeeded", True)
+    assert report.generations == 2 and report.restarts == 1
+    (fault,) = view.faults
+    assert (fault.what, fault.node, fault.cause) == ("node lost", "node2", "connection_reset")
+    assert fault.detection_latency == 0.5 and fault.next_generation == pytest.approx(2.5)
+    assert fault.cost == pytest.approx(3.0) and fault.replaced_by == ["node4"]
+    # start-up 4.4, running 4.4 -> 19.5 (the fault began) and 22.5 -> 40.09 (node4's
+    # worker, the last), lost 3.0, the end 40.09 -> 40.3: they add up to the wall time
+    assert view.startup == pytest.approx(4.4)
+    assert view.running == pytest.approx(15.1 + 17.59)
+    assert view.ending == pytest.approx(0.21)
+    assert view.startup + view.running + view.lost + view.ending == pytest.approx(40.3)
+    text = format_report(report)
+    assert "productive time  unknown" in text and 'emit("step_done"' in text
+    assert "verdict: 1 fault(s) seen, each followed by a new generation" in text
+    assert "node2: no end recorded" in text
+    pytest.importorskip("matplotlib")
+    assert plot_timeline(evs, tmp_path / "t.png").stat().st_size > 5000
