@@ -90,8 +90,9 @@ class AbortTorchDistributed(Abort):
     process's group listeners are shut down after the abort
     (:mod:`steadfast.inprocess.transport`): every collective blocked on them, on this
     rank and on its peers, fails at once instead of waiting out the group's timeout
-    (after, not before: NCCL's own sockets are never cut under a live communicator). Since every healthy rank aborts on an interruption, and a killed
-    rank's kernel closes its side, every pair of the job is closed. The destroy runs
+    (after, not before: NCCL's own sockets are never cut under a live communicator).
+    Since every healthy rank aborts on an interruption, and a killed rank's kernel
+    closes its side, every pair of the job is closed. The destroy runs
     only on the main thread (the monitor thread aborts, the main thread destroys before
     the restart), so no group is torn down under a running collective.
     """
