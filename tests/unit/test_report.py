@@ -225,3 +225,47 @@ def test_a_plain_scripts_run_is_told_from_its_launchers(tmp_path: Path) -> None:
     assert "node2: no end recorded" in text
     pytest.importorskip("matplotlib")
     assert plot_timeline(evs, tmp_path / "t.png").stat().st_size > 5000
+
+
+def test_a_hung_ranks_kill_is_one_fault_and_a_relaunched_launcher_starts_its_own_count(
+    tmp_path: Path,
+) -> None:
+    """One node, the demo's shape: a hang seen on two ranks, then the hung rank killed
+    (rank_failed), is one fault's events; its cost is counted once. A launcher started
+    again on the node (a resumed job) numbers its generations from 1 again: its exits
+    are matched to its own, not to the first launcher's generation 1."""
+
+    def e(t: float, kind: str, pid: int, **fields: object) -> str:
+        base = {"time": t, "kind": kind, "rank": None, "step": None, "cause": None,
+                "host": "vm", "pid": pid, "restart": 0}  # fmt: skip
+        return json.dumps({**base, **fields})
+
+    def gen(t0: float, t1: float, pid: int, g: int, cause: str) -> list[str]:
+        exits = [{"rank": 0, "local_rank": 0, "pid": 1, "exit_code": 0, "signal": None,
+                  "time": t1}]  # fmt: skip
+        return [e(t0, "workers_started", pid, generation=g, node_rank=0, nodes=1,
+                  world_size=2, ranks=[0, 1], pids=[1, 2]),
+                e(t1 + 0.01, "workers_exited", pid, cause=cause, generation=g,
+                  exits=exits)]  # fmt: skip
+
+    lines = [
+        e(0.0, "launcher_start", 7), *gen(1.0, 5.0, 7, 1, "failed"),
+        e(4.9, "rank_hung", 7, rank=0, cause="section:step", elapsed=1.0),
+        e(4.9, "rank_hung", 7, rank=1, cause="section:step", elapsed=1.0),
+        e(5.0, "rank_failed", 7, rank=1, cause="signal SIGKILL", worker_pid=2),
+        *gen(6.0, 9.0, 7, 2, "succeeded"), e(9.1, "launcher_end", 7, exit_code=0),
+        e(10.0, "launcher_start", 8), *gen(11.0, 14.0, 8, 1, "succeeded"),
+        e(14.1, "launcher_end", 8, exit_code=0),
+    ]  # fmt: skip
+    (tmp_path / "events.jsonl").write_text("\n".join(lines) + "\n")
+    evs, _ = load_events(tmp_path)
+    view = compute_report(evs).launchers
+    assert view is not None
+    assert [(g.start, g.end, g.outcome) for g in view.generations] == [
+        (1.0, 5.0, "failed"),
+        (6.0, 9.0, "succeeded"),
+        (11.0, 14.0, "succeeded"),
+    ]
+    assert [(f.what, f.rank) for f in view.faults] == [("rank hung", 0), ("rank hung", 1)]
+    assert all(f.cost == pytest.approx(2.1) for f in view.faults)  # 3.9 -> 6.0
+    assert view.lost == pytest.approx(2.1)  # the two verdicts share their window

@@ -95,8 +95,15 @@ class LauncherView:
 
     @property
     def lost(self) -> float:
-        """Seconds lost to faults: each from its fault to the next generation running."""
-        return sum(f.cost or 0.0 for f in self.faults)
+        """Seconds lost to faults: from each fault to the next generation running, the
+        time that several faults of one generation share counted once."""
+        spans = sorted((f.began, f.began + f.cost) for f in self.faults if f.cost is not None)
+        total, reach = 0.0, float("-inf")
+        for began, ended in spans:  # faults of one generation overlap: count time once
+            if ended > reach:
+                total += ended - max(began, reach)
+                reach = ended
+        return total
 
 
 def as_list(value: object) -> list[Any]:
@@ -111,8 +118,10 @@ def _generations(evs: list[ev.Event]) -> list[Generation]:
     gens: list[Generation] = []
     hosts: list[str] = []
     want = 0
-    keys: list[tuple[str, int]] = []  # (host, its generation count) of the current one
-    members: list[list[tuple[str, int]]] = []
+    # (host, launcher pid, its generation count) of the current one: a node's launcher
+    # started again (a requeue, a resumed job) counts its generations from 1 again
+    keys: list[tuple[str, object, int]] = []
+    members: list[list[tuple[str, object, int]]] = []
     order: dict[int, dict[str, int]] = {}  # generation -> host -> node rank
     for e in (x for x in evs if x.kind == "workers_started"):
         host = str(e.get("host"))
@@ -122,7 +131,7 @@ def _generations(evs: list[ev.Event]) -> list[Generation]:
             members.append(keys)
             want = int(e.get("nodes") or 1)
         hosts.append(host)
-        keys.append((host, int(e.get("generation") or 0)))
+        keys.append((host, e.get("pid"), int(e.get("generation") or 0)))
         gen = gens[-1]
         gen.in_job_restart = gen.in_job_restart or int(e.get("generation") or 0) > 1
         rank = int(e.get("node_rank") or 0)
@@ -130,7 +139,7 @@ def _generations(evs: list[ev.Event]) -> list[Generation]:
         gen.nodes = sorted([*gen.nodes, host], key=lambda h: order[gen.index].get(h, 0))
         gen.start = max(gen.start, e.time)
     ends = {
-        (str(e.get("host")), int(e.get("generation") or 0)): e
+        (str(e.get("host")), e.get("pid"), int(e.get("generation") or 0)): e
         for e in evs
         if e.kind == "workers_exited"
     }
@@ -163,9 +172,16 @@ def _exit_time(evs: list[ev.Event], host: str | None, pid: object) -> float | No
 
 def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
     out = []
+    hung: set[tuple[object, object]] = set()  # (node, rank) found hung this generation
     for e in evs:
+        if e.kind == "workers_started":
+            hung.clear()
         if e.kind not in FAULT_KINDS:
             continue
+        if e.kind == "rank_hung":
+            hung.add((e.get("host"), e.rank))
+        elif e.kind == "rank_failed" and (e.get("host"), e.rank) in hung:
+            continue  # the hung rank's termination: the same fault, already counted
         if e.kind == "node_lost":
             node, rank = e.get("node"), None
             latency = e.get("latency")
