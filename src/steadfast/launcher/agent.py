@@ -463,16 +463,7 @@ class FTAgent(LocalElasticAgent):
         timeout = max(1, math.ceil(self.ft.workers_stop_timeout))
         seam.agent_shutdown(self, signal.SIGTERM, timeout)
         if running:  # stopped while running: a node joining, a signal, the launcher's end
-            stopped = {
-                int(w.global_rank): ProcessFailure(
-                    local_rank=int(w.local_rank),
-                    pid=int(w.id or 0),
-                    exitcode=-int(signal.SIGTERM),
-                    error_file="",
-                )
-                for w in worker_group.workers
-            }
-            self._workers_exited(worker_group, "stopped", stopped)
+            self._workers_exited(worker_group, "stopped", _stopped(worker_group))
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result: RunResult = super()._monitor_workers(worker_group)
@@ -489,16 +480,7 @@ class FTAgent(LocalElasticAgent):
                     )
                 self.watcher.unwatch()
                 self._stop_workers(worker_group)
-                stopped = {
-                    int(w.global_rank): ProcessFailure(
-                        local_rank=int(w.local_rank),
-                        pid=int(w.id or 0),
-                        exitcode=-int(signal.SIGTERM),
-                        error_file="",
-                    )
-                    for w in worker_group.workers
-                }
-                return RunResult(state=WorkerState.FAILED, failures=stopped)
+                return RunResult(state=WorkerState.FAILED, failures=_stopped(worker_group))
         if result.state == WorkerState.SUCCEEDED and self.roster is not None:
             self.roster.finish()  # its launcher leaving now is not a lost node
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
@@ -640,6 +622,19 @@ class FTAgent(LocalElasticAgent):
             remaining_restarts=seam.agent_remaining_restarts(self),
         )
         super()._restart_workers(worker_group)
+
+
+def _stopped(worker_group: WorkerGroup) -> dict[int, ProcessFailure]:
+    """Every worker of the group as stopped by the launcher (SIGTERM), by global rank."""
+    return {
+        int(w.global_rank): ProcessFailure(
+            local_rank=int(w.local_rank),
+            pid=int(w.id or 0),
+            exitcode=-int(signal.SIGTERM),
+            error_file="",
+        )
+        for w in worker_group.workers
+    }
 
 
 def _nodes(hosts: Iterable[str]) -> str:
