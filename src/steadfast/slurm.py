@@ -248,12 +248,44 @@ def _signals_held() -> Iterator[None]:
 _SHIELD = ["sh", "-c", "trap '' TERM INT HUP QUIT USR1 USR2; exec \"$@\"", "sh"]
 
 
+def _run_shielded(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` under :data:`_SHIELD`, born with :data:`_HELD_SIGNALS` blocked.
+
+    The trap alone leaves a window: a SIGTERM that lands between the fork and the
+    shell's ``trap`` kills the child (seen in CI: ``scontrol update ... failed (exit
+    -15)``, and the requeued job came back on the node it had to leave). A signal mask is
+    inherited across fork and exec, so the child is spawned with them blocked; once the
+    shell ignores them, the pending ones are dropped. This thread's mask is restored as
+    soon as the child exists, so the launcher still gets its signals."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        proc = subprocess.Popen(
+            [*_SHIELD, *cmd],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    with proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _scontrol(args: list[str], timeout: float, shielded: bool = False) -> str | None:
     """``scontrol ARGS``' output, or None (the reason logged) when it failed;
     ``shielded``: safe from the signals Slurm sends the job it requeues."""
-    cmd = [*(_SHIELD if shielded else []), "scontrol", *args]
+    cmd = ["scontrol", *args]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if shielded:
+            proc = _run_shielded(cmd, timeout)
+        else:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         logger.error("scontrol %s failed: %s", " ".join(args), exc)
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -172,6 +173,51 @@ def test_the_requeues_signals_are_held_even_when_another_thread_takes_them():
         done.set()
         other.join()
         signal.signal(signal.SIGUSR2, before)
+
+
+def test_a_shielded_scontrol_survives_a_sigterm_from_its_first_instant(tmp_path, monkeypatch):
+    """Slurm SIGTERMs every process of a job it requeues, the ``scontrol update`` that
+    sets the job's ``ExcNodeList`` included. Here a thread SIGTERMs every child of this
+    process without pause while a (fake) scontrol runs: each run must still end with its
+    output. The shell's ``trap`` alone let the signal through between the fork and the
+    trap (CI: ``failed (exit -15)``, and the requeued job went back to the doubted node)."""
+    import os
+    import signal
+    import threading
+    from pathlib import Path
+
+    from steadfast.slurm import _scontrol
+
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/sh\nsleep 0.05\necho "updated $*"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    stop = threading.Event()
+    hits = [0]
+
+    def children() -> set[int]:
+        found: set[int] = set()
+        for task in Path("/proc/self/task").iterdir():
+            with contextlib.suppress(OSError):
+                found.update(int(p) for p in (task / "children").read_text().split())
+        return found
+
+    def sigterm_children() -> None:
+        while not stop.is_set():
+            for pid in children():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+                    hits[0] += 1
+
+    killer = threading.Thread(target=sigterm_children)
+    killer.start()
+    try:
+        for _ in range(10):
+            assert _scontrol(["update", "JobId=7"], 10, shielded=True) == "updated update JobId=7\n"
+    finally:
+        stop.set()
+        killer.join()
+    assert hits[0] >= 10  # every run was signalled, over and over
 
 
 @pytest.mark.parametrize(
