@@ -135,7 +135,8 @@ def user_shaped_train(
             pg_store: Any = dist.PrefixStore(f"pg_iter{it}", store)
         else:
             pg_store = call_wrapper.store
-        dist.init_process_group("gloo", store=pg_store, rank=r, world_size=w, timeout=PG_TIMEOUT)
+        backend = {"backend": case["backend"]} if case["backend"] else {}  # "": torch's default
+        dist.init_process_group(**backend, store=pg_store, rank=r, world_size=w, timeout=PG_TIMEOUT)
         group = dist.new_group(list(range(w))) if case["group"] == "new" else dist.group.WORLD
         # the user's code keeps its groups past the iteration's frames, as Megatron's
         # parallel_state keeps them in module globals (and DDP's reducer in the autograd
@@ -181,27 +182,36 @@ def user_shaped_train(
     return {"params": params, "reference": reference, "first_steps": first_steps}
 
 
-# (store, libuv, group, blocked op, fault): every value of every dimension, and every
-# pair of store x op and group x fault, in 8 runs instead of the 36 of the full matrix
+# (store, libuv, group, blocked op, fault, backend): every value of every dimension, and
+# every pair of store x op and group x fault, in 8 runs instead of the 36 of the full
+# matrix. Backend "" is init_process_group() without one, as NVRx's examples on CPU do:
+# torch's default, "cpu:gloo,cuda:nccl", whose get_backend() is "undefined".
 CASES = [
-    ("user", True, "default", "all_reduce", "raise"),
-    ("user", False, "new", "barrier", "raise"),
-    ("user", True, "new", "recv", "kill"),
-    ("user", False, "default", "all_reduce", "kill"),
-    ("cw", None, "default", "barrier", "kill"),
-    ("cw", None, "new", "all_reduce", "raise"),
-    ("cw", None, "default", "recv", "raise"),
-    ("user", True, "default", "barrier", "raise"),
+    ("user", True, "default", "all_reduce", "raise", "gloo"),
+    ("user", False, "new", "barrier", "raise", "gloo"),
+    ("user", True, "new", "recv", "kill", "gloo"),
+    ("user", False, "default", "all_reduce", "kill", ""),
+    ("cw", None, "default", "barrier", "kill", "gloo"),
+    ("cw", None, "new", "all_reduce", "raise", "gloo"),
+    ("cw", None, "default", "recv", "raise", "gloo"),
+    ("user", True, "default", "barrier", "raise", ""),
 ]
 
 
 @pytest.mark.parametrize(
-    ("store", "libuv", "group", "op", "fault"),
+    ("store", "libuv", "group", "op", "fault", "backend"),
     CASES,
-    ids=[f"{s}{'-libuv' if u else ''}-{g}-{o}-{f}" for s, u, g, o, f in CASES],
+    ids=[f"{s}{'-libuv' if u else ''}-{g}-{o}-{f}-{b or 'default'}" for s, u, g, o, f, b in CASES],
 )
 def test_a_fault_restarts_every_rank_without_waiting_out_the_group_timeout(
-    tmp_path: Path, event_log: Path, store: str, libuv: bool, group: str, op: str, fault: str
+    tmp_path: Path,
+    event_log: Path,
+    store: str,
+    libuv: bool,
+    group: str,
+    op: str,
+    fault: str,
+    backend: str,
 ) -> None:
     killed = fault == "kill"
     world = 3 if killed else 2  # a SIGKILL leaves two ranks to go on
@@ -218,6 +228,7 @@ def test_a_fault_restarts_every_rank_without_waiting_out_the_group_timeout(
         "op": op,
         "fault": fault,
         "fault_rank": fault_rank,
+        "backend": backend,
         "user_port": _free_port(),  # any port: not MASTER_PORT + 1
         "wrapper_port": wrapper_port,
     }

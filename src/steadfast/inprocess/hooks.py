@@ -131,15 +131,26 @@ class AbortTorchDistributed(Abort):
     @staticmethod
     def _gloo_transport(seam: Any) -> tuple[set[int], bool]:
         """The stores' ports (their connections are kept) and whether any live group
-        runs on gloo (``dist.get_backend``: ``gloo``, or ``cpu:gloo,cuda:nccl``)."""
+        runs on gloo.
+
+        Read from ``dist.get_backend_config`` (``gloo``, ``cpu:gloo,cuda:nccl``), not
+        ``get_backend``: a group made without a backend, as NVRx's examples make it, runs
+        torch's default ``cpu:gloo,cuda:nccl`` and its ``get_backend`` is ``undefined``.
+        One group that cannot be read does not hide the others."""
         import torch.distributed as dist
 
         try:
             keep = transport.store_ports(seam.process_group_stores())
-            gloo = any("gloo" in str(dist.get_backend(g)) for g in seam.process_groups())
+            groups = seam.process_groups()
         except Exception as exc:
             logger.debug("could not read the process groups: %s", exc)
             return set(), False
+        gloo = False
+        for group in groups:
+            try:
+                gloo = gloo or "gloo" in str(dist.get_backend_config(group))
+            except Exception as exc:
+                logger.debug("could not read a process group's backend: %s", exc)
         return keep, gloo
 
 
