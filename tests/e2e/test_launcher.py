@@ -282,6 +282,14 @@ def test_sigterm_to_the_launcher_reaches_the_workers_which_save(tmp_path: Path, 
     saved = _events(event_log, "checkpoint_saved")
     assert agreed and saved[-1]["step"] == agreed[0]["step"] + 1  # the emergency save
     assert _events(event_log, "rank_failed") == []  # a clean stop, not a crash
+    # torch stops the workers itself on a signal: the generation still ends in the log,
+    # before the launcher does (the report would count it running until then otherwise)
+    (started,) = _events(event_log, "workers_started")
+    (exited,) = _events(event_log, "workers_exited")
+    (end,) = _events(event_log, "launcher_end")
+    assert exited["cause"] == "stopped" and exited["generation"] == started["generation"]
+    assert sorted(x["rank"] for x in exited["exits"]) == [0, 1]
+    assert started["time"] < exited["time"] <= end["time"]
 
 
 def test_calculated_timeouts_are_saved_and_used_after_a_restart(tmp_path: Path, event_log: Path):

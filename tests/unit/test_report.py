@@ -269,3 +269,33 @@ def test_a_hung_ranks_kill_is_one_fault_and_a_relaunched_launcher_starts_its_own
     assert [(f.what, f.rank) for f in view.faults] == [("rank hung", 0), ("rank hung", 1)]
     assert all(f.cost == pytest.approx(2.1) for f in view.faults)  # 3.9 -> 6.0
     assert view.lost == pytest.approx(2.1)  # the two verdicts share their window
+
+
+def test_a_generation_with_no_end_recorded_runs_at_most_until_the_next_one(
+    tmp_path: Path,
+) -> None:
+    """A launcher killed (or one of a version that wrote no ``workers_exited`` when torch
+    stopped the workers on a signal) leaves a generation open: it is counted running until
+    the next generation starts, never past it, so running time stays within the wall."""
+
+    def e(t: float, kind: str, **fields: object) -> str:
+        base = {"time": t, "kind": kind, "rank": None, "step": None, "cause": None,
+                "host": "vm", "pid": 7, "restart": 0}  # fmt: skip
+        return json.dumps({**base, **fields})
+
+    def started(t: float, g: int) -> str:
+        return e(t, "workers_started", generation=g, node_rank=0, nodes=1, world_size=1,
+                 ranks=[0], pids=[100 + g])  # fmt: skip
+
+    lines = [
+        e(0.0, "launcher_start"), started(1.0, 1), started(5.0, 2), started(9.0, 3),
+        e(10.0, "workers_exited", cause="succeeded", generation=3, exits=[]),
+        e(10.5, "launcher_end", exit_code=0),
+    ]  # fmt: skip
+    (tmp_path / "events.jsonl").write_text("\n".join(lines) + "\n")
+    evs, _ = load_events(tmp_path)
+    view = compute_report(evs).launchers
+    assert view is not None
+    assert [(g.start, g.end) for g in view.generations] == [(1.0, None), (5.0, None), (9.0, 10.0)]
+    assert view.running == pytest.approx(9.0)  # 1 -> 5 -> 9 -> 10
+    assert view.running <= view.wall_time

@@ -249,9 +249,9 @@ class FTAgent(LocalElasticAgent):
         self.no_progress_restarts = 0
         self.restarts = 0
         self._client_seen = False
-        # the running generation's workers_started (time, pids by local rank), until
-        # its workers_exited is written
-        self._generation: tuple[float, dict[int, int]] | None = None
+        # the running generation's workers_started (time, pids by local rank, its
+        # group), until its workers_exited is written
+        self._generation: tuple[float, dict[int, int], WorkerGroup] | None = None
         self.template: Template | None = None
         if ft.worker_template:  # importing torch, in parallel with the rendezvous
             self.template = take_prestarted() or Template()
@@ -279,7 +279,10 @@ class FTAgent(LocalElasticAgent):
         """torch's ``run``; a spare that never ran (the job ended while it waited: torch
         returns nothing) succeeded with the job."""
         try:
-            result: RunResult | None = super().run(role)
+            try:
+                result: RunResult | None = super().run(role)
+            finally:
+                self._generation_stopped()
         except (NodeLostError, NodeUnhealthyError):
             raise  # cut off or lost (nothing to tell), or it said so already
         except SignalException:
@@ -297,6 +300,15 @@ class FTAgent(LocalElasticAgent):
         if result.state != WorkerState.SUCCEEDED:
             self._leave(f"its workers {result.state.name}, no restarts left")
         return result
+
+    def _generation_stopped(self) -> None:
+        """``workers_exited`` for a generation that torch stopped itself (its
+        ``_shutdown`` on a signal or an error, not ``_stop_workers``): otherwise the log
+        never ends it and the report counts it running until the launcher's end, past
+        the generations after it."""
+        if self._generation is not None:
+            group = self._generation[2]
+            self._workers_exited(group, "stopped", _stopped(group))
 
     def _exit_barrier(self) -> None:
         """The workers of this node finished: wait for the round's other nodes to finish
@@ -404,7 +416,7 @@ class FTAgent(LocalElasticAgent):
 
     def _workers_started(self, worker_group: WorkerGroup, pids: Mapping[int, int]) -> None:
         """``workers_started``: what this node runs in this round, for any script."""
-        self._generation = (time.time(), dict(pids))
+        self._generation = (time.time(), dict(pids), worker_group)
         workers = sorted(worker_group.workers, key=lambda w: int(w.local_rank))
         events.emit(
             "workers_started",
@@ -426,7 +438,7 @@ class FTAgent(LocalElasticAgent):
         (once per generation; the exit times are the watcher's, ms resolution)."""
         if self._generation is None:
             return
-        started, pids = self._generation
+        started, pids, _ = self._generation
         self._generation = None
         now_wall, now_mono = time.time(), time.monotonic()
         exits_at = {k: now_wall - (now_mono - t) for k, t in self.watcher.exit_times().items()}

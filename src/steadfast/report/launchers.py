@@ -232,11 +232,13 @@ def launcher_view(evs: list[ev.Event]) -> LauncherView | None:
     nodes = list(dict.fromkeys(str(e.get("host")) for e in starts))
     gens = _generations(evs)
     faults = _faults(evs, gens)
-    # running: each generation from its start to its end, or to the fault that ended it
+    # running: each generation from its start to its end, or to the fault that ended it;
+    # one with no end recorded (a launcher killed, a log of an older version) ran at most
+    # until the next one started
     running = 0.0
     for i, g in enumerate(gens):
-        stop = g.end if g.end is not None else end
         nxt = gens[i + 1].start if i + 1 < len(gens) else None
+        stop = g.end if g.end is not None else (nxt if nxt is not None else end)
         ended_by = [f.began for f in faults if g.start <= f.time and (nxt is None or f.time < nxt)]
         if ended_by:
             stop = min(stop, min(ended_by))
