@@ -75,7 +75,8 @@ def enter(rosters: list[NodeRoster], stores: list[dist.Store]) -> None:
 
 @pytest.fixture
 def rosters(server) -> Iterator[list[NodeRoster]]:
-    made = [NodeRoster(FT, host=f"127.0.0.{i + 1}") for i in range(3)]
+    # reached at an address, named by a host name (the one every event of it carries)
+    made = [NodeRoster(FT, host=f"127.0.0.{i + 1}", name=f"node{i + 1}") for i in range(3)]
     enter(made, [client(server) for _ in made])
     yield made
     for r in made:
@@ -96,7 +97,7 @@ def test_a_node_whose_launcher_closes_is_lost_once_and_every_watcher_knows(roste
     time.sleep(0.3)
     lost = kinds(event_log, "node_lost")
     assert len(lost) == 1, lost  # two watchers saw it; the first to confirm reports
-    assert lost[0]["node"] == "127.0.0.2" and lost[0]["node_rank"] == 1
+    assert lost[0]["node"] == "node2" and lost[0]["node_rank"] == 1  # its name, not address
     assert lost[0]["cause"] == "connection_reset" and lost[0]["nodes"] == 3
 
 
@@ -218,7 +219,7 @@ def test_a_node_that_leaves_on_a_fault_of_its_own_is_reported_with_its_reason(ro
     time.sleep(0.3)
     (lost,) = kinds(event_log, "node_lost")
     assert lost["cause"] == "left" and "RerunExit: 17" in lost["how"]
-    assert lost["node"] == "127.0.0.2"
+    assert lost["node"] == "node2"
 
 
 def test_the_others_finding_this_node_lost_cuts_it_off(server, rosters, monkeypatch):

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -233,7 +234,9 @@ class FTAgent(LocalElasticAgent):
         spec.rdzv_handler = self.rendezvous
         #: rounds of the rendezvous this node took part in
         self.rounds = 0
-        self.roster = NodeRoster(ft, host=local_addr) if nnodes > 1 else None
+        self.roster = (
+            NodeRoster(ft, host=local_addr, name=socket.gethostname()) if nnodes > 1 else None
+        )
         self.lost: list[Loss] = []  # the nodes lost before the coming rendezvous
         self._gpus = _local_gpus(spec.local_world_size)
         self.table = HeartbeatTable.create(rows=spec.local_world_size)

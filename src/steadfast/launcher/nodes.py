@@ -186,7 +186,13 @@ def _keepalive(sock: socket.socket) -> None:
 class NodeRoster:
     """This launcher's view of the round's nodes (see the module's description)."""
 
-    def __init__(self, ft: FaultToleranceConfig, host: str | None = None) -> None:
+    def __init__(
+        self, ft: FaultToleranceConfig, host: str | None = None, name: str | None = None
+    ) -> None:
+        """``host``: the address the other nodes reach this one at (the launcher's
+        ``--local-addr``, else the fully qualified name); ``name``: what events and
+        exclusions call this node (by default ``host``; the launcher passes the host name
+        every event carries, so a report matches a lost node to its own events)."""
         self.interval = ft.node_heartbeat_interval
         self.timeout = ft.node_heartbeat_timeout
         #: how long a loss may take to confirm in the store before this node takes
@@ -194,6 +200,7 @@ class NodeRoster:
         #: node) needs a second or two to elect another
         self.confirm_timeout = max(self.timeout, CONFIRM_MIN)
         self.host = host or socket.getfqdn()
+        self.name = name or self.host
         self._lock = threading.Condition()
         self._sel = selectors.DefaultSelector()
         self._listener = socket.create_server(("", 0), family=socket.AF_INET, backlog=64)
@@ -247,7 +254,7 @@ class NodeRoster:
         round's nodes by node rank. ``generation``: the round's number, the same on every
         node, where the rendezvous hands out one store for every round (static)."""
         prefix = "steadfast/" if generation is None else f"steadfast/g{generation}/"
-        me = Peer(rank, self.host, self.host, self.port, os.getpid(), rdzv)
+        me = Peer(rank, self.name, self.host, self.port, os.getpid(), rdzv)
         store.set(f"{prefix}node/{rank}", json.dumps(me.__dict__))
         peers: dict[int, Peer] = {}
         for r in range(nodes):
