@@ -5,6 +5,7 @@ closes or goes silent, a store that dies; the fence as the ranks see it."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -284,3 +285,34 @@ def test_rounds_that_share_one_store_are_kept_apart(server, event_log):
             for r in made:
                 r.close()
             del stores
+
+
+def test_the_exit_barrier_stops_waiting_for_a_node_another_launcher_found_lost(
+    server, event_log, caplog
+):
+    """Four nodes; node4 dies while the others finish. node1 does not watch node4 (the
+    ring watches the next two): it learns the loss from the store, where node2 or node3
+    confirmed it, and leaves the barrier without waiting out its timeout."""
+    made = [NodeRoster(FT, host=f"127.0.0.{i + 1}", name=f"node{i + 1}") for i in range(4)]
+    try:
+        enter(made, [client(server) for _ in made])
+        made[3].close()  # its sockets close without a goodbye: a launcher that died
+        results: dict[int, list[str]] = {}
+
+        def finish(i: int) -> None:
+            results[i] = made[i].exit_barrier(timeout=60)
+
+        others = [threading.Thread(target=finish, args=(i,)) for i in (1, 2)]
+        for t in others:
+            t.start()
+        with caplog.at_level(logging.INFO, logger="steadfast"):
+            finish(0)
+        for t in others:
+            t.join(60)
+        assert results == {0: ["node4"], 1: ["node4"], 2: ["node4"]}
+        assert "did not finish within" not in caplog.text  # left for the loss, not the timeout
+        (lost,) = kinds(event_log, "node_lost")
+        assert lost["node"] == "node4"
+    finally:
+        for r in made:
+            r.close()

@@ -323,6 +323,8 @@ class FTAgent(LocalElasticAgent):
             return
         try:
             self.roster.exit_barrier(seam.agent_exit_barrier_timeout(self))
+        except SignalException:
+            raise  # stopped while waiting: the launcher ends as the signal says
         except Exception as exc:  # the store's host already gone: nothing to keep alive
             logger.info("exit barrier: %s", exc)
 

@@ -324,22 +324,34 @@ class NodeRoster:
         a TCPStore client serves one call at a time, so the wait stalls every other call
         on it and any of them stalls the barrier's own ``add``. This one takes a
         connection of its own (``clone``), marks this node done under its node rank,
-        polls (never a long blocking call), stops waiting for nodes found lost, and names
-        the nodes it waits for every 10 s. Returns the hosts it stopped waiting for."""
+        polls (never a long blocking call), stops waiting for nodes found lost (by this
+        launcher, or confirmed in the store by any other: this one watches only its ring
+        neighbours), and names the nodes it waits for every 10 s. Returns the hosts it
+        stopped waiting for."""
         with self._lock:
             current = self._round
         if current is None or current.nodes <= 1:
             return []
-        store = current.store.clone()  # a connection of its own
+        try:
+            store = current.store.clone()  # a connection of its own
+        except (RuntimeError, NotImplementedError, AttributeError):
+            store = current.store  # etcd's: each call is a request of its own already
         key = f"{current.prefix}exit/"
         store.set(f"{key}{current.rank}", b"1")
         if int(store.add(f"{key}count", 1)) >= current.nodes:
             store.set(f"{key}all", b"1")
         start = time.monotonic()
         deadline, report, pause = start + timeout, start + 10.0, 0.005
+        confirmed: set[int] = set()  # losses other launchers recorded in the store
         while not store.check([f"{key}all"]):
+            if int(store.add(f"{current.prefix}lost_count", 0)) > len(confirmed):
+                confirmed |= {
+                    r
+                    for r in range(current.nodes)
+                    if r != current.rank and store.check([f"{current.prefix}lost/{r}"])
+                }
             with self._lock:
-                lost = set(self._losses)
+                lost = set(self._losses) | confirmed
             waiting = [
                 r
                 for r in range(current.nodes)
