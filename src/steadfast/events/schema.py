@@ -1,0 +1,254 @@
+"""The event log's schema, as code: the common fields and every event kind with the
+fields it declares (:data:`EVENT_KINDS`), and :func:`register_kind` for components that
+add their own. :func:`~steadfast.events.writer.emit` checks what it writes against it,
+and :meth:`~steadfast.events.reader.Event.get` what a reader asks for."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+COMMON_FIELDS: tuple[str, ...] = ("time", "kind", "rank", "step", "cause", "host", "pid", "restart")
+
+#: Added by :func:`~steadfast.events.writer.emit` under Slurm: the job id and
+#: ``SLURM_RESTART_COUNT``.
+SLURM_FIELDS: tuple[str, ...] = ("slurm_job_id", "slurm_restart")
+
+
+class EventLogError(ValueError):
+    """An event or an event file is malformed; the message names the field or line."""
+
+
+@dataclass(frozen=True)
+class EventKind:
+    """One kind of event: what it records and the kind-specific fields it may carry
+    (each with what it means). :func:`emit` rejects a field that is not declared, and
+    :meth:`Event.get` one that is not declared for the event's kind, so a misspelt field
+    is an error at once instead of an event the report silently ignores."""
+
+    name: str
+    description: str
+    fields: Mapping[str, str] = field(default_factory=dict)
+
+    def allows(self, name: str) -> bool:
+        """Whether ``name`` is a field of this kind (or a common or Slurm field)."""
+        return name in self.fields or name in COMMON_FIELDS or name in SLURM_FIELDS
+
+    def __str__(self) -> str:
+        names = ", ".join(self.fields) or "none"
+        return f"{self.description}; fields: {names}"
+
+
+def _kinds(*specs: tuple[str, str, dict[str, str]]) -> dict[str, EventKind]:
+    return {name: EventKind(name, text, fields) for name, text, fields in specs}
+
+
+_WORKER = {
+    "exit_code": "the worker's exit code (negative: killed by that signal)",
+    "signal": "the signal's name when it was killed by one, else null",
+    "local_rank": "its rank on the node",
+    "worker_pid": "its process id",
+}
+
+#: Every event kind, with the fields it carries: the schema, as code. Components register
+#: further kinds with :func:`register_kind` (not ad hoc), so the report and the docs have
+#: one list to read.
+EVENT_KINDS: dict[str, EventKind] = _kinds(
+    # health / NaN detection
+    ("nan_detected", "a non-finite loss or gradient on some rank", {
+        "source": "'loss' or 'gradients'",
+        "local": "this rank's own value was non-finite",
+        "ranks_affected": "how many ranks saw one",
+        "consecutive": "bad steps in a row so far",
+        "total": "bad steps in the run so far",
+        "action": "what the detector does: warn, skip or raise",
+        "value": "the loss, when it was the loss",
+        "params": "the first parameters with non-finite gradients",
+    }),
+    ("nan_rollback_recommended", "consecutive NaN steps reached max_consecutive", {
+        "consecutive": "bad steps in a row",
+        "max_consecutive": "the configured limit",
+        "last_good_step": "the last step with finite values",
+    }),
+    ("health_check", "a GPU or collective health check", {
+        "check": "'gpu' or 'collective'", "ok": "the result", "details": "what was measured",
+    }),
+    # shutdown / signals
+    ("shutdown_requested", "a shutdown signal arrived (cause: its name)", {
+        "signal": "its number",
+    }),
+    ("shutdown_agreed", "ranks agreed to stop after this step", {
+        "ranks_signalled": "how many ranks had the signal",
+    }),
+    ("shutdown_forced", "graceful shutdown exceeded its timeout, process force-exited", {
+        "timeout_sec": "the timeout", "exit_code": "the forced exit code",
+    }),
+    ("shutdown_complete", "graceful shutdown finished (handler.finish())", {}),
+    ("preemption_signal", "this rank received the preemption signal (cause: its name)", {
+        "signal": "its number",
+    }),
+    ("preemption_exit", "all ranks stop for preemption after this step", {
+        "ranks_signalled": "the ranks that had the signal",
+    }),
+    # checkpoints
+    ("checkpoint_saved", "a checkpoint is complete and visible", {
+        "path": "its folder", "bytes": "its size", "seconds": "the whole save",
+        "blocking_seconds": "the part the training loop waited for",
+    }),
+    ("checkpoint_loaded", "a checkpoint was verified and loaded", {
+        "path": "its folder", "seconds": "the load",
+        "tier": "disk, memory (the rank's own snapshot) or replica (one kept on another "
+        "node)", "from_rank": "the rank whose node held the snapshot (memory tier)",
+    }),
+    ("checkpoint_corrupt", "a checkpoint failed verification; an older one (or another "
+     "tier) is used (cause: verify, load, memory, replica)", {
+        "path": "its folder", "reason": "what failed",
+    }),
+    ("checkpoint_deleted", "an old checkpoint was removed (keep_last_n, or a framework "
+     "rotating its own)", {"path": "its folder"}),
+    ("checkpoint_fenced", "a rank wrote no checkpoint: its node no longer holds the job's "
+     "rendezvous (cut off, or the job went on without it)", {
+        "path": "the checkpoint folder", "reason": "what the launcher answered",
+    }),
+    # monitoring / launcher
+    ("rank_hung", "a rank overstayed a timeout and is terminated (cause: what timed out)", {
+        "section": "the section, or what timed out", "elapsed": "seconds since it began",
+        "timeout": "the timeout", "local_rank": _WORKER["local_rank"],
+        "worker_pid": _WORKER["worker_pid"],
+    }),
+    ("rank_failed", "a worker failed: the first of its group to go down", dict(_WORKER)),
+    ("rank_stopped", "a worker that went down after another rank failed (stopped by the "
+     "launcher, or it lost its peer): not a fault of its own", {
+        **_WORKER, "first_failed_rank": "the rank whose failure it followed",
+    }),
+    ("restart", "the launcher restarts the worker group in-job (cause: worker_failure or "
+     "membership_change)", {
+        "restart_count": "restarts so far", "reason": "in words",
+        "remaining_restarts": "in-job restarts left",
+    }),
+    # nodes (the launcher's node roster; host: the launcher that saw it)
+    ("node_lost", "a node of the running round is lost (cause: connection_reset, silent, "
+     "left or unhealthy)", {
+        "node": "the lost node's host name", "node_rank": "its rank among the round's nodes",
+        "how": "how it was seen, in words", "latency": "seconds from its last sign of life "
+        "to the detection", "nodes": "nodes in the round it left",
+    }),
+    ("node_joined", "a node joined the job in a later round (a spare taking a lost node's "
+     "place, or a node added to an elastic job)", {
+        "node": "its host name", "node_rank": "its rank among the round's nodes",
+        "nodes": "nodes in the new round", "replaced": "the nodes of the previous round "
+        "that are not in this one",
+    }),
+    ("node_unhealthy", "this node failed its health check before a rendezvous: it does not "
+     "join (cause: the check)", {"reason": "what failed"}),
+    ("node_isolated", "this node lost its peers and the rendezvous at once (cause "
+     "partition: a partition on its side), or found the job went on without it (cause "
+     "replaced: a healed partition): its workers are stopped and write nothing", {
+        "how": "in words", "nodes": "nodes in the round it was cut off from",
+    }),
+    # the launcher's own record of its node (host: the node), for any script
+    ("launcher_start", "a node's launcher started (steadfast launch)", {
+        "nnodes": "--nnodes as given", "nproc_per_node": "workers per node",
+        "entrypoint": "the script or program", "max_restarts": "in-job restarts allowed",
+        "rdzv_backend": "the rendezvous backend",
+    }),
+    ("workers_started", "this node's launcher started its workers for a round of the "
+     "rendezvous (a generation)", {
+        "generation": "this node's round count (1 for its first)",
+        "restart_count": "TORCHELASTIC_RESTART_COUNT given to the workers",
+        "node_rank": "this node's rank in the round", "nodes": "nodes in the round",
+        "world_size": "ranks in the round", "ranks": "the global ranks started here",
+        "pids": "their process ids",
+    }),
+    ("workers_exited", "this node's workers of a generation ended (cause: succeeded, "
+     "failed, stopped: by the launcher after a fault elsewhere, a lost node or a node "
+     "joining)", {
+        "generation": "as in workers_started", "exits": "per worker: rank, local_rank, "
+        "pid, exit_code, signal, time (epoch seconds it exited, when known)",
+        "seconds": "from workers_started to the last exit",
+    }),
+    ("launcher_end", "a node's launcher ended", {
+        "exit_code": "its exit status", "reason": "why, in words",
+    }),
+    ("job_requeued", "the Slurm job was requeued (cause: restarts_exhausted, node_lost, or "
+     "restart_elsewhere after a worker's exit 16: these spend a job retry; preempted, by "
+     "the batch script of steadfast slurm: spends none)", {
+        "slurm_job": "the job id", "excluded": "Slurm nodes the requeued job is kept away "
+        "from from now on (a lost node, the node of a result to re-check elsewhere)",
+    }),
+    ("job_start", "a training process (re)started, after its restore", {
+        "world_size": "ranks in the job", "resumed_from": "the checkpoint, or null",
+        "process_start": "epoch seconds the process began (see job_start())",
+    }),
+    ("step_done", "a training step completed on this rank: what the goodput report counts "
+     "as productive", {"seconds": "its duration", "loss": "its loss (optional)"}),
+    ("rollback", "training state rolled back to a checkpoint (a NaN burst)", {
+        "to_step": "the step it went back to",
+    }),
+    ("job_end", "a training process ended", {"exit_code": "its code", "reason": "why"}),
+    ("fault_injected", "a simulated fault fired (steadfast.faults)", {
+        "fault": "its FaultKind name", "factor": "a slowdown's factor",
+    }),
+    # re-run state machine
+    ("rerun_result_rejected", "a validated result was rejected on this rank", {
+        "result": "the value", "invocation": "which run of the step",
+    }),
+    ("rerun_elsewhere", "this rank reproduced its rejected result in place (or was "
+     "restarted on the hardware that did): it exits 16, and the job must re-run the step "
+     "on other hardware (the host of this event is the node to move away from)", {
+        "hardware": "the hardware id (node/device) of the doubted result",
+    }),
+    ("rerun_verdict", "attribution of a rejected result", {
+        "verdict": "transient, persistent or correct",
+    }),
+    # in-process restart (rank: the initial rank, this process's identity for the call)
+    ("inprocess_interrupted", "an in-process restart iteration was interrupted (cause: "
+     "exception, soft_timeout, hard_timeout, rank_died, heartbeat_lost, left)", {
+        "iteration": "the interrupted iteration", "fault_rank": "the rank at fault",
+        "detail": "in words", "first": "whether this record was the first of the iteration",
+    }),
+    ("inprocess_restart", "this rank restarts the wrapped function in-process", {
+        "iteration": "the new one", "world_size": "ranks left", "active_world_size":
+        "active ranks", "terminated": "ranks gone", "causes": "the interruptions",
+        "seconds": "from the first interruption record to the restart",
+    }),
+    ("inprocess_terminated", "a rank left the job for good: terminated by its monitor "
+     "process on the hard timeout, or found dead", {
+        "iteration": "the iteration", "terminated_rank": "the rank",
+        "signal": "the last signal sent, null if it was already dead",
+    }),
+    ("inprocess_rank_reassigned", "rank assignment gave this rank a new rank", {
+        "iteration": "the iteration", "from_rank": "before", "to_rank": "after",
+        "world_size": "the new world size",
+    }),
+    # straggler detection
+    ("straggler_report", "a periodic straggler report", {
+        "relative": "{rank: relative score}", "individual": "{rank: individual score}",
+        "seconds": "the report's cost",
+    }),
+    ("straggler_detected", "scores below the thresholds", {
+        "ranks": "the stragglers", "relative": "the ranks below the relative threshold",
+        "individual": "the ranks below the individual threshold",
+        "scores": "{rank: relative score}",
+    }),
+)  # fmt: skip
+
+
+def register_kind(
+    kind: str, description: str, fields: Mapping[str, str] | Iterable[str] = ()
+) -> EventKind:
+    """Add an event kind to :data:`EVENT_KINDS`: what it records and its kind-specific
+    fields (a mapping of name to meaning, or just the names).
+
+    Components outside this module call this once at import so that their kinds are
+    documented and accepted by :func:`emit`, with exactly those fields.
+    """
+    if not kind or not kind.replace("_", "").isalnum() or kind != kind.lower():
+        raise EventLogError(f"event kind {kind!r} must be lower_snake_case")
+    declared = dict(fields) if isinstance(fields, Mapping) else dict.fromkeys(fields, "")
+    clash = sorted(set(declared) & (set(COMMON_FIELDS) | set(SLURM_FIELDS)))
+    if clash:
+        raise EventLogError(f"event kind {kind!r}: {clash} are common fields, not its own")
+    spec = EventKind(kind, description, declared)
+    EVENT_KINDS[kind] = spec
+    return spec
