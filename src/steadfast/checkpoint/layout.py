@@ -1,7 +1,15 @@
 """The on-disk layout of a checkpoint and its publish protocol (see
 :mod:`steadfast.checkpoint.manager` for the whole save): the names, the manifest and its
 verification, the atomic publish under ``step_N`` or a framework's own name, hiding a
-checkpoint before deleting it, and what an interrupted save left behind."""
+checkpoint before deleting it, what an interrupted save left behind, and finding the
+checkpoints of a directory (the one to resume from, the ones to fall back to).
+
+:func:`resolve_resume_path` follows seed 000's rules: a ``{dir}/latest`` symlink that
+resolves to an existing checkpoint wins; otherwise the highest ``step_N`` directory by
+number (not by name: ``step_10`` is newer than ``step_9``); a broken ``latest`` falls back
+to the scan. A missing directory means "nothing to resume" (the first run); a path that
+exists but is not a directory is a configuration error, not a silent fresh start.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +17,20 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import LATEST, step_dirs
+from ..config import ConfigError
 from .files import crc32_file, fsync_dir, write_file
 
 __all__ = [
     "DCP_DIR",
     "FORMAT",
+    "LATEST",
     "MANIFEST",
     "NAME_MAX",
     "REMOVED_PREFIX",
@@ -39,13 +49,16 @@ __all__ = [
     "read_manifest",
     "remove_all",
     "remove_stale",
+    "resolve_resume_path",
     "saved_keys",
+    "step_dirs",
     "verify",
     "write_manifest",
 ]
 
 logger = logging.getLogger(__name__)
 
+LATEST = "latest"
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
 DCP_DIR = "dcp"
@@ -55,6 +68,7 @@ TRASH_PREFIX = ".sf-del-"  # + name + "-" + pid: hidden while replaced (may come
 REMOVED_PREFIX = ".sf-rm-"  # + name + "-" + pid: hidden to be deleted (never comes back)
 LEGACY_PREFIXES = (".tmp-step_", ".del-step_")  # what earlier versions left behind
 NAME_MAX = 200  # a checkpoint name, so that the hidden names stay under NAME_MAX (255)
+_STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(RuntimeError):
@@ -256,6 +270,60 @@ def remove_stale(folder: Path) -> None:
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 entry.unlink(missing_ok=True)
+
+
+def step_dirs(checkpoint_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step_N`` directory in ``checkpoint_dir``, oldest first."""
+    base = Path(checkpoint_dir)
+    found: list[tuple[int, Path]] = []
+    for entry in base.iterdir():
+        match = _STEP_RE.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    found.sort(key=lambda item: item[0])
+    return found
+
+
+def resolve_resume_path(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
+    """Find the latest checkpoint for auto-resume.
+
+    Checks:
+      1. ``{checkpoint_dir}/latest`` symlink (used when it resolves to a directory)
+      2. Most recent ``step_N`` directory by step number
+
+    Args:
+        checkpoint_dir: Base checkpoint directory.
+
+    Returns:
+        Path to the latest checkpoint, or None if none found (or the directory does not
+        exist yet).
+
+    Raises:
+        ConfigError: ``checkpoint_dir`` exists but is not a directory.
+    """
+    base = Path(checkpoint_dir)
+    if not base.exists():
+        return None
+    if not base.is_dir():
+        raise ConfigError(f"checkpoint_dir {str(base)!r} exists but is not a directory")
+    latest = base / LATEST
+    if latest.is_symlink() or latest.exists():
+        try:
+            resolved: Path | None = latest.resolve()
+        except (OSError, RuntimeError):  # a symlink loop, or an unreadable link
+            resolved = None
+        if resolved is not None and resolved.is_dir():
+            logger.info("Auto-resume: found latest checkpoint at %s", resolved)
+            return resolved
+        logger.warning(
+            "Auto-resume: %s does not resolve to a checkpoint directory; scanning step_N", latest
+        )
+    candidates = step_dirs(base)
+    if candidates:
+        path = candidates[-1][1]
+        logger.info("Auto-resume: found checkpoint at %s", path)
+        return path
+    return None
 
 
 def candidates(folder: Path) -> list[Path]:

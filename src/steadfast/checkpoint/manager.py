@@ -55,11 +55,11 @@ import torch.distributed as dist
 from .. import events
 from ..config import ConfigError, require_number
 from ..dist import group_rank, is_distributed
-from . import LATEST, step_dirs
 from .dcp import load_sharded, save_sharded
 from .files import describe, save_file
 from .layout import (
     DCP_DIR,
+    LATEST,
     MANIFEST,
     NAME_MAX,
     STATE_FILE,
@@ -75,6 +75,7 @@ from .layout import (
     read_manifest,
     remove_all,
     remove_stale,
+    step_dirs,
     verify,
     write_manifest,
 )
