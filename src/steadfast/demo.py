@@ -180,17 +180,22 @@ class _Progress:
             except events.EventLogError:
                 continue
             self.events.append(e)
-            if e.kind not in ("step_done", "checkpoint_saved", "straggler_report", "job_end"):
+            if e.kind not in (
+                events.Kind.STEP_DONE,
+                events.Kind.CHECKPOINT_SAVED,
+                events.Kind.STRAGGLER_REPORT,
+                events.Kind.JOB_END,
+            ):
                 rank = "" if e.rank is None else f" rank {e.rank}"
                 self.last_note = f"{e.kind}{rank}" + (f" ({e.cause})" if e.cause else "")
 
     def rank0_steps(self) -> list[events.Event]:
-        return [e for e in self.events if e.kind == "step_done" and e.rank == 0]
+        return [e for e in self.events if e.kind == events.Kind.STEP_DONE and e.rank == 0]
 
     def step_of(self, rank: int) -> tuple[int, int] | None:
         """(step, pid) of ``rank``'s latest completed step."""
         for e in reversed(self.events):
-            if e.kind == "step_done" and e.rank == rank and e.step is not None:
+            if e.kind == events.Kind.STEP_DONE and e.rank == rank and e.step is not None:
                 return e.step, int(e.get("pid") or 0)
         return None
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from . import events
 from .config import ConfigError, require_choice, require_number
+from .events import Kind
 
 __all__ = [
     "FAULT_TYPES",
@@ -95,16 +96,20 @@ class FaultKind(str, enum.Enum):
 
 
 _DETECTED_BY: dict[FaultKind, tuple[str, ...]] = {
-    FaultKind.RANK_KILLED: ("rank_failed", "inprocess_interrupted", "inprocess_terminated"),
-    FaultKind.RANK_HUNG: ("rank_hung", "inprocess_interrupted"),
-    FaultKind.EXCEPTION: ("rank_failed", "inprocess_interrupted"),
-    FaultKind.EXIT: ("rank_failed", "inprocess_interrupted"),
-    FaultKind.NAN_BURST: ("nan_detected", "rerun_result_rejected"),
-    FaultKind.SLOW_RANK: ("straggler_detected",),
-    FaultKind.SIGTERM: ("shutdown_requested", "preemption_signal"),
-    FaultKind.NODE_KILLED: ("node_lost",),
-    FaultKind.NODE_PARTITIONED: ("node_lost", "node_isolated"),
-    FaultKind.NODE_UNHEALTHY: ("node_unhealthy",),
+    FaultKind.RANK_KILLED: (
+        Kind.RANK_FAILED,
+        Kind.INPROCESS_INTERRUPTED,
+        Kind.INPROCESS_TERMINATED,
+    ),
+    FaultKind.RANK_HUNG: (Kind.RANK_HUNG, Kind.INPROCESS_INTERRUPTED),
+    FaultKind.EXCEPTION: (Kind.RANK_FAILED, Kind.INPROCESS_INTERRUPTED),
+    FaultKind.EXIT: (Kind.RANK_FAILED, Kind.INPROCESS_INTERRUPTED),
+    FaultKind.NAN_BURST: (Kind.NAN_DETECTED, Kind.RERUN_RESULT_REJECTED),
+    FaultKind.SLOW_RANK: (Kind.STRAGGLER_DETECTED,),
+    FaultKind.SIGTERM: (Kind.SHUTDOWN_REQUESTED, Kind.PREEMPTION_SIGNAL),
+    FaultKind.NODE_KILLED: (Kind.NODE_LOST,),
+    FaultKind.NODE_PARTITIONED: (Kind.NODE_LOST, Kind.NODE_ISOLATED),
+    FaultKind.NODE_UNHEALTHY: (Kind.NODE_UNHEALTHY,),
 }
 #: Faults of a whole node: the node itself is the injector, not a rank's fail_at.
 NODE_FAULTS = frozenset(

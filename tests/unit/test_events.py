@@ -254,3 +254,11 @@ def test_the_readers_only_name_declared_fields():
             ):
                 read.add(node.args[0].value)
     assert read and read <= declared, sorted(read - declared)
+
+
+def test_every_kind_name_has_its_schema():
+    """``Kind`` names the built-in kinds the readers compare with; each has its row in
+    the schema, and each member is the very string written to the log."""
+    assert {str(k) for k in events.Kind} <= set(events.EVENT_KINDS)
+    assert events.Kind.NODE_LOST == "node_lost" and f"{events.Kind.NODE_LOST}" == "node_lost"
+    assert json.loads(json.dumps({"kind": events.Kind.STEP_DONE}))["kind"] == "step_done"

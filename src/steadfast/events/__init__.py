@@ -51,6 +51,7 @@ from .schema import (
     SLURM_FIELDS,
     EventKind,
     EventLogError,
+    Kind,
     register_kind,
 )
 from .writer import (
@@ -73,6 +74,7 @@ __all__ = [
     "Event",
     "EventKind",
     "EventLogError",
+    "Kind",
     "current_path",
     "emit",
     "job_start",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 
 COMMON_FIELDS: tuple[str, ...] = ("time", "kind", "rank", "step", "cause", "host", "pid", "restart")
 
@@ -17,6 +18,61 @@ SLURM_FIELDS: tuple[str, ...] = ("slurm_job_id", "slurm_restart")
 
 class EventLogError(ValueError):
     """An event or an event file is malformed; the message names the field or line."""
+
+
+class Kind(str, Enum):
+    """The name of every built-in event kind. Code that reads the log compares with
+    these (``e.kind == Kind.NODE_LOST``), so a misspelt kind fails in mypy or at import
+    instead of matching nothing; each is also the plain string that is written. Kinds
+    added with :func:`register_kind` have no member here."""
+
+    def __str__(self) -> str:  # "node_lost", not "Kind.NODE_LOST" (an enum's own str)
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    NAN_DETECTED = "nan_detected"
+    NAN_ROLLBACK_RECOMMENDED = "nan_rollback_recommended"
+    HEALTH_CHECK = "health_check"
+    SHUTDOWN_REQUESTED = "shutdown_requested"
+    SHUTDOWN_AGREED = "shutdown_agreed"
+    SHUTDOWN_FORCED = "shutdown_forced"
+    SHUTDOWN_COMPLETE = "shutdown_complete"
+    PREEMPTION_SIGNAL = "preemption_signal"
+    PREEMPTION_EXIT = "preemption_exit"
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    CHECKPOINT_LOADED = "checkpoint_loaded"
+    CHECKPOINT_CORRUPT = "checkpoint_corrupt"
+    CHECKPOINT_DELETED = "checkpoint_deleted"
+    CHECKPOINT_FENCED = "checkpoint_fenced"
+    RANK_HUNG = "rank_hung"
+    RANK_FAILED = "rank_failed"
+    RANK_STOPPED = "rank_stopped"
+    RESTART = "restart"
+    NODE_LOST = "node_lost"
+    NODE_JOINED = "node_joined"
+    NODE_UNHEALTHY = "node_unhealthy"
+    NODE_ISOLATED = "node_isolated"
+    LAUNCHER_START = "launcher_start"
+    WORKERS_STARTED = "workers_started"
+    WORKERS_EXITED = "workers_exited"
+    LAUNCHER_END = "launcher_end"
+    JOB_REQUEUED = "job_requeued"
+    JOB_START = "job_start"
+    STEP_DONE = "step_done"
+    ROLLBACK = "rollback"
+    JOB_END = "job_end"
+    FAULT_INJECTED = "fault_injected"
+    RERUN_RESULT_REJECTED = "rerun_result_rejected"
+    RERUN_ELSEWHERE = "rerun_elsewhere"
+    RERUN_VERDICT = "rerun_verdict"
+    INPROCESS_INTERRUPTED = "inprocess_interrupted"
+    INPROCESS_RESTART = "inprocess_restart"
+    INPROCESS_TERMINATED = "inprocess_terminated"
+    INPROCESS_RANK_REASSIGNED = "inprocess_rank_reassigned"
+    STRAGGLER_REPORT = "straggler_report"
+    STRAGGLER_DETECTED = "straggler_detected"
 
 
 @dataclass(frozen=True)
@@ -40,7 +96,7 @@ class EventKind:
 
 
 def _kinds(*specs: tuple[str, str, dict[str, str]]) -> dict[str, EventKind]:
-    return {name: EventKind(name, text, fields) for name, text, fields in specs}
+    return {str(name): EventKind(str(name), text, fields) for name, text, fields in specs}
 
 
 _WORKER = {
@@ -55,7 +111,7 @@ _WORKER = {
 #: one list to read.
 EVENT_KINDS: dict[str, EventKind] = _kinds(
     # health / NaN detection
-    ("nan_detected", "a non-finite loss or gradient on some rank", {
+    (Kind.NAN_DETECTED, "a non-finite loss or gradient on some rank", {
         "source": "'loss' or 'gradients'",
         "local": "this rank's own value was non-finite",
         "ranks_affected": "how many ranks saw one",
@@ -65,94 +121,94 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "value": "the loss, when it was the loss",
         "params": "the first parameters with non-finite gradients",
     }),
-    ("nan_rollback_recommended", "consecutive NaN steps reached max_consecutive", {
+    (Kind.NAN_ROLLBACK_RECOMMENDED, "consecutive NaN steps reached max_consecutive", {
         "consecutive": "bad steps in a row",
         "max_consecutive": "the configured limit",
         "last_good_step": "the last step with finite values",
     }),
-    ("health_check", "a GPU or collective health check", {
+    (Kind.HEALTH_CHECK, "a GPU or collective health check", {
         "check": "'gpu' or 'collective'", "ok": "the result", "details": "what was measured",
     }),
     # shutdown / signals
-    ("shutdown_requested", "a shutdown signal arrived (cause: its name)", {
+    (Kind.SHUTDOWN_REQUESTED, "a shutdown signal arrived (cause: its name)", {
         "signal": "its number",
     }),
-    ("shutdown_agreed", "ranks agreed to stop after this step", {
+    (Kind.SHUTDOWN_AGREED, "ranks agreed to stop after this step", {
         "ranks_signalled": "how many ranks had the signal",
     }),
-    ("shutdown_forced", "graceful shutdown exceeded its timeout, process force-exited", {
+    (Kind.SHUTDOWN_FORCED, "graceful shutdown exceeded its timeout, process force-exited", {
         "timeout_sec": "the timeout", "exit_code": "the forced exit code",
     }),
-    ("shutdown_complete", "graceful shutdown finished (handler.finish())", {}),
-    ("preemption_signal", "this rank received the preemption signal (cause: its name)", {
+    (Kind.SHUTDOWN_COMPLETE, "graceful shutdown finished (handler.finish())", {}),
+    (Kind.PREEMPTION_SIGNAL, "this rank received the preemption signal (cause: its name)", {
         "signal": "its number",
     }),
-    ("preemption_exit", "all ranks stop for preemption after this step", {
+    (Kind.PREEMPTION_EXIT, "all ranks stop for preemption after this step", {
         "ranks_signalled": "the ranks that had the signal",
     }),
     # checkpoints
-    ("checkpoint_saved", "a checkpoint is complete and visible", {
+    (Kind.CHECKPOINT_SAVED, "a checkpoint is complete and visible", {
         "path": "its folder", "bytes": "its size", "seconds": "the whole save",
         "blocking_seconds": "the part the training loop waited for",
     }),
-    ("checkpoint_loaded", "a checkpoint was verified and loaded", {
+    (Kind.CHECKPOINT_LOADED, "a checkpoint was verified and loaded", {
         "path": "its folder", "seconds": "the load",
         "tier": "disk, memory (the rank's own snapshot) or replica (one kept on another "
         "node)", "from_rank": "the rank whose node held the snapshot (memory tier)",
     }),
-    ("checkpoint_corrupt", "a checkpoint failed verification; an older one (or another "
+    (Kind.CHECKPOINT_CORRUPT, "a checkpoint failed verification; an older one (or another "
      "tier) is used (cause: verify, load, memory, replica)", {
         "path": "its folder", "reason": "what failed",
     }),
-    ("checkpoint_deleted", "an old checkpoint was removed (keep_last_n, or a framework "
+    (Kind.CHECKPOINT_DELETED, "an old checkpoint was removed (keep_last_n, or a framework "
      "rotating its own)", {"path": "its folder"}),
-    ("checkpoint_fenced", "a rank wrote no checkpoint: its node no longer holds the job's "
+    (Kind.CHECKPOINT_FENCED, "a rank wrote no checkpoint: its node no longer holds the job's "
      "rendezvous (cut off, or the job went on without it)", {
         "path": "the checkpoint folder", "reason": "what the launcher answered",
     }),
     # monitoring / launcher
-    ("rank_hung", "a rank overstayed a timeout and is terminated (cause: what timed out)", {
+    (Kind.RANK_HUNG, "a rank overstayed a timeout and is terminated (cause: what timed out)", {
         "section": "the section, or what timed out", "elapsed": "seconds since it began",
         "timeout": "the timeout", "local_rank": _WORKER["local_rank"],
         "worker_pid": _WORKER["worker_pid"],
     }),
-    ("rank_failed", "a worker failed: the first of its group to go down", dict(_WORKER)),
-    ("rank_stopped", "a worker that went down after another rank failed (stopped by the "
+    (Kind.RANK_FAILED, "a worker failed: the first of its group to go down", dict(_WORKER)),
+    (Kind.RANK_STOPPED, "a worker that went down after another rank failed (stopped by the "
      "launcher, or it lost its peer): not a fault of its own", {
         **_WORKER, "first_failed_rank": "the rank whose failure it followed",
     }),
-    ("restart", "the launcher restarts the worker group in-job (cause: worker_failure or "
+    (Kind.RESTART, "the launcher restarts the worker group in-job (cause: worker_failure or "
      "membership_change)", {
         "restart_count": "restarts so far", "reason": "in words",
         "remaining_restarts": "in-job restarts left",
     }),
     # nodes (the launcher's node roster; host: the launcher that saw it)
-    ("node_lost", "a node of the running round is lost (cause: connection_reset, silent, "
+    (Kind.NODE_LOST, "a node of the running round is lost (cause: connection_reset, silent, "
      "left or unhealthy)", {
         "node": "the lost node's host name", "node_rank": "its rank among the round's nodes",
         "how": "how it was seen, in words", "latency": "seconds from its last sign of life "
         "to the detection", "nodes": "nodes in the round it left",
     }),
-    ("node_joined", "a node joined the job in a later round (a spare taking a lost node's "
+    (Kind.NODE_JOINED, "a node joined the job in a later round (a spare taking a lost node's "
      "place, or a node added to an elastic job)", {
         "node": "its host name", "node_rank": "its rank among the round's nodes",
         "nodes": "nodes in the new round", "replaced": "the nodes of the previous round "
         "that are not in this one",
     }),
-    ("node_unhealthy", "this node failed its health check before a rendezvous: it does not "
+    (Kind.NODE_UNHEALTHY, "this node failed its health check before a rendezvous: it does not "
      "join (cause: the check)", {"reason": "what failed"}),
-    ("node_isolated", "this node lost its peers and the rendezvous at once (cause "
+    (Kind.NODE_ISOLATED, "this node lost its peers and the rendezvous at once (cause "
      "partition: a partition on its side), or found the job went on without it (cause "
      "replaced: a healed partition): its workers are stopped and write nothing", {
         "how": "in words", "nodes": "nodes in the round it was cut off from",
     }),
     # the launcher's own record of its node (host: the node), for any script
-    ("launcher_start", "a node's launcher started (steadfast launch)", {
+    (Kind.LAUNCHER_START, "a node's launcher started (steadfast launch)", {
         "nnodes": "--nnodes as given", "nproc_per_node": "workers per node",
         "entrypoint": "the script or program", "max_restarts": "in-job restarts allowed",
         "rdzv_backend": "the rendezvous backend",
     }),
-    ("workers_started", "this node's launcher started its workers for a round of the "
+    (Kind.WORKERS_STARTED, "this node's launcher started its workers for a round of the "
      "rendezvous (a generation)", {
         "generation": "this node's round count (1 for its first)",
         "restart_count": "TORCHELASTIC_RESTART_COUNT given to the workers",
@@ -160,73 +216,73 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "world_size": "ranks in the round", "ranks": "the global ranks started here",
         "pids": "their process ids",
     }),
-    ("workers_exited", "this node's workers of a generation ended (cause: succeeded, "
+    (Kind.WORKERS_EXITED, "this node's workers of a generation ended (cause: succeeded, "
      "failed, stopped: by the launcher after a fault elsewhere, a lost node or a node "
      "joining)", {
         "generation": "as in workers_started", "exits": "per worker: rank, local_rank, "
         "pid, exit_code, signal, time (epoch seconds it exited, when known)",
         "seconds": "from workers_started to the last exit",
     }),
-    ("launcher_end", "a node's launcher ended", {
+    (Kind.LAUNCHER_END, "a node's launcher ended", {
         "exit_code": "its exit status", "reason": "why, in words",
     }),
-    ("job_requeued", "the Slurm job was requeued (cause: restarts_exhausted, node_lost, or "
+    (Kind.JOB_REQUEUED, "the Slurm job was requeued (cause: restarts_exhausted, node_lost, or "
      "restart_elsewhere after a worker's exit 16: these spend a job retry; preempted, by "
      "the batch script of steadfast slurm: spends none)", {
         "slurm_job": "the job id", "excluded": "Slurm nodes the requeued job is kept away "
         "from from now on (a lost node, the node of a result to re-check elsewhere)",
     }),
-    ("job_start", "a training process (re)started, after its restore", {
+    (Kind.JOB_START, "a training process (re)started, after its restore", {
         "world_size": "ranks in the job", "resumed_from": "the checkpoint, or null",
         "process_start": "epoch seconds the process began (see job_start())",
     }),
-    ("step_done", "a training step completed on this rank: what the goodput report counts "
+    (Kind.STEP_DONE, "a training step completed on this rank: what the goodput report counts "
      "as productive", {"seconds": "its duration", "loss": "its loss (optional)"}),
-    ("rollback", "training state rolled back to a checkpoint (a NaN burst)", {
+    (Kind.ROLLBACK, "training state rolled back to a checkpoint (a NaN burst)", {
         "to_step": "the step it went back to",
     }),
-    ("job_end", "a training process ended", {"exit_code": "its code", "reason": "why"}),
-    ("fault_injected", "a simulated fault fired (steadfast.faults)", {
+    (Kind.JOB_END, "a training process ended", {"exit_code": "its code", "reason": "why"}),
+    (Kind.FAULT_INJECTED, "a simulated fault fired (steadfast.faults)", {
         "fault": "its FaultKind name", "factor": "a slowdown's factor",
     }),
     # re-run state machine
-    ("rerun_result_rejected", "a validated result was rejected on this rank", {
+    (Kind.RERUN_RESULT_REJECTED, "a validated result was rejected on this rank", {
         "result": "the value", "invocation": "which run of the step",
     }),
-    ("rerun_elsewhere", "this rank reproduced its rejected result in place (or was "
+    (Kind.RERUN_ELSEWHERE, "this rank reproduced its rejected result in place (or was "
      "restarted on the hardware that did): it exits 16, and the job must re-run the step "
      "on other hardware (the host of this event is the node to move away from)", {
         "hardware": "the hardware id (node/device) of the doubted result",
     }),
-    ("rerun_verdict", "attribution of a rejected result", {
+    (Kind.RERUN_VERDICT, "attribution of a rejected result", {
         "verdict": "transient, persistent or correct",
     }),
     # in-process restart (rank: the initial rank, this process's identity for the call)
-    ("inprocess_interrupted", "an in-process restart iteration was interrupted (cause: "
+    (Kind.INPROCESS_INTERRUPTED, "an in-process restart iteration was interrupted (cause: "
      "exception, soft_timeout, hard_timeout, rank_died, heartbeat_lost, left)", {
         "iteration": "the interrupted iteration", "fault_rank": "the rank at fault",
         "detail": "in words", "first": "whether this record was the first of the iteration",
     }),
-    ("inprocess_restart", "this rank restarts the wrapped function in-process", {
+    (Kind.INPROCESS_RESTART, "this rank restarts the wrapped function in-process", {
         "iteration": "the new one", "world_size": "ranks left", "active_world_size":
         "active ranks", "terminated": "ranks gone", "causes": "the interruptions",
         "seconds": "from the first interruption record to the restart",
     }),
-    ("inprocess_terminated", "a rank left the job for good: terminated by its monitor "
+    (Kind.INPROCESS_TERMINATED, "a rank left the job for good: terminated by its monitor "
      "process on the hard timeout, or found dead", {
         "iteration": "the iteration", "terminated_rank": "the rank",
         "signal": "the last signal sent, null if it was already dead",
     }),
-    ("inprocess_rank_reassigned", "rank assignment gave this rank a new rank", {
+    (Kind.INPROCESS_RANK_REASSIGNED, "rank assignment gave this rank a new rank", {
         "iteration": "the iteration", "from_rank": "before", "to_rank": "after",
         "world_size": "the new world size",
     }),
     # straggler detection
-    ("straggler_report", "a periodic straggler report", {
+    (Kind.STRAGGLER_REPORT, "a periodic straggler report", {
         "relative": "{rank: relative score}", "individual": "{rank: individual score}",
         "seconds": "the report's cost",
     }),
-    ("straggler_detected", "scores below the thresholds", {
+    (Kind.STRAGGLER_DETECTED, "scores below the thresholds", {
         "ranks": "the stragglers", "relative": "the ranks below the relative threshold",
         "individual": "the ranks below the individual threshold",
         "scores": "{rank: relative score}",

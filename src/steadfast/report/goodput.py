@@ -192,7 +192,7 @@ def _began(job_start: ev.Event) -> float:
 
 
 def _step_rank(events: list[ev.Event]) -> int | None:
-    ranks = [e.rank for e in events if e.kind == "step_done" and e.rank is not None]
+    ranks = [e.rank for e in events if e.kind == ev.Kind.STEP_DONE and e.rank is not None]
     return min(ranks) if ranks else None
 
 
@@ -206,8 +206,8 @@ def compute_report(
         return GoodputReport(0.0, 0.0, dict.fromkeys(BADPUT_CAUSES, 0.0), [], 0, 0, 0, 0)
     rank = _step_rank(evs)
     mine = [e for e in evs if e.rank == rank] if rank is not None else []
-    steps = [e for e in mine if e.kind == "step_done" and e.step is not None]
-    starts = [e for e in mine if e.kind == "job_start"]
+    steps = [e for e in mine if e.kind == ev.Kind.STEP_DONE and e.step is not None]
+    starts = [e for e in mine if e.kind == ev.Kind.JOB_START]
     view = launcher_view(evs)
     t0 = min([evs[0].time, *[_began(e) for e in starts], *([view.start] if view else [])])
     wall = evs[-1].time - t0
@@ -234,10 +234,10 @@ def compute_report(
     badput["checkpoint_save"] = sum(
         float(e.get("blocking_seconds", e.get("seconds")) or 0.0)
         for e in mine
-        if e.kind == "checkpoint_saved"
+        if e.kind == ev.Kind.CHECKPOINT_SAVED
     )
     badput["checkpoint_load"] = sum(
-        float(e.get("seconds") or 0.0) for e in mine if e.kind == "checkpoint_loaded"
+        float(e.get("seconds") or 0.0) for e in mine if e.kind == ev.Kind.CHECKPOINT_LOADED
     )
     # start-up: process start to job_start, less the load done in between
     for start in starts:
@@ -245,7 +245,7 @@ def compute_report(
         loads = sum(
             float(e.get("seconds") or 0.0)
             for e in mine
-            if e.kind == "checkpoint_loaded" and began <= e.time <= start.time
+            if e.kind == ev.Kind.CHECKPOINT_LOADED and began <= e.time <= start.time
         )
         badput["startup"] += max(0.0, start.time - began - loads)
 
@@ -256,7 +256,7 @@ def compute_report(
         window = [e for e in evs if e.kind in _ANY_DETECTION and prev_end <= e.time <= next_start]
         # the launcher's own verdicts first: a survivor's shutdown_requested can come
         # a moment earlier, when the agent stops the others
-        primary = [e for e in window if e.kind in ("rank_hung", "rank_failed")]
+        primary = [e for e in window if e.kind in (ev.Kind.RANK_HUNG, ev.Kind.RANK_FAILED)]
         det = (primary or window)[0].time if window else None
         if det is None:  # a planned stop (preemption), a requeue: all of it is restart
             badput["restart"] += max(0.0, next_start - prev_end)
@@ -268,7 +268,7 @@ def compute_report(
     badput["other"] = max(0.0, wall - accounted)
     # a process is its host and pid: pids of different nodes (or PID namespaces) repeat
     generations = len({(e.get("host"), e.get("pid")) for e in starts})
-    restarts = sum(1 for e in evs if e.kind == "restart")
+    restarts = sum(1 for e in evs if e.kind == ev.Kind.RESTART)
     if view is not None:  # job-wide, not once per node that restarted
         restarts = sum(1 for g in view.generations if g.in_job_restart)
         if not starts:  # a script that reports nothing: its generations of workers
@@ -279,7 +279,9 @@ def compute_report(
         if e.get("slurm_job_id") is not None
     }
     nodes = list(
-        dict.fromkeys(str(e.get("host")) for e in evs if e.kind == "job_start" and e.get("host"))
+        dict.fromkeys(
+            str(e.get("host")) for e in evs if e.kind == ev.Kind.JOB_START and e.get("host")
+        )
     )
     if view is not None and not nodes:
         nodes = [n for g in view.generations for n in g.nodes] or view.nodes
@@ -313,11 +315,11 @@ def _incarnations(evs: list[ev.Event]) -> list[Incarnation]:
         inc = found.get(key)
         if inc is None:
             inc = found[key] = Incarnation(key[0], key[1], [])
-        if e.kind == "job_start" and e.get("host") and e.get("host") not in inc.nodes:
+        if e.kind == ev.Kind.JOB_START and e.get("host") and e.get("host") not in inc.nodes:
             inc.nodes.append(str(e.get("host")))
-        elif e.kind == "node_lost" and e.get("node") and e.get("node") not in inc.lost:
+        elif e.kind == ev.Kind.NODE_LOST and e.get("node") and e.get("node") not in inc.lost:
             inc.lost.append(str(e.get("node")))
-        elif e.kind == "job_requeued":
+        elif e.kind == ev.Kind.JOB_REQUEUED:
             inc.requeued = e.cause
             excluded = e.get("excluded")
             inc.excluded = [str(n) for n in excluded] if isinstance(excluded, list) else []
@@ -328,7 +330,7 @@ def _generation_gaps(mine: list[ev.Event], starts: list[ev.Event]) -> list[tuple
     """For each job_start after the first: (the previous generation's last progress,
     a step or a save, and this generation's process start)."""
     gaps = []
-    progress = [e for e in mine if e.kind in ("step_done", "checkpoint_saved")]
+    progress = [e for e in mine if e.kind in (ev.Kind.STEP_DONE, ev.Kind.CHECKPOINT_SAVED)]
     for s in starts[1:]:
         began = _began(s)
         me = (s.get("host"), s.get("pid"))
@@ -342,7 +344,7 @@ def _generation_gaps(mine: list[ev.Event], starts: list[ev.Event]) -> list[tuple
 
 def _faults(evs: list[ev.Event], steps: list[ev.Event]) -> list[FaultRecord]:
     out = []
-    for inj in (e for e in evs if e.kind == "fault_injected"):
+    for inj in (e for e in evs if e.kind == ev.Kind.FAULT_INJECTED):
         name = str(inj.get("fault") or inj.cause or "unknown")
         rec = FaultRecord(fault=name, rank=inj.rank, step=inj.step, time=inj.time)
         kind = FaultKind(name) if name in DETECTION_KINDS else _FORMER_NAMES.get(name)
@@ -370,7 +372,8 @@ def _recovery(
     if recovery == "restart":
         old_pids = {e.get("pid") for e in steps if e.time <= det.time}
         restarted = next(
-            (e.time for e in evs if e.kind == "inprocess_restart" and e.time >= det.time), None
+            (e.time for e in evs if e.kind == ev.Kind.INPROCESS_RESTART and e.time >= det.time),
+            None,
         )
         nxt = next(
             (
@@ -383,7 +386,7 @@ def _recovery(
         )
     else:
         after = det.time
-        rollback = next((e for e in evs if e.kind == "rollback" and e.time >= after), None)
+        rollback = next((e for e in evs if e.kind == ev.Kind.ROLLBACK and e.time >= after), None)
         if rollback is not None:
             after = rollback.time
         nxt = next((e for e in steps if e.time > after), None)

@@ -27,12 +27,12 @@ from .. import events as ev
 __all__ = ["Generation", "LauncherView", "ObservedFault", "as_list", "launcher_view"]
 
 #: the launchers' own fault verdicts, and what each is called in the report
-FAULT_KINDS = {
-    "node_lost": "node lost",
-    "rank_failed": "rank failed",
-    "rank_hung": "rank hung",
-    "node_unhealthy": "node unhealthy",
-    "node_isolated": "node cut off",
+FAULT_KINDS: dict[str, str] = {
+    ev.Kind.NODE_LOST: "node lost",
+    ev.Kind.RANK_FAILED: "rank failed",
+    ev.Kind.RANK_HUNG: "rank hung",
+    ev.Kind.NODE_UNHEALTHY: "node unhealthy",
+    ev.Kind.NODE_ISOLATED: "node cut off",
 }
 
 
@@ -123,7 +123,7 @@ def _generations(evs: list[ev.Event]) -> list[Generation]:
     keys: list[tuple[str, object, int]] = []
     members: list[list[tuple[str, object, int]]] = []
     order: dict[int, dict[str, int]] = {}  # generation -> host -> node rank
-    for e in (x for x in evs if x.kind == "workers_started"):
+    for e in (x for x in evs if x.kind == ev.Kind.WORKERS_STARTED):
         host = str(e.get("host"))
         if not gens or host in hosts or len(hosts) >= want:
             gens.append(Generation(len(gens) + 1, [], int(e.get("world_size") or 0), e.time))
@@ -141,7 +141,7 @@ def _generations(evs: list[ev.Event]) -> list[Generation]:
     ends = {
         (str(e.get("host")), e.get("pid"), int(e.get("generation") or 0)): e
         for e in evs
-        if e.kind == "workers_exited"
+        if e.kind == ev.Kind.WORKERS_EXITED
     }
     severity = {"succeeded": 0, "stopped": 1, "failed": 2}
     for gen, keys_of in zip(gens, members, strict=True):
@@ -162,7 +162,7 @@ def _generations(evs: list[ev.Event]) -> list[Generation]:
 def _exit_time(evs: list[ev.Event], host: str | None, pid: object) -> float | None:
     """When worker ``pid`` of ``host`` exited, from its node's ``workers_exited``."""
     for e in evs:
-        if e.kind != "workers_exited" or e.get("host") != host:
+        if e.kind != ev.Kind.WORKERS_EXITED or e.get("host") != host:
             continue
         for x in as_list(e.get("exits")):
             if isinstance(x, dict) and x.get("pid") == pid and x.get("time"):
@@ -174,24 +174,24 @@ def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
     out = []
     hung: set[tuple[object, object]] = set()  # (node, rank) found hung this generation
     for e in evs:
-        if e.kind == "workers_started":
+        if e.kind == ev.Kind.WORKERS_STARTED:
             hung.clear()
         if e.kind not in FAULT_KINDS:
             continue
-        if e.kind == "rank_hung":
+        if e.kind == ev.Kind.RANK_HUNG:
             hung.add((e.get("host"), e.rank))
-        elif e.kind == "rank_failed" and (e.get("host"), e.rank) in hung:
+        elif e.kind == ev.Kind.RANK_FAILED and (e.get("host"), e.rank) in hung:
             continue  # the hung rank's termination: the same fault, already counted
-        if e.kind == "node_lost":
+        if e.kind == ev.Kind.NODE_LOST:
             node, rank = e.get("node"), None
             latency = e.get("latency")
         else:
             node, rank = e.get("host"), e.rank
             latency = None
-            if e.kind == "rank_failed":
+            if e.kind == ev.Kind.RANK_FAILED:
                 exited = _exit_time(evs, node, e.get("worker_pid"))
                 latency = max(0.0, e.time - exited) if exited is not None else None
-            elif e.kind == "rank_hung":
+            elif e.kind == ev.Kind.RANK_HUNG:
                 latency = e.get("elapsed")
         out.append(
             ObservedFault(
@@ -212,7 +212,7 @@ def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
                 {
                     str(j.get("node"))
                     for j in evs
-                    if j.kind == "node_joined"
+                    if j.kind == ev.Kind.NODE_JOINED
                     and j.time >= f.time
                     and f.node in as_list(j.get("replaced"))
                 }
@@ -223,10 +223,10 @@ def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
 def launcher_view(evs: list[ev.Event]) -> LauncherView | None:
     """The launchers' account of ``evs`` (sorted by time), or None where no launcher of
     this version wrote one (an older log, a script run without ``steadfast launch``)."""
-    starts = [e for e in evs if e.kind == "launcher_start"]
+    starts = [e for e in evs if e.kind == ev.Kind.LAUNCHER_START]
     if not starts:
         return None
-    ends = [e for e in evs if e.kind == "launcher_end"]
+    ends = [e for e in evs if e.kind == ev.Kind.LAUNCHER_END]
     start = min(e.time for e in starts)
     end = max([e.time for e in ends] or [evs[-1].time])
     nodes = list(dict.fromkeys(str(e.get("host")) for e in starts))

@@ -17,8 +17,8 @@ from .launchers import as_list
 __all__ = ["plot_timeline"]
 
 _DETECTIONS = {k for kinds in DETECTION_KINDS.values() for k in kinds} | {
-    "nan_rollback_recommended",
-    "rollback",
+    ev.Kind.NAN_ROLLBACK_RECOMMENDED,
+    ev.Kind.ROLLBACK,
 }
 
 
@@ -34,11 +34,11 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
         raise ImportError("the timeline needs matplotlib: pip install 'steadfast[report]'") from exc
     if not events:
         raise ValueError("no events to draw")
-    if not any(e.kind == "step_done" for e in events) and any(
-        e.kind == "workers_started" for e in events
+    if not any(e.kind == ev.Kind.STEP_DONE for e in events) and any(
+        e.kind == ev.Kind.WORKERS_STARTED for e in events
     ):
         return _plot_nodes(plt, events, Path(path), title)
-    starts = [e.get("process_start") for e in events if e.kind == "job_start"]
+    starts = [e.get("process_start") for e in events if e.kind == ev.Kind.JOB_START]
     t0 = min([events[0].time] + [float(s) for s in starts if s is not None])
     ranks = sorted({e.rank for e in events if e.rank is not None})
     lane = {r: i for i, r in enumerate(ranks)}
@@ -50,32 +50,32 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
             bars = [
                 (e.time - t0 - float(e.get("seconds") or 0.0), float(e.get("seconds") or 0.0))
                 for e in mine
-                if e.kind == "step_done"
+                if e.kind == ev.Kind.STEP_DONE
             ]
             ax.broken_barh(bars, (y - 0.3, 0.6), facecolors="tab:blue", alpha=0.55)
             saves = [
                 (e.time - t0 - float(e.get("seconds") or 0.0), float(e.get("seconds") or 0.0))
                 for e in mine
-                if e.kind == "checkpoint_saved"
+                if e.kind == ev.Kind.CHECKPOINT_SAVED
             ]
             ax.broken_barh(saves, (y - 0.4, 0.8), facecolors="tab:green")
             for e in mine:
                 x = e.time - t0
-                if e.kind == "fault_injected":
+                if e.kind == ev.Kind.FAULT_INJECTED:
                     ax.plot(x, y + 0.45, "X", color="red", markersize=11)
                     ax.annotate(str(e.get("fault") or e.cause), (x, y + 0.5), fontsize=7,
                                 color="red", rotation=25)  # fmt: skip
                 elif e.kind in _DETECTIONS:
                     ax.plot(x, y - 0.45, "^", color="darkorange", markersize=9)
-                elif e.kind == "job_start":  # the process began earlier: start-up time
+                elif e.kind == ev.Kind.JOB_START:  # the process began earlier: start-up time
                     began = e.get("process_start")
                     began = x if began is None else float(began) - t0
                     ax.plot(began, y, ">", color="black", markersize=7)
                     ax.plot([began, x], [y, y], color="gray", linewidth=2)
         for e in events:
-            if e.kind == "fault_injected" and e.rank is None:  # from outside (a SIGTERM)
+            if e.kind == ev.Kind.FAULT_INJECTED and e.rank is None:  # from outside (a SIGTERM)
                 ax.axvline(e.time - t0, color="red", linestyle=":", linewidth=1)
-            if e.kind == "restart":
+            if e.kind == ev.Kind.RESTART:
                 ax.axvline(e.time - t0, color="purple", linestyle="--", linewidth=1)
         ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
         ax.set_ylim(-0.8, len(ranks) - 0.2 + 0.6)
@@ -120,7 +120,7 @@ def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path
         dict.fromkeys(
             str(e.get("host"))
             for e in events
-            if e.kind in ("launcher_start", "workers_started") and e.get("host")
+            if e.kind in (ev.Kind.LAUNCHER_START, ev.Kind.WORKERS_STARTED) and e.get("host")
         )
     )
     nodes.sort()  # node1 at the top
@@ -128,7 +128,7 @@ def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path
     lost_at = {  # a node lost with its workers: they ran until the loss began
         str(e.get("node")): e.time - float(e.get("latency") or 0.0) - t0
         for e in events
-        if e.kind == "node_lost"
+        if e.kind == ev.Kind.NODE_LOST
     }
     fig, ax = plt.subplots(figsize=(12, 1.4 + 0.8 * max(1, len(nodes))))
     try:
@@ -139,12 +139,12 @@ def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path
             if host not in lane:
                 continue
             y, x = lane[host], e.time - t0
-            if e.kind in ("workers_started", "workers_exited"):
+            if e.kind in (ev.Kind.WORKERS_STARTED, ev.Kind.WORKERS_EXITED):
                 key = (host, int(e.get("generation") or 0))
-            if e.kind == "workers_started":
+            if e.kind == ev.Kind.WORKERS_STARTED:
                 started[key] = x
                 open_bars[key] = x
-            elif e.kind == "workers_exited" and key in started:
+            elif e.kind == ev.Kind.WORKERS_EXITED and key in started:
                 exits = [
                     float(w["time"]) - t0
                     for w in as_list(e.get("exits"))
@@ -157,11 +157,16 @@ def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path
                     [(started[key], end - started[key])], (y - 0.3, 0.6), facecolors=colour,
                     alpha=0.6,
                 )  # fmt: skip
-            elif e.kind == "launcher_start":
+            elif e.kind == ev.Kind.LAUNCHER_START:
                 ax.plot(x, y, ">", color="black", markersize=7)
-            elif e.kind == "launcher_end":
+            elif e.kind == ev.Kind.LAUNCHER_END:
                 ax.plot(x, y, "|", color="black", markersize=14, markeredgewidth=2)
-            elif e.kind in ("rank_failed", "rank_hung", "node_unhealthy", "node_isolated"):
+            elif e.kind in (
+                ev.Kind.RANK_FAILED,
+                ev.Kind.RANK_HUNG,
+                ev.Kind.NODE_UNHEALTHY,
+                ev.Kind.NODE_ISOLATED,
+            ):
                 ax.plot(x, y + 0.42, "^", color="darkorange", markersize=9)
         for (host, _), x in open_bars.items():
             end = lost_at.get(host, events[-1].time - t0)
@@ -169,7 +174,7 @@ def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path
                            alpha=0.35)  # fmt: skip
         for e in events:
             x = e.time - t0
-            if e.kind == "node_lost":
+            if e.kind == ev.Kind.NODE_LOST:
                 node = str(e.get("node"))
                 latency = float(e.get("latency") or 0.0)
                 ax.axvline(x, color="red", linestyle="--", linewidth=1)
@@ -177,7 +182,7 @@ def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path
                     ax.plot(x - latency, lane[node], "X", color="red", markersize=12)
                     ax.annotate(f"{node} lost ({e.cause})", (x, lane[node] + 0.42),
                                 fontsize=7, color="red")  # fmt: skip
-            elif e.kind == "node_joined":
+            elif e.kind == ev.Kind.NODE_JOINED:
                 node = str(e.get("node"))
                 if node in lane:
                     ax.plot(x, lane[node], "D", color="green", markersize=8)
