@@ -15,7 +15,6 @@ loader start: the fastest recovery there is. The configuration is the
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import threading
@@ -23,7 +22,6 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from .. import events
@@ -31,6 +29,8 @@ from ..checkpoint.memory import MEMORY_DIR_ENV, MemoryDir
 from ..config import ConfigError
 from . import monitor as mon
 from . import transport
+from .barriers import await_completion, last_call, restart_barrier
+from .monitor_thread import MonitorThread
 from .state import (
     BarrierTimeout,
     HealthCheckError,
@@ -41,7 +41,6 @@ from .state import (
 )
 from .store import (
     COMPLETED,
-    INTERRUPTED,
     StoreMixin,
     TCPStore,
     default_address,
@@ -55,10 +54,6 @@ if TYPE_CHECKING:
 __all__ = ["CallWrapper", "MonitorProcess"]
 
 logger = logging.getLogger("steadfast.inprocess")
-
-_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-_set_async_exc.argtypes = [ctypes.c_ulong, ctypes.py_object]
-_set_async_exc.restype = ctypes.c_int
 
 
 class _AlreadyInitialized(RestartError, ValueError):
@@ -79,13 +74,8 @@ class CallWrapper:
 
     def __init__(self, wrapper: Wrapper) -> None:
         self.wrapper = wrapper
-        self._lock = threading.RLock()  # shared by atomic() and the interruption
-        self._in_fn = -1  # iteration whose function the main thread is executing
-        self._interrupting = -1  # iteration whose interruption is under way
         self._aborted = -1  # iteration already aborted
-        self._main_tid = threading.get_ident()
-        self._cond = threading.Condition()
-        self._stopping = False
+        self._monitor_thread = MonitorThread(self._on_interrupt)
         self.state: State = State.first(0, 1)
         self._pg_store: Any = None
         self.shared: mon.SharedProgress | None = None
@@ -123,9 +113,7 @@ class CallWrapper:
         not enter once an interruption of this iteration is under way (it is interrupted
         right there instead).
         """
-        with self._lock:
-            if self._interrupting == self.state.iteration:
-                raise InterruptedIteration()
+        with self._monitor_thread.atomic(self.state.iteration):
             yield
 
     # -- the restart loop -------------------------------------------------------------
@@ -171,7 +159,6 @@ class CallWrapper:
         monitor_pid, monitor_stop = mon.start_monitor_process(cfg, self.shared)
         self.monitor_process = MonitorProcess(monitor_pid)
         watchdog = mon.ProgressWatchdog(self.shared, w.progress_watchdog_interval)
-        monitor_thread: threading.Thread | None = None
         # the memory tier's snapshots live as long as this call: they survive the
         # restarts, not the run (a launcher above already owns a directory)
         memory_dir = None if os.environ.get(MEMORY_DIR_ENV) else MemoryDir()
@@ -182,10 +169,9 @@ class CallWrapper:
             self.store_client: StoreMixin = make_store(w.store_factory, store_kwargs, False)
             self._pg_store = own_connection(self.store_client)  # a connection of its own
             watchdog.start()
-            monitor_thread = threading.Thread(
-                target=self._monitor_thread, name="steadfast-inprocess-monitor", daemon=True
+            self._monitor_thread.start(
+                self.store_client, w.seconds["monitor_thread_interval"], lambda: self.iteration
             )
-            monitor_thread.start()
             result = self._loop(fn, args, {**kwargs, **dict.fromkeys(params, self)})
         except BaseException as exc:
             self._last_call(exc)
@@ -204,7 +190,7 @@ class CallWrapper:
             logger.debug("rank %d: returning (iteration %d)", initial_rank, self.iteration)
             return result
         finally:
-            self._shutdown(watchdog, monitor_thread, monitor_pid, monitor_stop)
+            self._shutdown(watchdog, monitor_pid, monitor_stop)
             transport.clear_baseline()
             if memory_dir is not None:
                 memory_dir.remove()
@@ -272,7 +258,7 @@ class CallWrapper:
             except _TERMINAL:
                 raise
             except BaseException as exc:
-                fault = InterruptedIteration() if self._interrupting == it else exc
+                fault = InterruptedIteration() if self._monitor_thread.interrupting == it else exc
                 self.state = state = state.replace(fn_exception=fault)
                 self._record_own_fault(it, fault)
                 del fault  # its traceback holds the failed iteration's frames
@@ -285,18 +271,14 @@ class CallWrapper:
             os.environ["WORLD_SIZE"] = str(state.active_world_size)
         assert self.shared is not None
         self.shared.set_phase(mon.RUNNING if state.active else mon.SPARE, state.iteration)
-        with self._cond:
-            self._cond.notify_all()
+        self._monitor_thread.iteration_changed()
 
     def _run_fn(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], state: State
     ) -> Any:
         it = state.iteration
         try:
-            with self._lock:
-                if self._interrupting == it:
-                    raise InterruptedIteration()
-                self._in_fn = it
+            self._monitor_thread.enter(it)
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -307,9 +289,8 @@ class CallWrapper:
 
     def _leave_fn(self) -> None:
         """Stop being interruptible; cancel an interruption raised but not yet delivered."""
-        with self._lock:
-            self._in_fn = -1
-            _set_async_exc(self._main_tid, ctypes.py_object())  # NULL: clear a pending one
+        with self._monitor_thread.lock:
+            self._monitor_thread.leave()
             if self.shared is not None:
                 _, _, phase, iteration = self.shared.read()
                 if phase == mon.RUNNING:  # the manual ping stops with the function
@@ -317,7 +298,7 @@ class CallWrapper:
 
     def _record_own_fault(self, iteration: int, exc: BaseException) -> None:
         """Record this rank's fault (not an interruption by another rank) in the store."""
-        if isinstance(exc, InterruptedIteration) or self._interrupting == iteration:
+        if isinstance(exc, InterruptedIteration) or self._monitor_thread.interrupting == iteration:
             return  # a consequence of another rank's interruption, not a fault of ours
         detail = f"{type(exc).__name__}: {exc}"
         logger.warning(
@@ -337,75 +318,18 @@ class CallWrapper:
         )
 
     def _await_completion(self, state: State) -> bool:
-        """After the function returned (or on a spare): True once every active rank has
-        returned, False if the iteration was interrupted first."""
-        it = state.iteration
-        store = self.store_client
-        if state.active:
-            store.record_completed(it, state.initial_rank)
-        active_world = state.active_world_size or 0
-        actives = {r for r, cur in enumerate(state.assignment) if 0 <= cur < active_world}
-        deadline = time.monotonic() + (
-            self.wrapper.seconds["completion_timeout"] if state.active else float("inf")
+        """True once every active rank has returned: see :func:`~.barriers.await_completion`."""
+        return await_completion(
+            self.store_client, state, self.wrapper.seconds["completion_timeout"]
         )
-        delay = 0.002
-        while True:
-            status = store.iteration_state(it)
-            if status == INTERRUPTED:
-                return False
-            if status == COMPLETED or actives <= store.completed(it):
-                return store.mark_completed(it) == COMPLETED
-            if time.monotonic() > deadline:
-                raise BarrierTimeout(
-                    f"iteration {it}: ranks {sorted(actives - store.completed(it))} did not "
-                    f"return within completion_timeout"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
 
     # -- interruption, from the monitor thread ----------------------------------------
-    def _monitor_thread(self) -> None:
-        store = own_connection(self.store_client)
-        interval = self.wrapper.seconds["monitor_thread_interval"]
-        watched = -1
-        while True:
-            with self._cond:
-                while not self._stopping and self.state.iteration == watched:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                watched = self.state.iteration
-            try:
-                outcome = store.wait_iteration_end(watched, timedelta(days=1))
-            except Exception as exc:
-                if not self._stopping:
-                    logger.error("in-process restart store lost: %s", exc)
-                return
-            if outcome != INTERRUPTED or not self._interrupt(watched, first=True):
-                continue
-            while True:
-                # Re-raise while the main thread has not acknowledged (e.g. it was in a
-                # C call that swallowed the first one on its way out).
-                with self._cond:
-                    self._cond.wait(interval)
-                    if self._stopping or self.state.iteration != watched:
-                        break
-                if not self._interrupt(watched, first=False):
-                    break
-
-    def _interrupt(self, iteration: int, first: bool) -> bool:
-        """Interrupt the main thread's function for ``iteration``; False if it is not in it."""
-        with self._lock:
-            if self._in_fn != iteration:
-                self._interrupting = iteration
-                return False
-            self._interrupting = iteration
-            _set_async_exc(self._main_tid, ctypes.py_object(InterruptedIteration))
-            if first:
-                self._run_abort(iteration)
-            if self.shared is not None:
-                self.shared.mark_aborting(first)
-            return True
+    def _on_interrupt(self, first: bool) -> None:
+        """The monitor thread raised the interruption in the main thread (under its lock)."""
+        if first:
+            self._run_abort(self.state.iteration)
+        if self.shared is not None:
+            self.shared.mark_aborting(first)
 
     def _run_abort(self, iteration: int) -> None:
         abort = self.wrapper.abort
@@ -422,8 +346,7 @@ class CallWrapper:
         it = state.iteration
         assert self.shared is not None
         self.shared.set_phase(mon.RESTARTING, it)
-        with self._lock:
-            self._interrupting = it
+        self._monitor_thread.mark_interrupting(it)
         if w.abort is not None:
             w.abort(state)
         if w.finalize is not None:
@@ -438,7 +361,7 @@ class CallWrapper:
             # sockets) so that nothing of the failed iteration outlives it.
             traceback.clear_frames(state.fn_exception.__traceback__)
         self.state = state = state.replace(fn_exception=None)
-        terminated = self._barrier(it)
+        terminated = restart_barrier(self.store_client, state, w.seconds["barrier_timeout"])
         causes = self.store_client.interruptions(it)
         if state.initial_rank in terminated:
             raise RestartError(
@@ -470,57 +393,16 @@ class CallWrapper:
             )
         return new_state
 
-    def _barrier(self, iteration: int) -> frozenset[int]:
-        """Meet every rank that is not terminated; return the terminated set they agree on."""
-        store = self.store_client
-        rank = self.state.initial_rank
-        everyone = frozenset(range(self.state.initial_world_size))
-        store.arrive(iteration, rank)
-        deadline = time.monotonic() + self.wrapper.seconds["barrier_timeout"]
-        delay = 0.001
-        while True:
-            terminated = store.terminated()
-            if everyone <= store.arrived(iteration) | terminated:
-                return store.freeze(iteration, terminated)
-            if time.monotonic() > deadline:
-                missing = sorted(everyone - store.arrived(iteration) - terminated)
-                raise BarrierTimeout(
-                    f"restart barrier after iteration {iteration}: ranks {missing} did not "
-                    f"arrive within barrier_timeout"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
-
     # -- leaving ------------------------------------------------------------------------
     def _last_call(self, exc: BaseException) -> None:
-        """This rank ends with ``exc``: tell the others (they restart without it), then
-        wait up to ``last_call_wait`` for concurrent terminal failures of other ranks and
-        name them in ``exc``'s notes, so every rank's error tells the whole story."""
+        """This rank ends with ``exc``: see :func:`~.barriers.last_call`."""
         store = getattr(self, "store_client", None)
-        if store is None:
-            return
-        rank, it = self.state.initial_rank, self.state.iteration
-        everyone = frozenset(range(self.state.initial_world_size))
-        try:
-            store.record_terminated(rank)
-            store.record_interruption(it, rank, "left", f"{type(exc).__name__}: {exc}")
-            deadline = time.monotonic() + self.wrapper.seconds["last_call_wait"]
-            while time.monotonic() < deadline and not everyone <= store.terminated():
-                time.sleep(0.01)
-            others = [c for c in store.interruptions(it) if c["rank"] != rank]
-        except Exception:
-            return
-        add_note = getattr(exc, "add_note", None)  # Python 3.11+
-        if others and add_note is not None:
-            add_note(
-                f"other ranks in iteration {it}: "
-                + "; ".join(f"rank {c['rank']}: {c['detail']}" for c in others)
-            )
+        if store is not None:
+            last_call(store, self.state, exc, self.wrapper.seconds["last_call_wait"])
 
     def _shutdown(
         self,
         watchdog: mon.ProgressWatchdog,
-        monitor_thread: threading.Thread | None,
         monitor_pid: int,
         monitor_stop: int,
     ) -> None:
@@ -536,14 +418,11 @@ class CallWrapper:
                     store.record_terminated(rank)
                     store.record_interruption(it, rank, "left", "the rank left the Wrapper")
                 store.record_left(rank)
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        self._monitor_thread.stop()
         assert self.shared is not None
         self.shared.set_phase(mon.EXITED, it)
         watchdog.stop()
-        if monitor_thread is not None:
-            monitor_thread.join()
+        self._monitor_thread.join()
         with contextlib.suppress(OSError):
             os.write(monitor_stop, b"x")
             os.close(monitor_stop)

@@ -1,0 +1,146 @@
+"""The monitor thread: it carries an interruption of the iteration into the main thread.
+
+Each rank's monitor thread blocks on the store key that ends the iteration it watches
+(``iter/{i}/state``). When the iteration is interrupted (by any rank), it raises
+:class:`InterruptedIteration` in the main thread (``PyThreadState_SetAsyncExc``), runs the
+``abort`` hook, which releases the main thread from a blocked collective, and raises
+again every ``monitor_thread_interval`` until the main thread has left the function.
+
+The main thread and the monitor thread share one reentrant lock: the interruption lands
+only while the main thread is inside the function of the iteration it is for (between
+:meth:`MonitorThread.enter` and :meth:`MonitorThread.leave`), never inside
+:meth:`MonitorThread.atomic`; and the main thread does not enter either once an
+interruption of its iteration is under way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+from .state import InterruptedIteration
+from .store import INTERRUPTED, own_connection
+
+__all__ = ["MonitorThread"]
+
+logger = logging.getLogger("steadfast.inprocess")
+
+_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+_set_async_exc.argtypes = [ctypes.c_ulong, ctypes.py_object]
+_set_async_exc.restype = ctypes.c_int
+
+
+class MonitorThread:
+    """The interruption of one Wrapper call's main thread and the thread that delivers it.
+
+    Made in the main thread (the one it interrupts). ``on_interrupt(first)`` runs, under
+    the lock, each time the interruption is raised in the main thread: ``first`` the
+    first time for an iteration (the abort hook runs then).
+    """
+
+    def __init__(self, on_interrupt: Callable[[bool], None]) -> None:
+        self.lock = threading.RLock()  # shared by atomic() and the interruption
+        self.in_fn = -1  # iteration whose function the main thread is executing
+        self.interrupting = -1  # iteration whose interruption is under way
+        self._on_interrupt = on_interrupt
+        self._main_tid = threading.get_ident()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # -- the main thread's side ---------------------------------------------------------
+    def start(self, store_client: Any, interval: float, iteration: Callable[[], int]) -> None:
+        """Start watching the iterations (``iteration()``: the current one) in the store."""
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(store_client, interval, iteration),
+            name="steadfast-inprocess-monitor",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def iteration_changed(self) -> None:
+        """Wake the thread: it watches the new iteration from now on."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Tell the thread to stop (:meth:`join` waits for it)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    @contextlib.contextmanager
+    def atomic(self, iteration: int) -> Iterator[None]:
+        """A block the interruption of ``iteration`` never lands in."""
+        with self.lock:
+            if self.interrupting == iteration:
+                raise InterruptedIteration()
+            yield
+
+    def enter(self, iteration: int) -> None:
+        """The main thread enters the function of ``iteration``: interruptible from now."""
+        with self.lock:
+            if self.interrupting == iteration:
+                raise InterruptedIteration()
+            self.in_fn = iteration
+
+    def leave(self) -> None:
+        """Stop being interruptible; cancel an interruption raised but not yet delivered."""
+        with self.lock:
+            self.in_fn = -1
+            _set_async_exc(self._main_tid, ctypes.py_object())  # NULL: clear a pending one
+
+    def mark_interrupting(self, iteration: int) -> None:
+        """``iteration`` is interrupted: its function is entered no more."""
+        with self.lock:
+            self.interrupting = iteration
+
+    # -- the monitor thread -------------------------------------------------------------
+    def _run(self, store_client: Any, interval: float, iteration: Callable[[], int]) -> None:
+        store = own_connection(store_client)
+        watched = -1
+        while True:
+            with self._cond:
+                while not self._stopping and iteration() == watched:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                watched = iteration()
+            try:
+                outcome = store.wait_iteration_end(watched, timedelta(days=1))
+            except Exception as exc:
+                if not self._stopping:
+                    logger.error("in-process restart store lost: %s", exc)
+                return
+            if outcome != INTERRUPTED or not self._interrupt(watched, first=True):
+                continue
+            while True:
+                # Re-raise while the main thread has not acknowledged (e.g. it was in a
+                # C call that swallowed the first one on its way out).
+                with self._cond:
+                    self._cond.wait(interval)
+                    if self._stopping or iteration() != watched:
+                        break
+                if not self._interrupt(watched, first=False):
+                    break
+
+    def _interrupt(self, iteration: int, first: bool) -> bool:
+        """Interrupt the main thread's function for ``iteration``; False if it is not in it."""
+        with self.lock:
+            if self.in_fn != iteration:
+                self.interrupting = iteration
+                return False
+            self.interrupting = iteration
+            _set_async_exc(self._main_tid, ctypes.py_object(InterruptedIteration))
+            self._on_interrupt(first)
+            return True
