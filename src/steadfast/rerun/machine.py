@@ -27,6 +27,10 @@ Attribution, ``validate_results`` mode:
 ``report_stats`` re-runs every step once and reports non-determinism statistics.
 Results compare as ``|(a - b) / (a + b) * 2|`` (0 when equal or both NaN, inf when only
 one is finite).
+
+This module holds the machine and the process's one (Megatron-LM's singleton); its
+modes, exit codes and config are in :mod:`.config`, the batches' replay in :mod:`.data`
+(both re-exported here).
 """
 
 from __future__ import annotations
@@ -38,8 +42,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from enum import Enum
 from functools import partial
 from pathlib import Path
@@ -47,8 +50,20 @@ from typing import Any
 
 from .. import events
 from ..checkpoint.state import RNGState
-from ..config import ConfigError, require_choice, require_number
+from ..config import ConfigError, require_choice
 from ..dist import agree_any, agree_flags, world_info
+from .config import (
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+    EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+    HARDWARE_ID_ENV,
+    MODES,
+    RerunDiagnostic,
+    RerunErrorInjector,
+    RerunMode,
+    RerunStateMachineConfig,
+    _mode,
+)
+from .data import RerunDataIterator
 
 __all__ = [
     "RerunDiagnostic",
@@ -69,50 +84,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
-EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
-#: Overrides this process's hardware identity (node name + device) for attribution;
-#: tests set it to fake a restart "on other hardware".
-HARDWARE_ID_ENV = "STEADFAST_RERUN_HARDWARE_ID"
-
-MODES = ("disabled", "validate_results", "report_stats")
-#: Megatron-LM's name for report_stats (Megatron Bridge's config keeps report_stats)
-_MODE_ALIASES = {"report_determinism_stats": "report_stats"}
-INJECTION_TYPES = ("transient_error", "persistent_error", "correct_result")
-
-
-class RerunMode(str, Enum):
-    """Megatron-LM's operating modes (a ``str``: ``RerunMode.VALIDATE_RESULTS ==
-    "validate_results"``); ``report_determinism_stats`` is ``report_stats``."""
-
-    DISABLED = "disabled"
-    VALIDATE_RESULTS = "validate_results"
-    REPORT_DETERMINISM_STATS = "report_determinism_stats"
-
-
-class RerunDiagnostic(str, Enum):
-    """Megatron-LM's attributions, also the error injection types."""
-
-    CORRECT_RESULT = "correct_result"
-    TRANSIENT_ERROR = "transient_error"
-    PERSISTENT_ERROR = "persistent_error"
-
-
-def _mode(value: Any) -> str:
-    """A mode name from a string or a :class:`RerunMode`, as the config stores it."""
-    text = str(value.value if isinstance(value, Enum) else value)
-    return _MODE_ALIASES.get(text, text)
-
-
-@dataclass
-class RerunErrorInjector:
-    """Megatron-LM's error injector: on average one validated result in
-    ``error_injection_rate`` is made to fail validation, reproducing as
-    ``error_injection_type`` says (0: never)."""
-
-    error_injection_rate: int = 0
-    error_injection_type: RerunDiagnostic | str = RerunDiagnostic.TRANSIENT_ERROR
-
 
 class RerunState(Enum):
     """Where the machine is in the attribution of a step."""
@@ -122,29 +93,6 @@ class RerunState(Enum):
     RERUNNING_IN_PLACE = 2
     WILL_RERUN_FROM_CHECKPOINT = 3
     RERUNNING_FROM_CHECKPOINT = 4
-
-
-@dataclass
-class RerunStateMachineConfig:
-    """Megatron Bridge's ``RerunStateMachineConfig`` (same names and defaults), plus the
-    spiky-loss factor and the tracker file."""
-
-    rerun_mode: str = "disabled"
-    check_for_nan_in_loss: bool = True
-    check_for_spiky_loss: bool = False
-    spiky_loss_factor: float = 10.0
-    error_injection_rate: int = 0
-    error_injection_type: str = "transient_error"
-    result_rejected_tracker_filename: str | None = None
-
-    def __post_init__(self) -> None:
-        self.rerun_mode = _mode(self.rerun_mode)
-        if isinstance(self.error_injection_type, Enum):
-            self.error_injection_type = str(self.error_injection_type.value)
-        require_choice("rerun_mode", self.rerun_mode, MODES)
-        require_choice("error_injection_type", self.error_injection_type, INJECTION_TYPES)
-        require_number("error_injection_rate", self.error_injection_rate, minimum=0, integer=True)
-        require_number("spiky_loss_factor", self.spiky_loss_factor, exclusive_minimum=1)
 
 
 def relative_difference(a: float, b: float) -> float:
@@ -173,51 +121,6 @@ def _hardware_id() -> str:
     except Exception:
         pass
     return f"{socket.gethostname()}/{device}"
-
-
-class RerunDataIterator:
-    """Wraps a data iterator so a step's micro-batches can be replayed.
-
-    Batches fetched since the last :meth:`advance` are kept; :meth:`rewind` replays them
-    in order. :meth:`state_dict` holds the kept batches, so a re-run after a restart
-    (exit 16) replays the very same data.
-    """
-
-    def __init__(self, iterable: Iterable[Any]) -> None:
-        self.iterable: Iterator[Any] = iter(iterable)
-        self.saved: list[Any] = []
-        self.replay_pos: int | None = None
-
-    def __iter__(self) -> RerunDataIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self.replay_pos is not None and self.replay_pos < len(self.saved):
-            batch = self.saved[self.replay_pos]
-            self.replay_pos += 1
-            return batch
-        self.replay_pos = None
-        batch = next(self.iterable)
-        self.saved.append(batch)
-        return batch
-
-    def rewind(self) -> None:
-        """Replay the batches fetched since the last advance."""
-        self.replay_pos = 0
-
-    def advance(self) -> None:
-        """The step is done: forget its batches."""
-        self.saved = []
-        self.replay_pos = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The kept batches (needed when the step is re-run after a restart)."""
-        return {"saved": list(self.saved)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore kept batches; they are replayed first."""
-        self.saved = list(state.get("saved", []))
-        self.replay_pos = 0 if self.saved else None
 
 
 class RerunStateMachine:
