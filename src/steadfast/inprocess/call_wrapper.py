@@ -74,7 +74,6 @@ class CallWrapper:
 
     def __init__(self, wrapper: Wrapper) -> None:
         self.wrapper = wrapper
-        self._aborted = -1  # iteration already aborted
         self._monitor_thread = MonitorThread(self._on_interrupt)
         self.state: State = State.first(0, 1)
         self._pg_store: Any = None
@@ -325,20 +324,16 @@ class CallWrapper:
 
     # -- interruption, from the monitor thread ----------------------------------------
     def _on_interrupt(self, first: bool) -> None:
-        """The monitor thread raised the interruption in the main thread (under its lock)."""
-        if first:
-            self._run_abort(self.state.iteration)
+        """The monitor thread raised the interruption in the main thread (under its lock):
+        the first time, run the abort hook (it releases a blocked collective)."""
+        abort = self.wrapper.abort
+        if first and abort is not None:
+            try:
+                abort(self.state)
+            except Exception as exc:
+                logger.error("abort hook failed: %s", exc)
         if self.shared is not None:
             self.shared.mark_aborting(first)
-
-    def _run_abort(self, iteration: int) -> None:
-        abort = self.wrapper.abort
-        if abort is None:
-            return
-        try:
-            abort(self.state)
-        except Exception as exc:
-            logger.error("abort hook failed: %s", exc)
 
     # -- between iterations -------------------------------------------------------------
     def _restart(self, state: State) -> State:
