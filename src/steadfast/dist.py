@@ -1,10 +1,14 @@
-"""Small helpers over ``torch.distributed`` shared by every in-loop component.
+"""The one place steadfast calls ``torch.distributed``'s collectives from.
 
-They hide the one thing that differs between CPU and GPU runs (the device a collective's
-tensor must live on: CPU for gloo, the current CUDA device for NCCL) and give each
-component the few agreement primitives it needs, so that no module hard-codes ``"cuda"``.
-All of them also work when ``torch.distributed`` is not initialised (a single process):
-the "agreement" of one rank is its own value.
+It hides the one thing that differs between CPU and GPU runs (the device a collective's
+tensor must live on: CPU for gloo, the current CUDA device for NCCL), and gives each
+component the few primitives it needs: flags agreed by one small all-reduce, objects
+gathered or broadcast, barriers with a timeout of their own. Every function also works
+when ``torch.distributed`` is not initialised (a single process): the "agreement" of one
+rank is its own value, a gather is a list of one.
+
+torch is imported when a function is called, not with this module (as torch's DCP does
+with its ``_DistWrapper``): the launcher and the report import steadfast without it.
 """
 
 from __future__ import annotations
@@ -13,21 +17,26 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "WorldInfo",
     "agree_any",
+    "agree_flags",
+    "all_gather_object",
+    "barrier",
     "barrier_with_timeout",
+    "broadcast_object",
     "set_nccl_env",
     "backend_device",
     "count_true",
     "gather_flags",
     "group_rank",
     "is_distributed",
+    "member_index",
     "world_info",
 ]
 
@@ -47,6 +56,8 @@ class WorldInfo:
 
 def is_distributed() -> bool:
     """True when ``torch.distributed`` is available and a default group is initialised."""
+    import torch.distributed as dist
+
     return dist.is_available() and dist.is_initialized()
 
 
@@ -60,6 +71,8 @@ def _env_int(name: str, default: int) -> int:
 
 def world_info() -> WorldInfo:
     """Rank, world size and local rank; works before (or without) ``init_process_group``."""
+    import torch.distributed as dist
+
     local_rank = _env_int("LOCAL_RANK", 0)
     if is_distributed():
         return WorldInfo(dist.get_rank(), dist.get_world_size(), local_rank)
@@ -68,6 +81,8 @@ def world_info() -> WorldInfo:
 
 def group_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank within ``group`` (the world rank when not distributed)."""
+    import torch.distributed as dist
+
     if is_distributed():
         return int(dist.get_rank(group))
     return world_info().rank
@@ -80,6 +95,9 @@ def backend_device(group: ProcessGroup | None = None) -> torch.device:
     CPU. A mixed ``"cpu:gloo,cuda:nccl"`` group prefers CUDA when it is available, since
     that is where the training tensors are.
     """
+    import torch
+    import torch.distributed as dist
+
     if not is_distributed():
         return torch.device("cpu")
     backend = str(dist.get_backend(group)).lower()
@@ -95,6 +113,9 @@ def count_true(flag: bool | torch.Tensor, group: ProcessGroup | None = None) -> 
     reduced where it lives when that is the backend's device, so no extra host sync is
     added before the one ``.item()`` that returns the count.
     """
+    import torch
+    import torch.distributed as dist
+
     device = backend_device(group)
     if isinstance(flag, torch.Tensor):
         t = flag.detach().reshape(1).to(device=device, dtype=torch.int32)
@@ -117,6 +138,9 @@ def agree_any(flag: bool | torch.Tensor, group: ProcessGroup | None = None) -> b
 def agree_flags(flags: list[bool], group: ProcessGroup | None = None) -> list[bool]:
     """For each position, True on every rank when that flag is true on any rank: several
     decisions agreed by one small all-reduce (MAX)."""
+    import torch
+    import torch.distributed as dist
+
     t = torch.tensor(
         [1 if f else 0 for f in flags], dtype=torch.int32, device=backend_device(group)
     )
@@ -127,6 +151,9 @@ def agree_flags(flags: list[bool], group: ProcessGroup | None = None) -> list[bo
 
 def gather_flags(flag: bool, group: ProcessGroup | None = None) -> list[bool]:
     """One flag per rank of ``group``, in rank order, on every rank (one all-gather)."""
+    import torch
+    import torch.distributed as dist
+
     if not is_distributed():
         return [bool(flag)]
     device = backend_device(group)
@@ -145,6 +172,8 @@ def barrier_with_timeout(
     points should surface a wedged or misconfigured peer fast (KempnerForge's
     per-operation timeouts). Raises ``RuntimeError`` naming ``reason`` and the timeout;
     after it the group has a pending collective and must be aborted or destroyed."""
+    import torch.distributed as dist
+
     from .config import require_number
 
     require_number("barrier_with_timeout.timeout_sec", timeout_sec, exclusive_minimum=0)
@@ -157,6 +186,48 @@ def barrier_with_timeout(
         raise RuntimeError(f"{reason}: barrier timed out after {timeout_sec}s ({exc})") from exc
     if not done:
         raise RuntimeError(f"{reason}: barrier timed out after {timeout_sec}s")
+
+
+def member_index(group: ProcessGroup | None = None) -> int:
+    """This process's position in what a gather over ``group`` returns: its rank in the
+    group, or 0 when not distributed (a gather of one). Not :func:`group_rank`, which
+    falls back to ``$RANK``."""
+    import torch.distributed as dist
+
+    return int(dist.get_rank(group)) if is_distributed() else 0
+
+
+def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order of ``group``, on every rank;
+    ``[obj]`` in a single process."""
+    import torch.distributed as dist
+
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup | None = None) -> Any:
+    """``obj`` as rank ``src`` (a global rank) has it, on every rank; ``obj`` itself in a
+    single process. The other ranks' ``obj`` is ignored."""
+    import torch.distributed as dist
+
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Wait for every rank of ``group`` (the process group's own timeout); nothing to
+    wait for in a single process."""
+    import torch.distributed as dist
+
+    if is_distributed():
+        dist.barrier(group=group)
 
 
 #: The NCCL setting that turns a collective stuck past its timeout into an error (and a

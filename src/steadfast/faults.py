@@ -36,6 +36,7 @@ from typing import Any
 
 from . import events
 from .config import ConfigError, require_choice, require_number
+from .dist import broadcast_object
 from .events import Kind
 
 __all__ = [
@@ -307,14 +308,7 @@ def _agree(
     """Rank 0's choice of rank and type, broadcast so every rank knows the same fault."""
     rank = rank_choice if rank_choice is not None else rng.randrange(world)
     kind = rng.choice(FAULT_TYPES[:2]) if type_choice == "random" else type_choice
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return rank, kind
-    if dist.is_available() and dist.is_initialized():
-        box: list[object] = [(rank, kind)]
-        dist.broadcast_object_list(box, src=0)
-        rank, kind = box[0]  # type: ignore[misc]
+    rank, kind = broadcast_object((rank, kind), src=0)
     return rank, kind
 
 

@@ -74,6 +74,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import events
 from ..checkpoint.manager import MANIFEST, CheckpointError, verify, write_manifest
+from ..dist import barrier, broadcast_object, is_distributed, world_info
 from ..straggler.manager import NVRxStragglerDetectionConfig
 from ._common import (
     EXIT_STRAGGLERS,
@@ -150,13 +151,10 @@ def _seal(args: TrainingArguments, state: TrainerState) -> None:
     every rank's files (a barrier: each writes its RNG state), then rank 0 writes the
     manifest. Only while a VerifiedCheckpointCallback runs (the exits of the shutdown
     and straggler callbacks call it too, since they may come first in the list)."""
-    import torch.distributed as dist
-
     if not _sealing:
         return
     with checkpointing():
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+        barrier()
         folder = Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if state.is_world_process_zero and folder.is_dir():
             write_manifest(folder, int(state.global_step), world_size=int(args.world_size))
@@ -176,18 +174,15 @@ def last_verified_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
 
     Under ``torch.distributed`` (call it after creating the ``TrainingArguments``,
     which starts it) rank 0 decides and every rank gets its answer, or its error."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return _last_verified(Path(output_dir))
-    answer: list[Any] = [None]
-    if dist.get_rank() == 0:
+    answer: tuple[str, Any] | None = None
+    if world_info().rank == 0:
         try:
-            answer[0] = ("ok", _last_verified(Path(output_dir)))
+            answer = ("ok", _last_verified(Path(output_dir)))
         except CheckpointError as exc:
-            answer[0] = ("error", str(exc))
-    dist.broadcast_object_list(answer, src=0)
-    outcome, value = answer[0]
+            answer = ("error", str(exc))
+    outcome, value = broadcast_object(answer, src=0)
     if outcome == "error":
         raise CheckpointError(value)
     return value  # type: ignore[no-any-return]

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..config import require_number
+from ..dist import all_gather_object, member_index
 from .reporting import Report
 from .scores import individual_scores, relative_scores
 
@@ -296,7 +297,7 @@ class Detector:
             "period": (start - self._last_report_time)
             / max(1, self._calls - self._last_report_calls),
         }
-        shares = _all_gather(summary, self.group)
+        shares = all_gather_object(summary, self.group)
         report = self._score(shares)
         slowest = max((s["period"] for s in shares), default=0.0)
         per_interval = max(1, round(self.report_time_interval / slowest)) if slowest > 0 else 1
@@ -313,7 +314,7 @@ class Detector:
         """NVRx's gathering modes (every rank computed every score from the same data)."""
         if self.gather_on_rank0 is None:
             return report
-        rank = _group_rank(self.group)
+        rank = member_index(self.group)
         report.gather_on_rank0 = self.gather_on_rank0
         if self.gather_on_rank0:
             return report if rank == 0 else None
@@ -383,21 +384,3 @@ def _cuda_events() -> tuple[Any, Any] | None:
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     return start, end
-
-
-def _all_gather(summary: dict[str, Any], group: Any) -> list[dict[str, Any]]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return [summary]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, summary, group=group)
-    return out
-
-
-def _group_rank(group: Any) -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank(group))
-    return 0

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..dist import all_gather_object, member_index
 from .scores import StragglerId
 
 __all__ = ["Report", "ReportGenerator", "Statistic", "summarize"]
@@ -189,13 +190,11 @@ class ReportGenerator:
         """This rank's report (collective: every rank calls it with its summaries)."""
         start = time.perf_counter()
         kernels = {k: v for k, v in kernel_summaries.items() if "ncclDev" not in k}
-        from .detector import _all_gather
-
         section_medians = {s: _median(v) for s, v in section_summaries.items()}
         kernel_medians = {k: _median(v) for k, v in kernels.items()}
         mine = {"node": self.node_name, "sections": section_medians, "kernels": kernel_medians}
-        shares = _all_gather(mine, self.group)
-        rank = _rank(self.group)
+        shares = all_gather_object(mine, self.group)
+        rank = member_index(self.group)
         for key, name_medians in (("s:", section_medians), ("k:", kernel_medians)):
             for name, median in name_medians.items():
                 self._best[key + name] = min(self._best.get(key + name, math.inf), median)
@@ -208,7 +207,7 @@ class ReportGenerator:
             rank=None if self.gather_on_rank0 else rank,
         )
         if self.gather_on_rank0:
-            everyone = _all_gather(own, self.group)  # rank 0 keeps them all
+            everyone = all_gather_object(own, self.group)  # rank 0 keeps them all
             if rank != 0:
                 return None
             for r, scores in enumerate(everyone):
@@ -261,11 +260,3 @@ def _put(report: Report, rank: int, scores: Mapping[str, Any]) -> None:
             report.section_individual_perf_scores.setdefault(name, {})[rank] = ind
         if rel is not None:
             report.section_relative_perf_scores.setdefault(name, {})[rank] = rel
-
-
-def _rank(group: Any) -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank(group))
-    return 0
