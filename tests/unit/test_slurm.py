@@ -156,7 +156,7 @@ def test_the_requeues_signals_are_held_even_when_another_thread_takes_them():
     import threading
     import time
 
-    from steadfast.slurm import _signals_held
+    from steadfast.slurm.requeue import _signals_held
 
     seen: list[int] = []
     before = signal.signal(signal.SIGUSR2, lambda signum, _frame: seen.append(signum))
@@ -186,7 +186,7 @@ def test_a_shielded_scontrol_survives_a_sigterm_from_its_first_instant(tmp_path,
     import threading
     from pathlib import Path
 
-    from steadfast.slurm import _scontrol
+    from steadfast.slurm.requeue import _scontrol
 
     fake = tmp_path / "scontrol"
     fake.write_text('#!/bin/sh\nsleep 0.05\necho "updated $*"\n')
