@@ -30,6 +30,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import events
+
 __all__ = [
     "FAILURE_REQUEUE_CAUSES",
     "ExclusionPlan",
@@ -66,8 +68,6 @@ def requeue_job(
     same way. They are added to the job's ``ExcNodeList`` once it is pending again
     (Slurm refuses the change while it runs), as the job's own Slurm node names
     (:func:`exclusion_plan`); the event's ``excluded`` lists them."""
-    from .. import events
-
     job = job_id or os.environ.get("SLURM_JOB_ID")
     if not job:
         logger.error("cannot requeue: not a Slurm job (SLURM_JOB_ID is not set)")
@@ -252,8 +252,6 @@ def _logged_events(what: str) -> list[Any] | None:
     """The run's event log, as events ([] before its first event); None when there is no
     log (``STEADFAST_EVENTS=off``) or it cannot be read (a warning says ``what`` was
     not read from it)."""
-    from .. import events
-
     path = events.current_path()
     if path is None:
         return None
@@ -274,7 +272,7 @@ def doubted_hosts(job_id: str, restart_count: int = 0) -> list[str]:
     hosts: list[str] = []
     for ev in _logged_events("the doubted nodes") or []:
         if (
-            ev.kind == "rerun_elsewhere"
+            ev.kind == events.Kind.RERUN_ELSEWHERE
             and ev.get("slurm_job_id") == job_id
             and (ev.get("slurm_restart") or 0) == restart_count
             and ev.get("host")
@@ -304,14 +302,12 @@ def failure_requeues(job_id: str, restart_count: int = 0) -> int | None:
         if ev.get("slurm_job_id") == job_id and incarnation < restart_count:
             earlier = True
         if (
-            ev.kind == "job_requeued"
+            ev.kind == events.Kind.JOB_REQUEUED
             and ev.get("slurm_job") == job_id
             and ev.cause in FAILURE_REQUEUE_CAUSES
         ):
             failures += 1
     if restart_count > 0 and not earlier:
-        from .. import events
-
         logger.warning(
             "the event log %s has no event of this job's earlier runs: job retries are "
             "counted from SLURM_RESTART_COUNT instead",
