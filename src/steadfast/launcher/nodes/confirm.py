@@ -1,0 +1,119 @@
+"""Losses as the round's store holds them, and the events that report them.
+
+A launcher that sees a watched node go records the loss in the round's store
+(:func:`claim_loss`: the description under ``lost_how/R``, then a count under ``lost/R``
+and, the first time, ``lost_count``); the first to record it emits ``node_lost``
+(:func:`emit_lost`), so a loss is reported once for the job. A node that leaves on
+purpose records why first (:func:`record_leaving`), and whoever finds it gone reports
+that instead. The other launchers read the losses back when their own workers fail
+(:func:`recorded_losses`) and in the exit barrier (:func:`confirmed_losses`). A launcher
+that cannot record a loss is the one cut off (``node_isolated``, :func:`emit_isolated`).
+
+The calls here block on the store: the roster makes them on its store threads
+(:mod:`.store_calls`) and keeps the state they lead to.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ... import events
+from .round import Peer, Round
+
+__all__ = [
+    "claim_loss",
+    "confirmed_losses",
+    "emit_isolated",
+    "emit_joined",
+    "emit_lost",
+    "record_leaving",
+    "recorded_losses",
+]
+
+
+def claim_loss(current: Round, peer: Peer, cause: str, how: str) -> tuple[bool, str, str] | None:
+    """Record ``peer`` lost in the round's store: ``(first to record it, cause, how)``,
+    where a node that recorded why it left is reported as it said; None when the job
+    went on without this node (the round's token is no longer the job's)."""
+    if json.loads(current.job_store.get(current.key))["token"] != current.token:
+        return None  # a stale claim (a partition healed): this node was replaced
+    p = current.prefix
+    left = f"{p}left/{peer.rank}"
+    real_cause, real_how = cause, how
+    if current.store.check([left]):
+        record = json.loads(current.store.get(left))
+        real_cause = str(record["cause"])
+        real_how = f"it left the job: {record['reason']}"
+    # the description first: whoever reads lost/R finds lost_how/R
+    if not current.store.check([f"{p}lost_how/{peer.rank}"]):
+        current.store.set(f"{p}lost_how/{peer.rank}", f"{real_cause}:{real_how}")
+    first = int(current.store.add(f"{p}lost/{peer.rank}", 1)) == 1
+    if first:
+        current.store.add(f"{p}lost_count", 1)
+    return first, real_cause, real_how
+
+
+def recorded_losses(current: Round) -> list[tuple[int, str]]:
+    """The losses recorded in the round's store: ``(node rank, "cause:how")`` each."""
+    found: list[tuple[int, str]] = []
+    if int(current.store.add(f"{current.prefix}lost_count", 0)) == 0:
+        return found
+    for r in range(current.nodes):
+        if current.store.check([f"{current.prefix}lost/{r}"]):
+            how = current.store.get(f"{current.prefix}lost_how/{r}").decode()
+            found.append((r, how))
+    return found
+
+
+def confirmed_losses(store: Any, current: Round, known: set[int]) -> set[int]:
+    """The other nodes recorded lost in ``store`` (the round's, on a connection of the
+    caller's): ``known`` as it is while the store counts no more losses than it holds."""
+    if int(store.add(f"{current.prefix}lost_count", 0)) <= len(known):
+        return known
+    return known | {
+        r
+        for r in range(current.nodes)
+        if r != current.rank and store.check([f"{current.prefix}lost/{r}"])
+    }
+
+
+def record_leaving(current: Round, cause: str, reason: str) -> None:
+    """Record in the round's store that this node leaves the job, and why."""
+    record = json.dumps({"cause": cause, "reason": reason})
+    current.store.set(f"{current.prefix}left/{current.rank}", record)
+
+
+def emit_lost(peer: Peer, cause: str, how: str, latency: float | None, nodes: int) -> None:
+    """``node_lost``: ``peer`` is gone from a round of ``nodes`` nodes."""
+    events.emit(
+        "node_lost",
+        cause=cause,
+        node=peer.host,
+        node_rank=peer.rank,
+        how=how,
+        latency=latency,
+        nodes=nodes,
+    )
+
+
+def emit_isolated(cause: str, how: str, nodes: int) -> None:
+    """``node_isolated``: this node is cut off from a round of ``nodes`` nodes."""
+    events.emit("node_isolated", cause=cause, how=how, nodes=nodes)
+
+
+def emit_joined(peers: dict[int, Peer], before: list[str]) -> None:
+    """``node_joined`` for each node of the round (``peers``) that the previous round's
+    hosts (``before``) did not have: a spare when it replaced one, else a scale-up."""
+    hosts = [peers[r].host for r in sorted(peers)]
+    replaced = sorted(set(before) - set(hosts))
+    for rank, peer in sorted(peers.items()):
+        if peer.host not in before:
+            events.emit(
+                "node_joined",
+                cause="spare" if replaced else "scale_up",
+                node=peer.host,
+                node_rank=rank,
+                nodes=len(hosts),
+                replaced=replaced,
+            )

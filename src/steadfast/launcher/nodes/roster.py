@@ -1,0 +1,372 @@
+"""The node roster: this launcher's front on the round's nodes, the owner of a round's
+lifetime here (enter, leave, finish, close) and of what this node knows of it: which
+nodes are lost (seen by its ring watch, or confirmed in the store by another launcher)
+and whether it is cut off. Its parts: the ring watch (:mod:`.ring`), the losses in the
+store (:mod:`.confirm`), the fence's answers (:mod:`.fence`), both on store threads of
+their own (:mod:`.store_calls`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from ...config import FaultToleranceConfig
+from ...fence import FENCE_ENV, FENCE_TIMEOUT_ENV
+from .confirm import (
+    claim_loss,
+    confirmed_losses,
+    emit_isolated,
+    emit_joined,
+    emit_lost,
+    record_leaving,
+    recorded_losses,
+)
+from .fence import Fence
+from .ring import WATCHERS, Ring
+from .round import Loss, Peer, Round
+from .store_calls import Deadlines, StoreCalls
+
+__all__ = ["CONFIRM_MIN", "NodeRoster"]
+
+logger = logging.getLogger(__name__)
+
+#: The least time a loss gets to be confirmed in the store (see NodeRoster). Above
+#: etcd's own request timeout (5 s + 2 election timeouts: 7 s with etcd's defaults), which
+#: a write in flight when the leader dies waits out before it fails and is tried again:
+#: at 5 s, a node whose etcd lost its leader with the killed node took itself for the
+#: one cut off (seen in tests/multinode: "etcdserver: request timed out" after 7 s).
+CONFIRM_MIN = 10.0
+
+
+class NodeRoster:
+    """This launcher's view of the round's nodes (see :mod:`steadfast.launcher.nodes`)."""
+
+    def __init__(
+        self, ft: FaultToleranceConfig, host: str | None = None, name: str | None = None
+    ) -> None:
+        """``host``: the address the other nodes reach this one at (the launcher's
+        ``--local-addr``, else the fully qualified name); ``name``: what events and
+        exclusions call this node (by default ``host``; the launcher passes the host name
+        every event carries, so a report matches a lost node to its own events)."""
+        self.interval = ft.node_heartbeat_interval
+        self.timeout = ft.node_heartbeat_timeout
+        #: how long a loss may take to confirm in the store before this node takes
+        #: itself for the one cut off: an etcd cluster that lost its leader (with the
+        #: node) needs a second or two to elect another
+        self.confirm_timeout = max(self.timeout, CONFIRM_MIN)
+        self.host = host or socket.getfqdn()
+        self.name = name or self.host
+        self._lock = threading.Condition()
+        self._round: Round | None = None
+        self._losses: dict[int, Loss] = {}
+        self._pending: set[int] = set()  # node ranks seen gone, not yet confirmed
+        self._isolated: str | None = None
+        self._stopping = False
+        self._calls = StoreCalls()  # fence probes, round bookkeeping
+        self._confirms = StoreCalls()  # loss confirmations: never queued behind probes
+        self._deadlines = Deadlines()  # of store calls: close cancels them
+        self._ring = Ring(self.interval, self.timeout, self._lost)
+        self.port = self._ring.port
+        self._fence = Fence(self._lock, self._view, self._calls, self._deadlines, self.timeout)
+        self.fence_address = self._fence.address
+        self._ring.serve(self._fence.sock, self._fence.accept)
+        self._ring.start()
+
+    # ------------------------------------------------------------------ for the agent
+    def env(self) -> dict[str, str]:
+        """What the workers need: the fence's address and how long it may take."""
+        return {FENCE_ENV: self.fence_address, FENCE_TIMEOUT_ENV: f"{self.timeout + 1:g}"}
+
+    def enter_round(
+        self,
+        store: Any,
+        rank: int,
+        nodes: int,
+        run_id: str,
+        rdzv: list[Any] | None,
+        generation: int | None = None,
+    ) -> list[Peer]:
+        """Publish this node in the round that just formed, learn the others, start
+        watching the next ones and (node rank 0) record the round job-wide, emitting
+        ``node_joined`` for each node that the previous round did not have. Returns the
+        round's nodes by node rank. ``generation``: the round's number, the same on every
+        node, where the rendezvous hands out one store for every round (static)."""
+        prefix = "steadfast/" if generation is None else f"steadfast/g{generation}/"
+        me = Peer(rank, self.name, self.host, self.port, os.getpid(), rdzv)
+        store.set(f"{prefix}node/{rank}", json.dumps(me.__dict__))
+        peers: dict[int, Peer] = {}
+        for r in range(nodes):
+            raw = store.get(f"{prefix}node/{r}")
+            peers[r] = Peer(**json.loads(raw))
+        job_store = getattr(store, "underlying_store", store)
+        key = f"steadfast/{run_id}/round"
+        if rank == 0:
+            token = uuid.uuid4().hex
+            previous = None
+            if job_store.check([key]):
+                previous = json.loads(job_store.get(key))
+            record = {"token": token, "nodes": [peers[r].host for r in range(nodes)]}
+            job_store.set(key, json.dumps(record))
+            store.set(f"{prefix}token", token)
+            if previous is not None:
+                emit_joined(peers, previous.get("nodes", []))
+        else:
+            token = store.get(f"{prefix}token").decode()
+        with self._lock:
+            self._round = Round(store, job_store, rank, nodes, peers, token, key, prefix)
+            self._losses = {}
+            self._pending = set()
+            self._isolated = None
+            self._fence.forget()
+        for k in range(1, min(WATCHERS, nodes - 1) + 1):
+            self._ring.watch(peers[(rank + k) % nodes])
+        return [peers[r] for r in range(nodes)]
+
+    def leave_round(self, reason: str | None = None, cause: str = "unhealthy") -> None:
+        """Stop watching; the fence is closed until the next round. ``reason``: this node
+        leaves the job (``cause``: ``unhealthy``, or ``left`` when its launcher stops on
+        a fault of its own), recorded for the launchers that see it go."""
+        with self._lock:
+            current = self._round
+            self._round = None
+        watched = self._ring.unwatch()
+        if current is not None and reason is not None:
+            with contextlib.suppress(Exception):
+                self._calls.call(lambda: record_leaving(current, cause, reason), self.timeout)
+        # with a reason, the nodes watching this one see it go at once
+        self._ring.release(watched, watchers=current is not None and reason is not None)
+
+    def finish(self) -> None:
+        """This node's workers finished the job: say goodbye to the launchers that watch
+        it, so that its launcher exiting is not reported as a lost node."""
+        self._ring.finish()  # the goodbye goes at once, then instead of beats
+
+    def exit_barrier(self, timeout: float) -> list[str]:
+        """Wait until every node of the round has finished its workers (or is lost), up
+        to ``timeout`` seconds: torch's exit barrier, which keeps the store's host alive
+        while other nodes may still need it, done so that it cannot hang a job.
+
+        torch's barrier blocks in one ``store.wait`` of up to 300 s on the round's store
+        *client*, which the rendezvous keep-alive and this roster's store threads share:
+        a TCPStore client serves one call at a time, so the wait stalls every other call
+        on it and any of them stalls the barrier's own ``add``. This one takes a
+        connection of its own (``clone``), marks this node done under its node rank,
+        polls (never a long blocking call), stops waiting for nodes found lost (by this
+        launcher, or confirmed in the store by any other: this one watches only its ring
+        neighbours), and names the nodes it waits for every 10 s. Returns the hosts it
+        stopped waiting for."""
+        with self._lock:
+            current = self._round
+        if current is None or current.nodes <= 1:
+            return []
+        try:
+            store = current.store.clone()  # a connection of its own
+        except (RuntimeError, NotImplementedError, AttributeError):
+            store = current.store  # etcd's: each call is a request of its own already
+        key = f"{current.prefix}exit/"
+        store.set(f"{key}{current.rank}", b"1")
+        if int(store.add(f"{key}count", 1)) >= current.nodes:
+            store.set(f"{key}all", b"1")
+        start = time.monotonic()
+        deadline, report, pause = start + timeout, start + 10.0, 0.005
+        confirmed: set[int] = set()  # losses other launchers recorded in the store
+        while not store.check([f"{key}all"]):
+            confirmed = confirmed_losses(store, current, confirmed)
+            with self._lock:
+                lost = set(self._losses) | confirmed
+            waiting = [
+                r
+                for r in range(current.nodes)
+                if r not in lost and (lost or time.monotonic() > report)
+                and not store.check([f"{key}{r}"])
+            ]  # fmt: skip
+            if lost and not waiting:  # every node left finished: the lost ones never will
+                return sorted(current.peers[r].host for r in lost)
+            now = time.monotonic()
+            if now > report and waiting:
+                logger.info(
+                    "waiting for %s to finish their workers (%.0f s so far)",
+                    ", ".join(current.peers[r].host for r in waiting),
+                    now - start,
+                )
+                report = now + 10.0
+            if now > deadline:
+                logger.warning(
+                    "exit barrier: %s did not finish within %.0f s; leaving without them",
+                    ", ".join(current.peers[r].host for r in waiting) or "some nodes",
+                    timeout,
+                )
+                return [current.peers[r].host for r in waiting]
+            time.sleep(pause)
+            pause = min(pause * 2, 0.25)
+        return []
+
+    def losses(self) -> list[Loss]:
+        """The round's confirmed losses so far."""
+        with self._lock:
+            return list(self._losses.values())
+
+    def isolated(self) -> str | None:
+        """Why this node is cut off from the job (None while it is not)."""
+        with self._lock:
+            return self._isolated
+
+    def wait_for_loss(self, timeout: float) -> list[Loss]:
+        """Wait up to ``timeout`` for a loss to be known (seen here, or recorded in the
+        store by another launcher); returns the round's losses (empty: none known)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._losses or self._isolated:
+                    return list(self._losses.values())
+                current = self._round
+            if current is None:
+                return []
+            self._learn_losses(current, max(0.05, deadline - time.monotonic()))
+            with self._lock:
+                if self._losses or self._isolated:
+                    return list(self._losses.values())
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._lock.wait(min(0.1, left))
+
+    def settle(self, timeout: float) -> list[Loss]:
+        """Wait up to ``timeout`` for the losses being confirmed now (a store electing a
+        leader may take seconds) to be confirmed or found out as isolation; returns the
+        round's losses. The agent asks before its next rendezvous, so that it expires
+        every node it saw go."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending and not self._isolated:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(min(0.1, left))
+            return list(self._losses.values())
+
+    def close(self) -> None:
+        """Close every socket and stop the threads."""
+        self._stopping = True
+        self._ring.stop()  # with the goodbye, where the loop stopped before it went
+        self._deadlines.close()  # a deadline still waiting: the roster is gone
+        self._calls.close()
+        self._confirms.close(wait=1.0)
+        self._fence.close()
+        with self._lock:
+            self._round = None  # and the round's store connection with it
+        self._ring.close()
+
+    # ------------------------------------------------------------------ the round
+    def _view(self) -> tuple[Round | None, str | None]:
+        """The round and why this node is cut off, for the fence (the lock held)."""
+        return self._round, self._isolated
+
+    def _learn_losses(self, current: Round, timeout: float) -> None:
+        """Losses recorded in the round's store by other launchers."""
+        try:
+            found = self._calls.call(lambda: recorded_losses(current), timeout)
+        except Exception:
+            return
+        with self._lock:
+            if self._round is not current:
+                return
+            for r, how in found:
+                cause, _, words = how.partition(":")
+                if r == current.rank and self._isolated is None:  # the others lost this one
+                    self._isolated = f"the other nodes found this node lost ({cause}: {words})"
+                elif r != current.rank and r not in self._losses:
+                    self._losses[r] = Loss(current.peers[r], cause, words, None)
+            self._lock.notify_all()
+
+    def _lost(self, peer: Peer, cause: str, how: str, latency: float | None) -> None:
+        """A watched node is gone: confirm it in the store (the first launcher to do so
+        reports it), or, with the store out of reach too, this node is the one cut off."""
+        with self._lock:
+            current = self._round
+            if current is None:
+                return
+            self._pending.add(peer.rank)
+
+        def done(value: Any, exc: BaseException | None) -> None:
+            with self._lock:
+                if self._round is current:
+                    self._pending.discard(peer.rank)
+                    self._lock.notify_all()
+                if self._round is not current and exc is not None:
+                    return  # this node has left that round since: nothing to say
+                if exc is not None or value is None:
+                    first_time = self._isolated is None
+                    if value is None and exc is None:
+                        cause, self._isolated = (
+                            "replaced",
+                            (
+                                f"lost {peer.host} ({how}), and the job formed a newer round "
+                                "without this node meanwhile"
+                            ),
+                        )
+                    else:
+                        cause, self._isolated = (
+                            "partition",
+                            (
+                                f"lost {peer.host} ({how}) and cannot reach the rendezvous store "
+                                f"({type(exc).__name__}: {exc})"
+                            ),
+                        )
+                    self._lock.notify_all()
+                    if first_time:
+                        emit_isolated(cause, self._isolated, current.nodes)
+                    return
+                first, real_cause, real_how = value
+                if self._round is current:
+                    self._losses[peer.rank] = Loss(peer, real_cause, real_how, latency)
+                    self._lock.notify_all()
+            if first:  # reported even when confirmed after this node left the round
+                emit_lost(peer, real_cause, real_how, latency, current.nodes)
+
+        deadline = time.monotonic() + self.confirm_timeout
+
+        def bounded() -> Any:
+            while True:  # a store that fails for a moment (etcd electing a leader): again
+                if self._stopping:
+                    raise RuntimeError("the node roster closed")
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the store did not answer in time")
+                try:
+                    return claim_loss(current, peer, cause, how)
+                except Exception:
+                    if time.monotonic() + 0.2 > deadline:
+                        raise
+                    time.sleep(0.2)
+
+        # the deadline also covers a store call stuck in the store's own timeout
+        timer = self._deadlines.start(
+            self.confirm_timeout, self._confirm_timeout, current, peer, how
+        )
+
+        def finished(value: Any, exc: BaseException | None) -> None:
+            timer.cancel()
+            done(value, exc)
+
+        self._confirms.submit(bounded, finished)
+
+    def _confirm_timeout(self, current: Round, peer: Peer, how: str) -> None:
+        with self._lock:
+            if self._round is not current or peer.rank in self._losses or self._isolated:
+                return
+            self._pending.discard(peer.rank)
+            self._isolated = (
+                f"lost {peer.host} ({how}) and the rendezvous store did not answer in "
+                f"{self.confirm_timeout:g} s"
+            )
+            self._lock.notify_all()
+            isolated = self._isolated
+        emit_isolated("partition", isolated, current.nodes)
