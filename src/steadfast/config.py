@@ -16,7 +16,13 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["ConfigError", "FaultToleranceConfig", "require_choice", "require_number"]
+__all__ = [
+    "ConfigError",
+    "FaultToleranceConfig",
+    "parse_signal",
+    "require_choice",
+    "require_number",
+]
 
 logger = logging.getLogger("steadfast.config")
 
@@ -86,16 +92,25 @@ def _timeout(field: str, value: Any) -> float | None:
     return float(require_number(field, value, exclusive_minimum=0))
 
 
-def _signal(field: str, value: Any) -> signal.Signals:
+def parse_signal(value: Any, field: str = "signal") -> signal.Signals:
+    """The signal ``value`` names: a name with or without ``SIG`` in any case
+    (``"SIGUSR1"``, ``"usr1"``), a number (``10``, ``"10"``) or a :class:`signal.Signals`;
+    anything else raises a ConfigError naming ``field``. The one parser of signals that
+    configs, flags and the batch script name."""
     if isinstance(value, signal.Signals):
         return value
-    if isinstance(value, int) and not isinstance(value, bool):
+    text = value.strip() if isinstance(value, str) else None
+    if text is not None and text.isascii() and text.isdigit():
+        number: Any = int(text)
+    else:
+        number = value
+    if isinstance(number, int) and not isinstance(number, bool):
         try:
-            return signal.Signals(value)
+            return signal.Signals(number)
         except ValueError:
             pass
-    if isinstance(value, str):
-        name = value.strip().upper()
+    elif text is not None:
+        name = text.upper()
         name = name if name.startswith("SIG") else "SIG" + name
         if name in signal.Signals.__members__:
             return signal.Signals[name]
@@ -220,8 +235,8 @@ class FaultToleranceConfig:
                 p,
                 self.safety_factor,
             )
-        self.rank_termination_signal = _signal(
-            p + "rank_termination_signal", self.rank_termination_signal
+        self.rank_termination_signal = parse_signal(
+            self.rank_termination_signal, p + "rank_termination_signal"
         )
         self.log_level = _log_level(p + "log_level", self.log_level)
         self.num_warmup_iterations = require_number(

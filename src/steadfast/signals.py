@@ -34,7 +34,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from . import events
-from .config import ConfigError, require_number
+from .config import parse_signal, require_number
 from .dist import count_true, gather_flags, group_rank
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "PreemptionHandler",
     "ShutdownHandler",
     "sbatch_signal_option",
+    "signal_name",
 ]
 
 logger = logging.getLogger(__name__)
@@ -392,17 +393,26 @@ class PreemptionConfig:
     exit_signal_handler_for_dataloader: bool = False
 
     def __post_init__(self) -> None:
-        try:
-            self.exit_signal = signal.Signals(self.exit_signal)
-        except ValueError as exc:
-            raise ConfigError(f"exit_signal: {self.exit_signal!r} is not a signal") from exc
+        self.exit_signal = parse_signal(self.exit_signal, "exit_signal")
 
 
-def sbatch_signal_option(preempt_time: int = 60, sig: signal.Signals = signal.SIGTERM) -> str:
-    """The sbatch option that makes Slurm send ``sig`` to the batch script
-    ``preempt_time`` seconds before the time limit (``--signal=B:TERM@60``)."""
+def signal_name(number: int) -> str:
+    """The name of signal ``number`` (``SIGTERM``), or ``SIG<number>`` for one that has
+    none (a real-time signal): how events and messages name a signal."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"SIG{number}"
+
+
+def sbatch_signal_option(
+    preempt_time: int = 60, sig: signal.Signals | int | str = signal.SIGTERM
+) -> str:
+    """The sbatch option that makes Slurm send ``sig`` (a signal, its number or its name)
+    to the batch script ``preempt_time`` seconds before the time limit
+    (``--signal=B:TERM@60``)."""
     require_number("preempt_time", preempt_time, minimum=1, integer=True)
-    return f"--signal=B:{signal.Signals(sig).name.removeprefix('SIG')}@{preempt_time}"
+    return f"--signal=B:{parse_signal(sig, 'sig').name.removeprefix('SIG')}@{preempt_time}"
 
 
 class PreemptionHandler:

@@ -72,3 +72,26 @@ def test_dataloader_workers_survive_the_signal(for_dataloader: bool):
         if len(seen) == 2:
             os.kill(int(batch[0, 1]), signal.SIGTERM)  # to the worker, mid-epoch
     assert seen == list(range(8))  # no worker died, no batch lost
+
+
+def test_one_parser_of_signal_names_for_configs_and_the_batch_script():
+    """``parse_signal`` takes a name with or without ``SIG`` in any case, a number (also
+    as text) or a signal, and names the field of anything else; the preemption config,
+    the monitor's config, the batch script and its ``--signal=B:`` option all use it."""
+    from steadfast.config import FaultToleranceConfig, parse_signal
+    from steadfast.signals import signal_name
+    from steadfast.slurm import SbatchSpec
+
+    for value in ("SIGUSR1", "USR1", " usr1 ", "10", 10, signal.SIGUSR1):
+        assert parse_signal(value, "f") is signal.SIGUSR1
+    for value in ("SIGFOO", "", "-1", 999, True, None, 1.0):
+        with pytest.raises(ConfigError, match=r"^f: .* is not a signal \(e.g. SIGKILL"):
+            parse_signal(value, "f")
+    assert PreemptionConfig(exit_signal="USR2").exit_signal is signal.SIGUSR2
+    assert FaultToleranceConfig(rank_termination_signal="15").rank_termination_signal == 15
+    assert SbatchSpec(script="t.py", preempt_signal="12").preempt_signal == "USR2"
+    assert sbatch_signal_option(30, "usr2") == sbatch_signal_option(30, 12) == "--signal=B:USR2@30"
+    spec = SbatchSpec(script="t.py", time="10", preempt_signal="SIGUSR2", preempt_time=30)
+    assert "--signal=B:USR2@30" in spec.sbatch_options()
+    assert (signal_name(15), signal_name(signal.SIGRTMIN + 2)) == (
+        "SIGTERM", f"SIG{signal.SIGRTMIN + 2}")  # fmt: skip

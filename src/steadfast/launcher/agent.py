@@ -56,6 +56,7 @@ from ..rerun.machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
 )
+from ..signals import signal_name
 from .nodes import Loss, NodeRoster, health_check
 from .template import Template, take_prestarted
 
@@ -70,13 +71,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:  # a real-time signal has no name
-        return f"SIG{number}"
 
 
 def _local_gpus(local_world_size: int) -> int:
@@ -459,7 +453,7 @@ class FTAgent(LocalElasticAgent):
                     "local_rank": local,
                     "pid": pids.get(local),
                     "exit_code": code,
-                    "signal": _signal_name(-code) if code < 0 else None,
+                    "signal": signal_name(-code) if code < 0 else None,
                     # stopped workers are no longer watched: they ended by now
                     "time": round(exits_at.get(local, now_wall if cause == "stopped" else 0), 6)
                     or None,
@@ -541,7 +535,7 @@ class FTAgent(LocalElasticAgent):
                         cause=cause,
                         rank=int(rank),
                         exit_code=code,
-                        signal=_signal_name(-code) if code < 0 else None,
+                        signal=signal_name(-code) if code < 0 else None,
                         local_rank=int(failure.local_rank),
                         worker_pid=int(failure.pid),
                     )
@@ -557,7 +551,7 @@ class FTAgent(LocalElasticAgent):
         culprit = min(first) if first else None
         for rank, failure in sorted(failures.items()):
             code = int(failure.exitcode)
-            name = _signal_name(-code) if code < 0 else None
+            name = signal_name(-code) if code < 0 else None
             how = f"signal {name}" if name else f"exit {code}"
             fields: dict[str, Any] = dict(
                 exit_code=code,

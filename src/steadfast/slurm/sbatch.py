@@ -20,7 +20,8 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 
-from ..config import ConfigError, _signal, require_number
+from ..config import ConfigError, parse_signal, require_number
+from ..signals import sbatch_signal_option
 
 __all__ = [
     "PREEMPT_SIGNALS",
@@ -70,10 +71,10 @@ def parse_time_limit(text: str, field_name: str = "time") -> int:
 PREEMPT_SIGNALS = ("USR1", "USR2", "TERM", "HUP", "QUIT", "ALRM")
 
 
-def _signal_name(value: str | int, field_name: str) -> str:
-    text = str(value).strip()
-    sig = _signal(field_name, int(text) if text.isascii() and text.isdigit() else value)
-    name = sig.name.removeprefix("SIG")
+def _preempt_signal(value: str | int, field_name: str) -> str:
+    """The name (``USR1``) of the preemption signal ``value`` names, one of
+    :data:`PREEMPT_SIGNALS`; else a ConfigError naming ``field_name``."""
+    name = parse_signal(value, field_name).name.removeprefix("SIG")
     if name not in PREEMPT_SIGNALS:
         raise ConfigError(
             f"{field_name}: SIG{name} cannot be the preemption signal; use one of "
@@ -182,7 +183,7 @@ class SbatchSpec:
                 require_number(name, getattr(self, name), minimum=1, integer=True)
         if not re.fullmatch(r"[A-Za-z0-9_.+-]+", self.job_name):
             raise ConfigError(f"job_name: {self.job_name!r} (letters, digits and _.+- only)")
-        self.preempt_signal = _signal_name(self.preempt_signal, "preempt_signal")
+        self.preempt_signal = _preempt_signal(self.preempt_signal, "preempt_signal")
         self.preempt_time = require_number(
             "preempt_time", self.preempt_time, minimum=0, integer=True
         )
@@ -227,7 +228,7 @@ class SbatchSpec:
         if self.time is not None:
             opts.append(f"--time={self.time}")
             if self.preempt_time > 0:
-                opts.append(f"--signal=B:{self.preempt_signal}@{self.preempt_time}")
+                opts.append(sbatch_signal_option(self.preempt_time, self.preempt_signal))
         for name in ("partition", "account"):
             if getattr(self, name):
                 opts.append(f"--{name}={getattr(self, name)}")
