@@ -209,15 +209,21 @@ def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup | None = None) -> Any:
-    """``obj`` as rank ``src`` (a global rank) has it, on every rank; ``obj`` itself in a
-    single process. The other ranks' ``obj`` is ignored."""
+def broadcast_object(
+    obj: Any, src: int = 0, group: ProcessGroup | None = None, *, group_src: int | None = None
+) -> Any:
+    """``obj`` as rank ``src`` (a global rank; or ``group_src``, a rank of ``group``) has
+    it, on every rank; ``obj`` itself in a single process. The other ranks' ``obj`` is
+    ignored."""
     import torch.distributed as dist
 
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    if group_src is None:
+        dist.broadcast_object_list(box, src=src, group=group)
+    else:
+        dist.broadcast_object_list(box, group=group, group_src=group_src)
     return box[0]
 
 

@@ -1,8 +1,18 @@
 """The on-disk layout of a checkpoint and its publish protocol (see
-:mod:`steadfast.checkpoint.manager` for the whole save): the names, the manifest and its
+:mod:`steadfast.checkpoint.saving` for the whole save): the names, the manifest and its
 verification, the atomic publish under ``step_N`` or a framework's own name, hiding a
 checkpoint before deleting it, what an interrupted save left behind, and finding the
 checkpoints of a directory (the one to resume from, the ones to fall back to).
+
+Layout of ``{dir}/step_{N}/`` (plus a relative ``latest`` symlink, as
+:func:`resolve_resume_path` expects):
+
+- ``state.pt``: replicated state (model, optimizer under DDP, ...), written once by rank 0;
+- ``dcp/``: sharded state (FSDP, DTensor), written by every rank through
+  ``torch.distributed.checkpoint`` (DCP) instead of ``state.pt``;
+- ``rank_{r}.pt``: what differs per rank: RNG streams and data position;
+- ``manifest.json``: format, step, world size, the keys saved, and every file with its
+  size and CRC-32.
 
 :func:`resolve_resume_path` follows seed 000's rules: a ``{dir}/latest`` symlink that
 resolves to an existing checkpoint wins; otherwise the highest ``step_N`` directory by

@@ -1,0 +1,184 @@
+"""Loading a checkpoint: from the memory tier when it holds the newest step, else from
+disk, where each candidate is verified against its manifest (every file's size; the
+checksums shared out among the ranks) before it is read. A rank that finds a candidate
+corrupt reports it (``checkpoint_corrupt``) and all ranks fall back together to the next
+older one; reading sharded state is collective, so every rank agrees on a candidate
+before any rank reads it. Files are read with ``torch.load(weights_only=True)``: no
+arbitrary pickle is ever executed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import events
+from . import memory_restore
+from .collectives import Coordinator
+from .dcp import load_sharded
+from .layout import (
+    DCP_DIR,
+    STATE_FILE,
+    CheckpointError,
+    candidates,
+    check_files,
+    older_than,
+    rank_file,
+    read_manifest,
+)
+from .memory import MemoryTier
+from .staging import to_state_dicts
+
+__all__ = ["Loader"]
+
+logger = logging.getLogger(__name__)
+
+
+class Loader:
+    """Loads the checkpoints of ``folder`` for the ranks of ``coord``, trying ``memory``
+    (the memory tier, None when off) first."""
+
+    def __init__(self, folder: Path, coord: Coordinator, memory: MemoryTier | None) -> None:
+        self.folder = folder
+        self.coord = coord
+        self.memory = memory
+
+    def load(
+        self,
+        path: str | os.PathLike[str] | None,
+        objects: Mapping[str, Any] | None,
+        fallback: bool,
+        weights_only: bool,
+        require_keys: set[str],
+    ) -> tuple[int, dict[str, Any], Path] | None:
+        """The step, the state and the checkpoint read (see
+        :meth:`steadfast.CheckpointManager.load`); None when there is none yet."""
+        if path is None:
+            tries = candidates(self.folder)
+        else:
+            tries = [Path(path)] + (
+                older_than(self.folder, Path(path), require_keys) if fallback else []
+            )
+        # every rank tries the same candidates in the same order: rank 0's view
+        tries = [Path(p) for p in self.coord.from_rank0([str(p) for p in tries])]
+        if path is None and self.memory is not None:
+            newest = max((_step_of(p) for p in tries), default=-1)
+            from_memory = memory_restore.restore(self.memory, self.coord, newest)
+            if from_memory is not None:
+                self.memory.drop_after(from_memory[0])
+                return from_memory
+        loaded = self._load_disk(tries, objects, weights_only)
+        if self.memory is not None and path is None:
+            # the writer must not publish behind drop_after
+            memory_restore.quiet_wait(self.memory)
+            self.memory.drop_after(loaded[0] if loaded is not None else -1)
+        return loaded
+
+    def _check_mine(self, ckpt: Path) -> tuple[dict[str, Any] | None, list[str]]:
+        """Verify ``ckpt`` as far as this rank needs: every file's size, and the
+        checksums of the files this rank reads plus its share of the rest."""
+        manifest, problems = read_manifest(ckpt)
+        if manifest is None:
+            return None, problems
+        names = sorted(manifest["files"])
+        mine = set(names[self.coord.rank :: self.coord.world])
+        mine |= {STATE_FILE, rank_file(self.coord.rank)}
+        return manifest, check_files(ckpt, manifest["files"], mine)
+
+    def _read(
+        self,
+        ckpt: Path,
+        manifest: dict[str, Any],
+        objects: Mapping[str, Any] | None,
+        weights_only: bool = True,
+    ) -> dict[str, Any]:
+        if manifest.get("sharded"):
+            if objects is None:
+                raise CheckpointError(
+                    f"{ckpt} is a sharded (DCP) checkpoint: load it with restore(objects), "
+                    "which reads the shards into the objects' own state dicts"
+                )
+            saved = manifest.get("keys", {}).get("state", [])
+            state = to_state_dicts({k: objects[k] for k in saved if k in objects})
+            load_sharded(state, saved, ckpt / DCP_DIR, self.coord.group)
+        else:
+            state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=weights_only)
+        own = rank_file(self.coord.rank)
+        if own in manifest["files"] and manifest.get("world_size", 1) == self.coord.world:
+            state.update(torch.load(ckpt / own, map_location="cpu", weights_only=weights_only))
+        elif any(name.startswith("rank_") for name in manifest["files"]):
+            logger.warning(
+                "%s was saved by %s ranks, this job has %d: per-rank state (RNG, data "
+                "position) is not restored",
+                ckpt,
+                manifest.get("world_size"),
+                self.coord.world,
+            )
+        return dict(state)
+
+    def _agreed_problems(self, ckpt: Path, problems: list[str], cause: str) -> list[str]:
+        """Report this rank's problems with ``ckpt`` (log, ``checkpoint_corrupt``) and
+        return every rank's, so that all ranks reject or accept it together."""
+        if problems:
+            logger.error("checkpoint %s is corrupt: %s", ckpt, "; ".join(problems))
+            events.emit(
+                "checkpoint_corrupt", cause=cause, path=str(ckpt), reason="; ".join(problems)
+            )
+        return [p for rank_problems in self.coord.all_gather(problems) for p in rank_problems]
+
+    def _load_disk(
+        self, tries: list[Path], objects: Mapping[str, Any] | None, weights_only: bool
+    ) -> tuple[int, dict[str, Any], Path] | None:
+        if not tries:
+            return None
+        failures: list[str] = []
+        for ckpt in tries:
+            # verify, agree, then read: reading sharded state is collective, so every rank
+            # must decide to read the same candidate before any rank starts
+            start = time.monotonic()
+            try:
+                manifest, problems = self._check_mine(ckpt)
+            except OSError as exc:  # EIO, a file vanishing under us...
+                manifest, problems = None, [f"{ckpt}: cannot be verified ({exc})"]
+            bad = self._agreed_problems(ckpt, problems, "verify")
+            if bad or manifest is None:
+                failures.extend(bad)
+                continue
+            state: dict[str, Any] | None = None
+            try:
+                state = self._read(ckpt, manifest, objects, weights_only)
+            except CheckpointError:
+                raise
+            except pickle.UnpicklingError as exc:  # verified, so not damage: distrust
+                raise CheckpointError(
+                    f"{ckpt} holds objects the safe loader (weights_only=True) refuses: "
+                    f"{exc}. Load it with weights_only=False only if you trust it"
+                ) from exc
+            except Exception as exc:
+                problems = [f"{ckpt}: cannot be loaded ({type(exc).__name__}: {exc})"]
+            bad = self._agreed_problems(ckpt, problems, "load")
+            if bad or state is None:
+                failures.extend(bad)
+                continue
+            step = int(manifest["step"])
+            events.emit(
+                "checkpoint_loaded",
+                step=step,
+                path=str(ckpt),
+                seconds=time.monotonic() - start,
+                tier="disk",
+            )
+            return step, state, ckpt
+        raise CheckpointError(f"no valid checkpoint in {self.folder}: " + "; ".join(failures))
+
+
+def _step_of(path: Path) -> int:
+    """The step of a ``step_N`` path (-1 for another name)."""
+    name = path.name
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else -1
