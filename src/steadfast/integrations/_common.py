@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import events
-from ..health import NaNDetector
 from ..monitor import HB_TABLE_ENV, RankMonitorClient, load_ft_state, save_ft_state
+from ..nan_detector import NaNDetector
 from ..straggler.manager import NVRxStragglerDetectionConfig, StragglerDetectionManager
 
 #: The calculated timeouts' file in the run's folder (NVRx's name).

@@ -1,10 +1,5 @@
-"""steadfast for PyTorch Lightning: a callback that gives a ``Trainer.fit`` run under
-``steadfast launch`` what ``examples/train.py`` has by hand (``pip install
-steadfast[lightning]``).
-
-    trainer = L.Trainer(callbacks=[FaultToleranceCallback(exp_dir=ckpt_dir),
-                                   ModelCheckpoint(ckpt_dir, save_last=True)])
-    trainer.fit(model, ckpt_path="last")  # resumes after an in-job restart
+"""The Lightning callbacks: each maps Lightning's hooks onto what every framework's
+callbacks share (:mod:`steadfast.integrations._common`).
 
 :class:`FaultToleranceCallback` (NVRx's ``ptl_resiliency`` name and arguments):
 
@@ -33,14 +28,16 @@ job resumes there; a save that hangs is cut short by the forced exit after
 ``timeout_sec``. Lightning resumes mid-epoch exactly only with a resumable dataloader
 (one with ``state_dict``/``load_state_dict``); with a plain ``DataLoader`` it runs the
 epoch's remaining steps on its first batches again (its own warning says so): wrap the
-train loader in :func:`resumable` (a :class:`~steadfast.DataPosition` that Lightning
-keeps in its checkpoint) and a stop after any batch resumes at the next one.
+train loader in :func:`~steadfast.integrations.lightning.resumable` (a
+:class:`~steadfast.DataPosition` that Lightning keeps in its checkpoint) and a stop
+after any batch resumes at the next one.
 
 :class:`NaNCallback`: NaN/Inf gradients checked before each optimizer step on every
 rank at once (:class:`~steadfast.NaNDetector`, one fused check and one all-reduce):
 ``skip`` drops the gradients so the step is a no-op, ``raise`` stops; after
-``max_consecutive`` bad steps in a row the rank raises :class:`NaNRollback`, and the
-launcher's in-job restart rolls every rank back to the latest checkpoint.
+``max_consecutive`` bad steps in a row the rank raises
+:class:`~steadfast.integrations.lightning.NaNRollback`, and the launcher's in-job
+restart rolls every rank back to the latest checkpoint.
 
 :class:`StragglerDetectionCallback` (NVRx's name and arguments): the strategy's
 ``training_step`` (the forward, where no collective makes a fast rank wait for a slow
@@ -50,16 +47,6 @@ individual performance scores, printed and logged as ``straggler_report`` /
 ``last.ckpt`` and exits 16 ("resume on other hardware": ``steadfast launch`` does not
 restart it in place, its Slurm script requeues it; NVRx exits 1).
 
-:class:`SteadfastCheckpointIO` (``Trainer(plugins=[SteadfastCheckpointIO()])``): every
-checkpoint Lightning writes (``ModelCheckpoint``, a shutdown, ``trainer.save_checkpoint``)
-goes through :class:`~steadfast.CheckpointManager` instead of one ``torch.save``: each
-``.ckpt`` is a directory with the state and a manifest of sizes and CRC-32s, published by
-an atomic rename (a crash mid-save leaves the previous ``last.ckpt`` whole), optionally
-written in the background after a host snapshot (``async_save``); loading verifies it
-and, if it is corrupt, goes on with the newest valid older checkpoint in its folder
-(``checkpoint_corrupt``, then ``checkpoint_loaded`` with the one used), on every rank
-alike. Plain ``.ckpt`` files written before the plugin still load.
-
 Outside ``steadfast launch`` (no heartbeat table) the monitoring is off and the events
 are still written. The callbacks never import anything from Lightning's internals.
 """
@@ -67,255 +54,30 @@ are still written. The callbacks never import anything from Lightning's internal
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
-from .. import events
-from ..checkpoint.manager import CheckpointError, CheckpointManager
-from ..checkpoint.state import DataPosition, ResumableSampler
-from ..config import ConfigError
-from ..straggler.manager import NVRxStragglerDetectionConfig
-from ._common import (
+from ... import events
+from ...faults import FAULT_TYPES
+from ...straggler.manager import NVRxStragglerDetectionConfig
+from .._common import (
     EXIT_STRAGGLERS,
     FT_STATE_FILE,
     Monitoring,
     NaNGuard,
-    NaNRollback,
     StepTimer,
     checkpointing,
 )
 
 __all__ = [
     "FaultToleranceCallback",
-    "SteadfastCheckpointIO",
-    "resumable",
     "GracefulShutdownCallback",
     "NaNCallback",
-    "NaNRollback",
     "StragglerDetectionCallback",
 ]
-
-
-class SteadfastCheckpointIO(CheckpointIO):
-    """Lightning's checkpoint writer and reader, through :class:`~steadfast.CheckpointManager`
-    (see the module's description).
-
-    Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank 0 only
-    (DDP state is the same on every rank) and ``load_checkpoint`` on every rank, so each
-    folder gets a single-writer manager (``collective=False``, no RNG: Lightning keeps
-    its own state). ``async_save``: return after a host snapshot and write in a
-    background thread (at most one in flight; a failed write is raised at the next save,
-    load or at ``teardown``, which Lightning calls when ``fit`` ends). ``storage_options``
-    is not supported (as with Lightning's default writer). Loads are to the CPU (the
-    strategy moves the state to its device).
-
-    Each ``.ckpt`` is a folder: read one outside the Trainer with
-    ``SteadfastCheckpointIO().load_checkpoint(path)`` (``LightningModule.load_from_checkpoint``
-    and loggers that upload checkpoints expect a file). Strategies that write sharded
-    checkpoints themselves (FSDP's sharded state dict, DeepSpeed, ModelParallel) do not
-    call the plugin; use it with DDP and single-device strategies.
-    """
-
-    def __init__(self, async_save: bool = False) -> None:
-        self.async_save = bool(async_save)
-        self._managers: dict[Path, CheckpointManager] = {}
-        #: the checkpoint the last load read (after any fall-back)
-        self.loaded_path: Path | None = None
-
-    def _manager(self, folder: Path) -> CheckpointManager:
-        key = folder.absolute()
-        manager = self._managers.get(key)
-        if manager is None:
-            manager = CheckpointManager(
-                folder, keep_last_n=0, async_save=self.async_save, rng=False, collective=False
-            )
-            self._managers[key] = manager
-        return manager
-
-    def save_checkpoint(
-        self,
-        checkpoint: dict[str, Any],
-        path: str | os.PathLike[str],
-        storage_options: Any | None = None,
-    ) -> None:
-        """Save Lightning's ``checkpoint`` dict as the checkpoint directory ``path``
-        (step: its ``global_step``)."""
-        if storage_options is not None:
-            raise TypeError(
-                "SteadfastCheckpointIO.save_checkpoint: storage_options is not supported "
-                f"(got {storage_options!r})"
-            )
-        target = Path(path)
-        step = int(checkpoint.get("global_step", 0))
-        self._manager(target.parent).save(step, checkpoint, name=target.name)
-
-    def load_checkpoint(
-        self,
-        path: str | os.PathLike[str],
-        map_location: Any | None = None,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """The checkpoint at ``path``, verified; if it is corrupt (or a ``last.ckpt``
-        link whose target a crash kept from landing), the newest valid full checkpoint
-        in its folder that is not newer. A plain file (Lightning's own format) is read
-        by Lightning's reader. Under ``torch.distributed`` every rank must call it (as
-        Lightning does): the ranks then check that they all read the same checkpoint,
-        and a rank that failed makes every rank raise (none is left waiting)."""
-        source = Path(path)
-        state: dict[str, Any] | None = None
-        used: str | None = None
-        failure: BaseException | None = None
-        try:
-            if source.is_file():
-                state = TorchCheckpointIO().load_checkpoint(source, map_location, weights_only)
-                used = str(source)
-            elif not source.exists() and not source.is_symlink():
-                raise FileNotFoundError(f"checkpoint {source} not found")
-            else:
-                manager = self._manager(source.parent)
-                loaded = manager.load(
-                    source,
-                    fallback=True,
-                    weights_only=weights_only is not False,
-                    require_keys=_FULL_CHECKPOINT,
-                )
-                if loaded is None:  # pragma: no cover - a path was given: a candidate
-                    raise CheckpointError(f"no checkpoint at {source}")
-                state, used = loaded[1], str(manager.loaded_path)
-        except Exception as exc:
-            failure = exc
-        _same_on_every_rank(used, failure, source)
-        assert state is not None and used is not None
-        self.loaded_path = Path(used)
-        return state
-
-    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Delete the checkpoint ``path`` (``ModelCheckpoint`` rotating its top-k):
-        hidden by a rename first, after the save in flight."""
-        target = Path(path)
-        self._manager(target.parent).remove(target)
-
-    def wait(self) -> None:
-        """Wait for the background save in flight (if any); raise its error."""
-        for manager in self._managers.values():
-            manager.wait()
-
-    def teardown(self) -> None:
-        """Finish the saves in flight and release the staging buffers."""
-        managers, self._managers = list(self._managers.values()), {}
-        for manager in managers:
-            manager.close()
-
-
-#: what a checkpoint needs to resume ``fit`` from (the model, the loops, the optimizers):
-#: a fall-back never lands on a weights-only one
-_FULL_CHECKPOINT = ("state_dict", "loops", "optimizer_states")
-
-
-def _same_on_every_rank(used: str | None, failure: BaseException | None, path: Path) -> None:
-    """Every rank verifies on its own: if one failed, or fell back to another file than
-    the others (a file readable on some nodes only), they must not train from different
-    states, nor wait for each other: every rank raises the same way."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        if failure is not None:
-            raise failure
-        return
-    mine = (used, None if failure is None else f"{type(failure).__name__}: {failure}")
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if failure is not None:
-        raise failure
-    errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(everyone) if err]
-    if errors:
-        raise CheckpointError(f"loading {path} failed on other ranks: " + "; ".join(errors))
-    if len({u for u, _ in everyone}) > 1:
-        raise CheckpointError(
-            f"ranks read different checkpoints for {path} ({[u for u, _ in everyone]}): a "
-            "file is readable on some nodes only"
-        )
-
-
-def _save_last(trainer: Trainer) -> None:
-    """Before a callback exits the process: a checkpoint where ``ModelCheckpoint`` keeps
-    its last one, durable even when the plugin writes in the background (the wait in
-    the ``checkpointing`` section, so that it is not taken for a hang)."""
-    trainer.save_checkpoint(_last_checkpoint(trainer))
-    wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
-    if callable(wait):
-        with checkpointing():
-            wait()
-
-
-def resumable(loader: Iterable[Any]) -> DataPosition:
-    """The train dataloader made resumable mid-epoch: Lightning keeps its position in
-    the checkpoint (``fit_loop`` state) and restores it, so a run stopped after any
-    batch (a SIGTERM, a crash after an ``every_n_train_steps`` save) goes on with the
-    next batch instead of replaying the epoch's first ones.
-
-    A :class:`~steadfast.DataPosition` that Lightning drives: it calls the position's
-    ``set_epoch`` at each epoch's start (Lightning ends an epoch by its length, so the
-    iterator never runs out to move the position on by itself), and for a loader
-    without a length, whose batches Lightning draws one ahead to see the last, the
-    position does not count the batch drawn but not yet trained (``lookahead=1``).
-    Lightning adds no ``DistributedSampler`` to a wrapped loader: under DDP give the
-    ``DataLoader`` a :class:`~steadfast.ResumableSampler` (or a ``DistributedSampler``)
-    for its rank, or this raises :class:`~steadfast.ConfigError` rather than let every
-    rank train on all the data; a shuffling ``RandomSampler`` is refused too (its order
-    cannot be replayed on resume), while an ``IterableDataset`` that shares itself out
-    is taken as it is. With a ``ResumableSampler`` no skipped sample is read. Lightning
-    does not reach into a wrapped loader either to set ``worker_init_fn``
-    (``seed_everything(workers=True)``): give the ``DataLoader`` its own."""
-    from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler
-
-    sampler = getattr(loader, "sampler", None)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if isinstance(getattr(loader, "dataset", None), IterableDataset):
-        pass  # the dataset shares itself out among the ranks and orders itself
-    elif isinstance(sampler, RandomSampler):
-        raise ConfigError(
-            "resumable(loader): the loader shuffles with a RandomSampler (shuffle=True), "
-            "whose order comes from a generator that has moved on by the time a run "
-            "resumes: use ResumableSampler(len(dataset), num_replicas=WORLD_SIZE, "
-            "rank=RANK, seed=...), which shuffles by seed and epoch"
-        )
-    elif (
-        world > 1
-        and sampler is not None
-        and not isinstance(sampler, (ResumableSampler, DistributedSampler))
-    ):
-        raise ConfigError(
-            f"resumable(loader): the loader's sampler is a {type(sampler).__name__}, "
-            f"but the job has {world} ranks and Lightning adds no DistributedSampler to "
-            "a wrapped loader: give it ResumableSampler(len(dataset), num_replicas="
-            "WORLD_SIZE, rank=RANK)"
-        )
-    try:
-        len(loader)  # type: ignore[arg-type]
-        sized = True
-    except TypeError:
-        sized = False
-    return _LightningPosition(loader, lookahead=0 if sized else 1)
-
-
-class _LightningPosition(DataPosition):
-    """A DataPosition whose ``sampler`` is itself as far as Lightning's per-epoch
-    ``sampler.set_epoch`` goes: Lightning calls it on the train loader's ``sampler``."""
-
-    @property
-    def sampler(self) -> _EpochSetter:
-        return _EpochSetter(self)
-
-
-class _EpochSetter:
-    def __init__(self, position: DataPosition) -> None:
-        self.set_epoch = position.set_epoch
 
 
 class FaultToleranceCallback(Callback):
@@ -376,7 +138,7 @@ class FaultToleranceCallback(Callback):
 
             strategy.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
         if self.simulated_fault_params is not None:
-            from ..faults import setup_simulated_fault
+            from ...faults import setup_simulated_fault
 
             setup_simulated_fault(simulate_fault=True, **self.simulated_fault_params)
 
@@ -444,10 +206,10 @@ def _fault_params(params: Any) -> dict[str, Any] | None:
         return None
     get = params.get if isinstance(params, dict) else lambda k, d=None: getattr(params, k, d)
     fault_type = get("fault_type")
-    if fault_type not in ("rank_killed", "rank_hung", "random"):
+    if fault_type not in FAULT_TYPES:
         raise ValueError(
-            f"simulated_fault_params.fault_type: {fault_type!r} (expected rank_killed, "
-            "rank_hung or random)"
+            f"simulated_fault_params.fault_type: {fault_type!r} (expected one of "
+            f"{', '.join(FAULT_TYPES)})"
         )
     return {
         "simulated_fault_type": fault_type,
@@ -472,7 +234,7 @@ class GracefulShutdownCallback(Callback):
     the module's description). ``timeout_sec``: the forced exit if the save hangs."""
 
     def __init__(self, timeout_sec: float = 600.0) -> None:
-        from ..signals import ShutdownHandler
+        from ...signals import ShutdownHandler
 
         self.handler = ShutdownHandler(timeout_sec=timeout_sec, agree=True)
         self._registered = False
@@ -622,3 +384,14 @@ class StragglerDetectionCallback(Callback):
         if stop:
             _save_last(trainer)
             raise SystemExit(EXIT_STRAGGLERS)
+
+
+def _save_last(trainer: Trainer) -> None:
+    """Before a callback exits the process: a checkpoint where ``ModelCheckpoint`` keeps
+    its last one, durable even when the plugin writes in the background (the wait in
+    the ``checkpointing`` section, so that it is not taken for a hang)."""
+    trainer.save_checkpoint(_last_checkpoint(trainer))
+    wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
+    if callable(wait):
+        with checkpointing():
+            wait()
