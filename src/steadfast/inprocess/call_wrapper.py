@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from .. import events
 from ..checkpoint.memory import MEMORY_DIR_ENV, MemoryDir
 from ..config import ConfigError
+from ..dist import is_distributed
 from . import monitor as mon
 from . import transport
 from .barriers import await_completion, last_call, restart_barrier
@@ -208,9 +209,7 @@ class CallWrapper:
                 f"Wrapper: environment variable(s) {', '.join(missing)} not set (run under "
                 "steadfast launch, torchrun or srun)"
             )
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             raise _AlreadyInitialized(
                 "torch.distributed is already initialised; the Wrapper needs "
                 "not torch.distributed.is_initialized(): the wrapped function must "
@@ -425,9 +424,9 @@ class CallWrapper:
         self.monitor_process = None
         self._pg_store = None
         self.store_client = None  # type: ignore[assignment]
-        import torch.distributed as dist
+        if is_distributed():
+            import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         self.shared.close()

@@ -22,6 +22,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+from ..dist import is_distributed
 from . import transport
 from .state import HealthCheckError, InterruptedIteration, RestartAbort, State
 
@@ -98,9 +99,7 @@ class AbortTorchDistributed(Abort):
     """
 
     def __call__(self, state: State) -> State:
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
+        if not is_distributed():
             return state
         from .. import seam
 
