@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from .config import ConfigError, FaultToleranceConfig
     from .dist import agree_any, backend_device, world_info
     from .faults import FaultKind, SlowFault, fail_at, setup_simulated_fault
-    from .health import NaNDetector, NaNState, check_gpu_health, check_nccl_health
+    from .health import check_gpu_health, check_nccl_health
+    from .nan_detector import NaNDetector, NaNState
     from .signals import (
         PREEMPTION_EXIT_CODE,
         DistributedSignalHandler,
@@ -97,8 +98,8 @@ _LAZY: dict[str, str] = {
     "FaultKind": ".faults",
     "fail_at": ".faults",
     "setup_simulated_fault": ".faults",
-    "NaNDetector": ".health",
-    "NaNState": ".health",
+    "NaNDetector": ".nan_detector",
+    "NaNState": ".nan_detector",
     "check_gpu_health": ".health",
     "check_nccl_health": ".health",
     "PREEMPTION_EXIT_CODE": ".signals",

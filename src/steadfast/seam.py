@@ -36,6 +36,15 @@ Touch points and why each is needed:
   ``_abort_process_group`` (abort every group and clear the registry so
   ``init_process_group`` can run again in the same process) and ``_world.pg_names``
   (every live group, oldest first) for the in-process restart.
+- :func:`process_group_stores`: c10d's ``_world.pg_map`` (the store each live group was
+  made with), so that the in-process restart keeps the stores' connections when it cuts
+  the groups' own.
+- :func:`foreach_inf_norms`: ``torch._foreach_norm``, the infinity norms of many tensors
+  in one fused kernel: the NaN check of every gradient costs one kernel per (device,
+  dtype) group, not one per parameter.
+- :func:`import_dynamo`: the worker template imports ``torch._dynamo`` ahead of the
+  workers it forks (torch's optimizers import it on their first construction, ~1.6 s
+  per worker); optional, a worker that needs it imports it itself.
 - :func:`option_actions`: argparse's option table of torchrun's parser, to know which of
   the launcher's flags take a value.
 - :func:`interpreter_exit`: what the interpreter does at exit (``threading._shutdown``
@@ -68,9 +77,12 @@ __all__ = [
     "agent_remaining_restarts",
     "agent_shutdown",
     "expire_rendezvous_nodes",
+    "foreach_inf_norms",
+    "import_dynamo",
     "interpreter_exit",
     "launch_agent",
     "option_actions",
+    "process_group_stores",
     "process_groups",
     "rendezvous_join_timeout",
     "rendezvous_node_id",
@@ -239,6 +251,31 @@ def process_group_stores() -> list[Any]:
 
     pg_map = c10d._world.pg_map
     return [store for _, store in pg_map.values() if store is not None]
+
+
+# ------------------------------------------------------------------------ torch
+def foreach_inf_norms(tensors: list[Any]) -> list[Any]:
+    """The infinity norm of each of ``tensors`` (all of one device and dtype, none
+    empty), as 0-d tensors on their device, in one fused kernel; one kernel per tensor
+    if this torch has no ``_foreach_norm``."""
+    import math
+
+    import torch
+
+    foreach_norm = getattr(torch, "_foreach_norm", None)
+    if foreach_norm is None:  # pragma: no cover - every supported torch has it
+        return [torch.linalg.vector_norm(t, math.inf) for t in tensors]
+    return list(foreach_norm(tensors, math.inf))
+
+
+def import_dynamo() -> bool:
+    """Import ``torch._dynamo`` now (ahead of forking workers that would each import it
+    on their first optimizer); False if it cannot be imported here (it is optional)."""
+    try:
+        _module("torch._dynamo")
+    except Exception:
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------ the stdlib

@@ -392,3 +392,41 @@ def test_rendezvous_touch_points_ignore_other_handlers() -> None:
     assert seam.expire_rendezvous_nodes(other, [["x", 1, 0]]) == 0
     with seam.rendezvous_join_timeout(other, 1.0):
         pass
+
+
+def test_foreach_inf_norms_is_one_fused_kernel_that_propagates_nan() -> None:
+    """foreach_inf_norms uses torch._foreach_norm (present in every supported torch) and
+    gives each tensor's infinity norm, a NaN or an Inf anywhere in a tensor included."""
+    import math
+
+    import torch
+
+    assert callable(getattr(torch, "_foreach_norm", None))
+    tensors = [
+        torch.tensor([1.0, -3.0, 2.0]),
+        torch.tensor([0.5, float("nan"), 9.0]),
+        torch.tensor([[float("-inf"), 1.0]]),
+        torch.zeros(4),
+    ]
+    norms = seam.foreach_inf_norms(tensors)
+    assert len(norms) == 4 and all(n.dim() == 0 for n in norms)
+    assert float(norms[0]) == 3.0
+    assert math.isnan(float(norms[1]))
+    assert float(norms[2]) == math.inf
+    assert float(norms[3]) == 0.0
+
+
+def test_import_dynamo_imports_torch_dynamo() -> None:
+    """import_dynamo imports torch._dynamo (what the worker template does before it forks
+    workers) and says whether it could."""
+    done = _run_python(
+        """
+        import sys
+        from steadfast import seam
+        assert "torch._dynamo" not in sys.modules
+        assert seam.import_dynamo() is True
+        assert "torch._dynamo" in sys.modules
+        print("ok")
+        """
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -185,6 +185,8 @@ def serve(fd: int) -> None:
     """The template's main loop (``python -m steadfast.launcher.template FD``)."""
     import importlib
 
+    from .. import seam
+
     # Under srun every process of the step gets a forwarded signal (SIGUSR1 of a
     # preemption, say), the template too, even while it imports torch: it must not die
     # of it, or its workers go with it before they can save. The launcher decides.
@@ -196,8 +198,7 @@ def serve(fd: int) -> None:
         importlib.import_module(name)
     # torch's optimizers import dynamo on their first construction: ~1.6 s per worker.
     # An optional speed-up: a worker that needs it imports it itself.
-    with contextlib.suppress(Exception):
-        importlib.import_module("torch._dynamo")
+    seam.import_dynamo()
 
     # From here on the signals are blocked and read with sigtimedwait (an ignored one is
     # discarded before anyone can see who sent it): a worker's is passed to the launcher
