@@ -40,11 +40,8 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
-    RendezvousConnectionError,
-    RendezvousHandler,
     RendezvousTimeoutError,
 )
 
@@ -52,12 +49,11 @@ from .. import events, seam
 from ..checkpoint.memory import MEMORY_DIR_ENV, MemoryDir
 from ..config import FaultToleranceConfig
 from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
-from ..rerun.machine import (
-    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
-    EXIT_CODE_RESUME_TO_DISAMBIGUATE,
-)
 from ..signals import signal_name
+from .errors import NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
+from .failures import first_failures, rerun_exit_code, stopped_failures
 from .nodes import Loss, NodeRoster, health_check
+from .rendezvous import Rendezvous
 from .template import Template, take_prestarted
 
 __all__ = [
@@ -83,128 +79,6 @@ def _local_gpus(local_world_size: int) -> int:
         return 0
 
 
-class NoProgressError(RuntimeError):
-    """Consecutive restarts made no step progress: restarting again would loop."""
-
-
-class RerunExit(RuntimeError):
-    """A worker exited with a re-run state machine code: restarting it here is useless
-    (16: the result must be re-checked on other hardware) or wrong (17: the result
-    failed validation). ``code`` is that exit code."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(f"a worker exited {code}")
-        self.code = code
-
-
-class NodeLostError(RuntimeError):
-    """A node of the job was lost (or this node was cut off from the job) and no round
-    could form again within ``node_lost_timeout``. ``hosts``: the lost nodes' host
-    names, which a requeue keeps the job away from."""
-
-    def __init__(self, message: str, hosts: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.hosts = list(hosts or [])
-
-
-class NodeUnhealthyError(RuntimeError):
-    """This node failed its health check before a rendezvous: it leaves the job."""
-
-    def __init__(self, check: str, reason: str) -> None:
-        super().__init__(f"node health check {check!r} failed: {reason}")
-        self.check, self.reason = check, reason
-
-
-class _Rendezvous(RendezvousHandler):
-    """torch's rendezvous handler, except that a node that leaves the job (unhealthy,
-    or cut off) does not close the rendezvous for the others on its way out (torch's
-    ``launch_agent`` shuts it down on any error but a signal), and that a backend that
-    does not answer for a moment (an etcd cluster electing a new leader after losing
-    one, a store host's brief stall) does not end the launcher, and with it the job:
-    a join is tried again for up to ``retry_window`` seconds, and a failed count of the
-    waiting nodes counts none this time."""
-
-    def __init__(self, wrapped: RendezvousHandler, retry_window: float = 60.0) -> None:
-        self.wrapped = wrapped
-        self.leaving = False
-        self.retry_window = retry_window
-
-    def get_backend(self) -> str:
-        return self.wrapped.get_backend()
-
-    @property
-    def use_agent_store(self) -> bool:
-        return bool(self.wrapped.use_agent_store)
-
-    def next_rendezvous(self) -> Any:
-        deadline = time.monotonic() + self.retry_window
-        pause = 0.2
-        while True:
-            try:
-                return self.wrapped.next_rendezvous()
-            except RendezvousConnectionError as exc:
-                if time.monotonic() + pause > deadline:
-                    raise
-                logger.warning("the rendezvous backend did not answer (%s); joining again", exc)
-                time.sleep(pause)
-                pause = min(pause * 2, 2.0)
-
-    def is_closed(self) -> bool:
-        return self.wrapped.is_closed()
-
-    def set_closed(self) -> None:
-        self.wrapped.set_closed()  # type: ignore[no-untyped-call]
-
-    def num_nodes_waiting(self) -> int:
-        try:
-            return self.wrapped.num_nodes_waiting()
-        except RendezvousConnectionError as exc:  # asked again at the next check
-            logger.warning("could not count the nodes waiting to join: %s", exc)
-            return 0
-
-    def get_run_id(self) -> str:
-        return self.wrapped.get_run_id()
-
-    def shutdown(self) -> bool:
-        if self.leaving:
-            return True
-        return self.wrapped.shutdown()
-
-    def __getattr__(self, name: str) -> Any:  # settings and the like
-        return getattr(self.wrapped, name)
-
-
-def first_failures(failures: Mapping[int, Any], exits: Mapping[int, float]) -> set[int]:
-    """The global ranks of ``failures`` (torch's ``ProcessFailure`` by global rank) that
-    failed first: the earliest exit in ``exits`` (local rank -> monotonic time), else the
-    earliest of torch's timestamps (1 s resolution).
-
-    Exits the watcher saw in one wake-up share one time: among such a tie, a rank killed
-    by a signal (SIGKILL, SIGSEGV, SIGABRT: the fault itself) is taken over one that
-    exited with a code (which is how a rank ends when a collective lost its peer); a tie
-    that this cannot break counts every tied rank as failed."""
-    timed = {r: exits[int(f.local_rank)] for r, f in failures.items() if int(f.local_rank) in exits}
-    if timed:
-        earliest = min(timed.values())
-        tied = {r for r, t in timed.items() if t == earliest}
-    elif failures:
-        stamp = min(int(f.timestamp) for f in failures.values())
-        tied = {r for r, f in failures.items() if int(f.timestamp) == stamp}
-    else:
-        return set()
-    killed = {r for r in tied if 0 > int(failures[r].exitcode) != -signal.SIGTERM}
-    return killed if killed and killed != tied else tied
-
-
-def rerun_exit_code(exit_codes: set[int]) -> int | None:
-    """17 if any worker failed result validation, else 16 if any asked to resume on
-    other hardware, else None (an ordinary failure)."""
-    for code in (EXIT_CODE_FAILED_ON_RESULT_VALIDATION, EXIT_CODE_RESUME_TO_DISAMBIGUATE):
-        if code in exit_codes:
-            return code
-    return None
-
-
 class FTAgent(LocalElasticAgent):
     """``LocalElasticAgent`` with the heartbeat table, watcher and restart policy."""
 
@@ -224,7 +98,7 @@ class FTAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.ft = ft
         spec = self.get_worker_group().spec
-        self.rendezvous = _Rendezvous(spec.rdzv_handler, retry_window=ft.node_lost_timeout)
+        self.rendezvous = Rendezvous(spec.rdzv_handler, retry_window=ft.node_lost_timeout)
         spec.rdzv_handler = self.rendezvous
         #: rounds of the rendezvous this node took part in
         self.rounds = 0
@@ -305,7 +179,7 @@ class FTAgent(LocalElasticAgent):
         the generations after it."""
         if self._generation is not None:
             group = self._generation[2]
-            self._workers_exited(group, "stopped", _stopped(group))
+            self._workers_exited(group, "stopped", stopped_failures(group))
 
     def _exit_barrier(self) -> None:
         """The workers of this node finished: wait for the round's other nodes to finish
@@ -474,7 +348,7 @@ class FTAgent(LocalElasticAgent):
         timeout = max(1, math.ceil(self.ft.workers_stop_timeout))
         seam.agent_shutdown(self, signal.SIGTERM, timeout)
         if running:  # stopped while running: a node joining, a signal, the launcher's end
-            self._workers_exited(worker_group, "stopped", _stopped(worker_group))
+            self._workers_exited(worker_group, "stopped", stopped_failures(worker_group))
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result: RunResult = super()._monitor_workers(worker_group)
@@ -491,7 +365,7 @@ class FTAgent(LocalElasticAgent):
                     )
                 self.watcher.unwatch()
                 self._stop_workers(worker_group)
-                return RunResult(state=WorkerState.FAILED, failures=_stopped(worker_group))
+                return RunResult(state=WorkerState.FAILED, failures=stopped_failures(worker_group))
         if result.state == WorkerState.SUCCEEDED and self.roster is not None:
             self.roster.finish()  # its launcher leaving now is not a lost node
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
@@ -633,19 +507,6 @@ class FTAgent(LocalElasticAgent):
             remaining_restarts=seam.agent_remaining_restarts(self),
         )
         super()._restart_workers(worker_group)
-
-
-def _stopped(worker_group: WorkerGroup) -> dict[int, ProcessFailure]:
-    """Every worker of the group as stopped by the launcher (SIGTERM), by global rank."""
-    return {
-        int(w.global_rank): ProcessFailure(
-            local_rank=int(w.local_rank),
-            pid=int(w.id or 0),
-            exitcode=-int(signal.SIGTERM),
-            error_file="",
-        )
-        for w in worker_group.workers
-    }
 
 
 def _nodes(hosts: Iterable[str]) -> str:
