@@ -23,6 +23,10 @@ On top of torch's behaviour:
   ``node_lost_timeout`` (then :class:`NodeLostError`); a node that fails its health check
   before a rendezvous leaves the job (:class:`NodeUnhealthyError`) without closing the
   rendezvous for the others.
+
+This module is the agent's loop (torch's life cycle hooks); beside it: the errors that
+end a run (``errors.py``), the rendezvous handler it wraps (``rendezvous.py``), and the
+reading and recording of a generation's failures (``failures.py``).
 """
 
 from __future__ import annotations
@@ -49,9 +53,14 @@ from .. import events, seam
 from ..checkpoint.memory import MEMORY_DIR_ENV, MemoryDir
 from ..config import FaultToleranceConfig
 from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
-from ..signals import signal_name
 from .errors import NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
-from .failures import first_failures, rerun_exit_code, stopped_failures
+from .failures import (
+    emit_failures,
+    first_failures,
+    rerun_exit_code,
+    stopped_failures,
+    worker_exits,
+)
 from .nodes import Loss, NodeRoster, health_check
 from .rendezvous import Rendezvous
 from .template import Template, take_prestarted
@@ -315,24 +324,8 @@ class FTAgent(LocalElasticAgent):
         self._generation = None
         now_wall, now_mono = time.time(), time.monotonic()
         exits_at = {k: now_wall - (now_mono - t) for k, t in self.watcher.exit_times().items()}
-        by_local = {int(f.local_rank): f for f in (failures or {}).values()}
-        exits: list[dict[str, Any]] = []
-        for w in sorted(worker_group.workers, key=lambda w: int(w.local_rank)):
-            local = int(w.local_rank)
-            failure = by_local.get(local)
-            code = int(failure.exitcode) if failure is not None else 0
-            exits.append(
-                {
-                    "rank": int(w.global_rank),
-                    "local_rank": local,
-                    "pid": pids.get(local),
-                    "exit_code": code,
-                    "signal": signal_name(-code) if code < 0 else None,
-                    # stopped workers are no longer watched: they ended by now
-                    "time": round(exits_at.get(local, now_wall if cause == "stopped" else 0), 6)
-                    or None,
-                }
-            )
+        stopped_at = now_wall if cause == "stopped" else None  # no longer watched
+        exits = worker_exits(worker_group, pids, failures or {}, exits_at, stopped_at)
         last = max((float(t) for t in exits_at.values()), default=now_wall)
         events.emit(
             "workers_exited",
@@ -401,18 +394,7 @@ class FTAgent(LocalElasticAgent):
             lost = self.roster.wait_for_loss(grace)
             isolated = self.roster.isolated()
             if lost or isolated:
-                cause = self._loss_cause(lost, isolated)
-                for rank, failure in sorted(failures.items()):
-                    code = int(failure.exitcode)
-                    events.emit(
-                        "rank_stopped",
-                        cause=cause,
-                        rank=int(rank),
-                        exit_code=code,
-                        signal=signal_name(-code) if code < 0 else None,
-                        local_rank=int(failure.local_rank),
-                        worker_pid=int(failure.pid),
-                    )
+                emit_failures(failures, {}, loss=self._loss_cause(lost, isolated))
                 return
         exits = self.watcher.exit_times()
         deadline = time.monotonic() + 0.5  # the watcher thread records an exit within ms
@@ -421,28 +403,7 @@ class FTAgent(LocalElasticAgent):
                 break
             time.sleep(0.005)
             exits = self.watcher.exit_times()
-        first = first_failures(failures, exits)
-        culprit = min(first) if first else None
-        for rank, failure in sorted(failures.items()):
-            code = int(failure.exitcode)
-            name = signal_name(-code) if code < 0 else None
-            how = f"signal {name}" if name else f"exit {code}"
-            fields: dict[str, Any] = dict(
-                exit_code=code,
-                signal=name,
-                local_rank=int(failure.local_rank),
-                worker_pid=int(failure.pid),
-            )
-            if rank in first:
-                events.emit("rank_failed", cause=how, rank=int(rank), **fields)
-            else:
-                events.emit(
-                    "rank_stopped",
-                    cause=f"after rank {culprit} failed",
-                    rank=int(rank),
-                    first_failed_rank=culprit,
-                    **fields,
-                )
+        emit_failures(failures, exits)
 
     @staticmethod
     def _loss_cause(lost: list[Loss], isolated: str | None) -> str:

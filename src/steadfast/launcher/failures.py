@@ -1,6 +1,7 @@
 """How a generation of workers ended, read from torch's failures: the rank(s) that
 failed first (the others went down after them), the re-run state machine's exit codes,
-and a group the launcher stopped itself."""
+a group the launcher stopped itself; and how the event log records it (``rank_failed``,
+``rank_stopped``, the ``exits`` of ``workers_exited``)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,20 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from .. import events
 from ..rerun.machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
 )
+from ..signals import signal_name
 
-__all__ = ["first_failures", "rerun_exit_code", "stopped_failures"]
+__all__ = [
+    "emit_failures",
+    "first_failures",
+    "rerun_exit_code",
+    "stopped_failures",
+    "worker_exits",
+]
 
 
 def first_failures(failures: Mapping[int, Any], exits: Mapping[int, float]) -> set[int]:
@@ -61,3 +70,66 @@ def stopped_failures(worker_group: WorkerGroup) -> dict[int, ProcessFailure]:
         )
         for w in worker_group.workers
     }
+
+
+def emit_failures(
+    failures: Mapping[int, Any], exits: Mapping[int, float], loss: str | None = None
+) -> None:
+    """``rank_failed`` for the rank(s) of ``failures`` that failed first (see
+    :func:`first_failures`; ``exits`` are the watcher's exit times), ``rank_stopped`` for
+    the ranks that went down after them; with ``loss`` (a node lost, this node cut off),
+    every rank went down for that: ``rank_stopped`` with ``loss`` as its cause."""
+    first = first_failures(failures, exits) if loss is None else set()
+    culprit = min(first) if first else None
+    for rank, failure in sorted(failures.items()):
+        code = int(failure.exitcode)
+        name = signal_name(-code) if code < 0 else None
+        fields: dict[str, Any] = dict(
+            exit_code=code,
+            signal=name,
+            local_rank=int(failure.local_rank),
+            worker_pid=int(failure.pid),
+        )
+        if loss is not None:
+            events.emit("rank_stopped", cause=loss, rank=int(rank), **fields)
+        elif rank in first:
+            how = f"signal {name}" if name else f"exit {code}"
+            events.emit("rank_failed", cause=how, rank=int(rank), **fields)
+        else:
+            events.emit(
+                "rank_stopped",
+                cause=f"after rank {culprit} failed",
+                rank=int(rank),
+                first_failed_rank=culprit,
+                **fields,
+            )
+
+
+def worker_exits(
+    worker_group: WorkerGroup,
+    pids: Mapping[int, int],
+    failures: Mapping[int, Any],
+    exits_at: Mapping[int, float],
+    stopped_at: float | None = None,
+) -> list[dict[str, Any]]:
+    """The ``exits`` of a ``workers_exited`` event: each worker's rank, pid (``pids`` by
+    local rank), exit code and signal (from ``failures``: none is exit 0) and exit time
+    (wall clock: ``exits_at`` by local rank, else ``stopped_at`` for a group the
+    launcher stopped, else None)."""
+    by_local = {int(f.local_rank): f for f in failures.values()}
+    exits: list[dict[str, Any]] = []
+    for w in sorted(worker_group.workers, key=lambda w: int(w.local_rank)):
+        local = int(w.local_rank)
+        failure = by_local.get(local)
+        code = int(failure.exitcode) if failure is not None else 0
+        exits.append(
+            {
+                "rank": int(w.global_rank),
+                "local_rank": local,
+                "pid": pids.get(local),
+                "exit_code": code,
+                "signal": signal_name(-code) if code < 0 else None,
+                "time": round(exits_at.get(local, stopped_at or 0), 6) or None,
+            }
+        )
+    return exits
