@@ -30,8 +30,10 @@ with it in the background.
 The modules:
 
 - :mod:`.roster`: :class:`NodeRoster`, the front the agent uses; it owns a round's
-  lifetime (enter, leave, finish, close) and what this node knows of the round's losses;
-- :mod:`.round`: :class:`Peer`, :class:`Loss` and the round as the roster holds it;
+  lifetime (its states and their transitions: :class:`~.roster.RosterState`) and what
+  this node knows of the round's losses;
+- :mod:`.round`: :class:`Peer`, :class:`Loss`, the round as the roster holds it, and
+  every key the roster keeps in the stores (:class:`~.round.RoundKeys`);
 - :mod:`.ring`: the beacon and the ring watch over sockets, and the loop's thread;
 - :mod:`.confirm`: losses in the round's store (recording, reading back, the exit
   barrier's) and the ``node_lost``, ``node_isolated`` and ``node_joined`` events;

@@ -2,12 +2,13 @@
 
 A launcher that sees a watched node go records the loss in the round's store
 (:func:`claim_loss`: the description under ``lost_how/R``, then a count under ``lost/R``
-and, the first time, ``lost_count``); the first to record it emits ``node_lost``
-(:func:`emit_lost`), so a loss is reported once for the job. A node that leaves on
-purpose records why first (:func:`record_leaving`), and whoever finds it gone reports
-that instead. The other launchers read the losses back when their own workers fail
-(:func:`recorded_losses`) and in the exit barrier (:func:`confirmed_losses`). A launcher
-that cannot record a loss is the one cut off (``node_isolated``, :func:`emit_isolated`).
+and, the first time, ``lost_count``; the keys are :class:`~.round.RoundKeys`); the first
+to record it emits ``node_lost`` (:func:`emit_lost`), so a loss is reported once for the
+job. A node that leaves on purpose records why first (:func:`record_leaving`), and
+whoever finds it gone reports that instead. The other launchers read the losses back
+when their own workers fail (:func:`recorded_losses`) and in the exit barrier
+(:func:`confirmed_losses`). A launcher that cannot record a loss is the one cut off
+(``node_isolated``, :func:`emit_isolated`).
 
 The calls here block on the store: the roster makes them on its store threads
 (:mod:`.store_calls`) and keeps the state they lead to.
@@ -19,6 +20,7 @@ import json
 from typing import Any
 
 from ... import events
+from ...events import Kind
 from .round import Peer, Round
 
 __all__ = [
@@ -36,58 +38,56 @@ def claim_loss(current: Round, peer: Peer, cause: str, how: str) -> tuple[bool, 
     """Record ``peer`` lost in the round's store: ``(first to record it, cause, how)``,
     where a node that recorded why it left is reported as it said; None when the job
     went on without this node (the round's token is no longer the job's)."""
-    if json.loads(current.job_store.get(current.key))["token"] != current.token:
+    if current.job_token() != current.token:
         return None  # a stale claim (a partition healed): this node was replaced
-    p = current.prefix
-    left = f"{p}left/{peer.rank}"
+    keys, store = current.keys, current.store
     real_cause, real_how = cause, how
-    if current.store.check([left]):
-        record = json.loads(current.store.get(left))
+    if store.check([keys.left(peer.rank)]):
+        record = json.loads(store.get(keys.left(peer.rank)))
         real_cause = str(record["cause"])
         real_how = f"it left the job: {record['reason']}"
     # the description first: whoever reads lost/R finds lost_how/R
-    if not current.store.check([f"{p}lost_how/{peer.rank}"]):
-        current.store.set(f"{p}lost_how/{peer.rank}", f"{real_cause}:{real_how}")
-    first = int(current.store.add(f"{p}lost/{peer.rank}", 1)) == 1
+    if not store.check([keys.lost_how(peer.rank)]):
+        store.set(keys.lost_how(peer.rank), f"{real_cause}:{real_how}")
+    first = int(store.add(keys.lost(peer.rank), 1)) == 1
     if first:
-        current.store.add(f"{p}lost_count", 1)
+        store.add(keys.lost_count, 1)
     return first, real_cause, real_how
 
 
 def recorded_losses(current: Round) -> list[tuple[int, str]]:
     """The losses recorded in the round's store: ``(node rank, "cause:how")`` each."""
     found: list[tuple[int, str]] = []
-    if int(current.store.add(f"{current.prefix}lost_count", 0)) == 0:
+    keys, store = current.keys, current.store
+    if int(store.add(keys.lost_count, 0)) == 0:
         return found
     for r in range(current.nodes):
-        if current.store.check([f"{current.prefix}lost/{r}"]):
-            how = current.store.get(f"{current.prefix}lost_how/{r}").decode()
-            found.append((r, how))
+        if store.check([keys.lost(r)]):
+            found.append((r, store.get(keys.lost_how(r)).decode()))
     return found
 
 
 def confirmed_losses(store: Any, current: Round, known: set[int]) -> set[int]:
     """The other nodes recorded lost in ``store`` (the round's, on a connection of the
     caller's): ``known`` as it is while the store counts no more losses than it holds."""
-    if int(store.add(f"{current.prefix}lost_count", 0)) <= len(known):
+    keys = current.keys
+    if int(store.add(keys.lost_count, 0)) <= len(known):
         return known
     return known | {
-        r
-        for r in range(current.nodes)
-        if r != current.rank and store.check([f"{current.prefix}lost/{r}"])
+        r for r in range(current.nodes) if r != current.rank and store.check([keys.lost(r)])
     }
 
 
 def record_leaving(current: Round, cause: str, reason: str) -> None:
     """Record in the round's store that this node leaves the job, and why."""
     record = json.dumps({"cause": cause, "reason": reason})
-    current.store.set(f"{current.prefix}left/{current.rank}", record)
+    current.store.set(current.keys.left(current.rank), record)
 
 
 def emit_lost(peer: Peer, cause: str, how: str, latency: float | None, nodes: int) -> None:
     """``node_lost``: ``peer`` is gone from a round of ``nodes`` nodes."""
     events.emit(
-        "node_lost",
+        Kind.NODE_LOST,
         cause=cause,
         node=peer.host,
         node_rank=peer.rank,
@@ -99,7 +99,7 @@ def emit_lost(peer: Peer, cause: str, how: str, latency: float | None, nodes: in
 
 def emit_isolated(cause: str, how: str, nodes: int) -> None:
     """``node_isolated``: this node is cut off from a round of ``nodes`` nodes."""
-    events.emit("node_isolated", cause=cause, how=how, nodes=nodes)
+    events.emit(Kind.NODE_ISOLATED, cause=cause, how=how, nodes=nodes)
 
 
 def emit_joined(peers: dict[int, Peer], before: list[str]) -> None:
@@ -110,7 +110,7 @@ def emit_joined(peers: dict[int, Peer], before: list[str]) -> None:
     for rank, peer in sorted(peers.items()):
         if peer.host not in before:
             events.emit(
-                "node_joined",
+                Kind.NODE_JOINED,
                 cause="spare" if replaced else "scale_up",
                 node=peer.host,
                 node_rank=rank,

@@ -13,7 +13,6 @@ the store's own timeout) is answered as fenced.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import threading
@@ -111,10 +110,10 @@ class Fence:
 
         def probe() -> str:
             # a write: only a store that holds the job (etcd: a quorum) takes it
-            current.job_store.add(current.key + "/fence", 1)
-            if current.store.check([f"{current.prefix}lost/{current.rank}"]):
+            current.job_store.add(current.keys.fence, 1)
+            if current.store.check([current.keys.lost(current.rank)]):
                 return "lost"  # the others found this node lost: they go on without it
-            return str(json.loads(current.job_store.get(current.key))["token"])
+            return current.job_token()
 
         def answer(text: str) -> None:
             with self._lock:

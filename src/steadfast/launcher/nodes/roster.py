@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import uuid
+from enum import Enum
 from typing import Any
 
 from ...config import FaultToleranceConfig
@@ -31,10 +32,10 @@ from .confirm import (
 )
 from .fence import Fence
 from .ring import WATCHERS, Ring
-from .round import Loss, Peer, Round
+from .round import Loss, Peer, Round, RoundKeys
 from .store_calls import Deadlines, StoreCalls
 
-__all__ = ["CONFIRM_MIN", "NodeRoster"]
+__all__ = ["CONFIRM_MIN", "NodeRoster", "RosterState"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,40 @@ logger = logging.getLogger(__name__)
 #: at 5 s, a node whose etcd lost its leader with the killed node took itself for the
 #: one cut off (seen in tests/multinode: "etcdserver: request timed out" after 7 s).
 CONFIRM_MIN = 10.0
+
+
+class RosterState(str, Enum):
+    """Where a :class:`NodeRoster` is in the job's rounds.
+
+    - ``IDLE``: in no round: before the first, and between leaving one and entering the
+      next. The fence fences; nothing is watched.
+    - ``WATCHING``: in a round: its ring watched, its losses confirmed in its store, the
+      fence answering from a live probe.
+    - ``ISOLATED``: in a round but cut off from the job (:meth:`NodeRoster.isolated`
+      says why): the fence fences, and the agent stops this node's workers.
+    - ``CLOSED``: closed; its sockets and threads are gone.
+
+    Transitions:
+
+    - ``IDLE``, ``WATCHING``, ``ISOLATED`` -> ``WATCHING``: :meth:`~NodeRoster.enter_round`
+      (a round formed);
+    - ``WATCHING`` -> ``ISOLATED``: a loss this node saw could not be confirmed in the
+      store (cause ``partition``), the job formed a newer round without this node (cause
+      ``replaced``), or the other nodes recorded this one lost;
+    - ``WATCHING``, ``ISOLATED`` -> ``IDLE``: :meth:`~NodeRoster.leave_round`;
+    - any -> ``CLOSED``: :meth:`~NodeRoster.close`.
+
+    This node's workers finishing (:meth:`~NodeRoster.finish`) is no state of the
+    roster's: from then on its ring says goodbye instead of beating (see :mod:`.ring`),
+    and the roster goes on in the round it holds (the exit barrier needs its losses).
+    A confirmation that ends after this node left its round changes no state: it only
+    reports the loss, where it was the first to record it.
+    """
+
+    IDLE = "idle"
+    WATCHING = "watching"
+    ISOLATED = "isolated"
+    CLOSED = "closed"
 
 
 class NodeRoster:
@@ -65,11 +100,11 @@ class NodeRoster:
         self.host = host or socket.getfqdn()
         self.name = name or self.host
         self._lock = threading.Condition()
-        self._round: Round | None = None
+        self._state = RosterState.IDLE
+        self._round: Round | None = None  # held while WATCHING or ISOLATED
+        self._why: str | None = None  # why it is ISOLATED
         self._losses: dict[int, Loss] = {}
         self._pending: set[int] = set()  # node ranks seen gone, not yet confirmed
-        self._isolated: str | None = None
-        self._stopping = False
         self._calls = StoreCalls()  # fence probes, round bookkeeping
         self._confirms = StoreCalls()  # loss confirmations: never queued behind probes
         self._deadlines = Deadlines()  # of store calls: close cancels them
@@ -99,32 +134,32 @@ class NodeRoster:
         ``node_joined`` for each node that the previous round did not have. Returns the
         round's nodes by node rank. ``generation``: the round's number, the same on every
         node, where the rendezvous hands out one store for every round (static)."""
-        prefix = "steadfast/" if generation is None else f"steadfast/g{generation}/"
+        if self._state is RosterState.CLOSED:
+            raise RuntimeError("the node roster is closed")
+        keys = RoundKeys(run_id, generation)
         me = Peer(rank, self.name, self.host, self.port, os.getpid(), rdzv)
-        store.set(f"{prefix}node/{rank}", json.dumps(me.__dict__))
+        store.set(keys.node(rank), json.dumps(me.__dict__))
         peers: dict[int, Peer] = {}
         for r in range(nodes):
-            raw = store.get(f"{prefix}node/{r}")
-            peers[r] = Peer(**json.loads(raw))
+            peers[r] = Peer(**json.loads(store.get(keys.node(r))))
         job_store = getattr(store, "underlying_store", store)
-        key = f"steadfast/{run_id}/round"
         if rank == 0:
             token = uuid.uuid4().hex
             previous = None
-            if job_store.check([key]):
-                previous = json.loads(job_store.get(key))
+            if job_store.check([keys.record]):
+                previous = json.loads(job_store.get(keys.record))
             record = {"token": token, "nodes": [peers[r].host for r in range(nodes)]}
-            job_store.set(key, json.dumps(record))
-            store.set(f"{prefix}token", token)
+            job_store.set(keys.record, json.dumps(record))
+            store.set(keys.token, token)
             if previous is not None:
                 emit_joined(peers, previous.get("nodes", []))
         else:
-            token = store.get(f"{prefix}token").decode()
+            token = store.get(keys.token).decode()
         with self._lock:
-            self._round = Round(store, job_store, rank, nodes, peers, token, key, prefix)
+            self._round = Round(store, job_store, rank, nodes, peers, token, keys)
+            self._state, self._why = RosterState.WATCHING, None
             self._losses = {}
             self._pending = set()
-            self._isolated = None
             self._fence.forget()
         for k in range(1, min(WATCHERS, nodes - 1) + 1):
             self._ring.watch(peers[(rank + k) % nodes])
@@ -137,6 +172,8 @@ class NodeRoster:
         with self._lock:
             current = self._round
             self._round = None
+            if self._state is not RosterState.CLOSED:
+                self._state, self._why = RosterState.IDLE, None
         watched = self._ring.unwatch()
         if current is not None and reason is not None:
             with contextlib.suppress(Exception):
@@ -171,14 +208,14 @@ class NodeRoster:
             store = current.store.clone()  # a connection of its own
         except (RuntimeError, NotImplementedError, AttributeError):
             store = current.store  # etcd's: each call is a request of its own already
-        key = f"{current.prefix}exit/"
-        store.set(f"{key}{current.rank}", b"1")
-        if int(store.add(f"{key}count", 1)) >= current.nodes:
-            store.set(f"{key}all", b"1")
+        keys = current.keys
+        store.set(keys.exit(current.rank), b"1")
+        if int(store.add(keys.exit_count, 1)) >= current.nodes:
+            store.set(keys.exit_all, b"1")
         start = time.monotonic()
         deadline, report, pause = start + timeout, start + 10.0, 0.005
         confirmed: set[int] = set()  # losses other launchers recorded in the store
-        while not store.check([f"{key}all"]):
+        while not store.check([keys.exit_all]):
             confirmed = confirmed_losses(store, current, confirmed)
             with self._lock:
                 lost = set(self._losses) | confirmed
@@ -186,7 +223,7 @@ class NodeRoster:
                 r
                 for r in range(current.nodes)
                 if r not in lost and (lost or time.monotonic() > report)
-                and not store.check([f"{key}{r}"])
+                and not store.check([keys.exit(r)])
             ]  # fmt: skip
             if lost and not waiting:  # every node left finished: the lost ones never will
                 return sorted(current.peers[r].host for r in lost)
@@ -217,7 +254,7 @@ class NodeRoster:
     def isolated(self) -> str | None:
         """Why this node is cut off from the job (None while it is not)."""
         with self._lock:
-            return self._isolated
+            return self._why if self._state is RosterState.ISOLATED else None
 
     def wait_for_loss(self, timeout: float) -> list[Loss]:
         """Wait up to ``timeout`` for a loss to be known (seen here, or recorded in the
@@ -225,15 +262,17 @@ class NodeRoster:
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                if self._losses or self._isolated:
-                    return list(self._losses.values())
+                known = self._known()
+                if known is not None:
+                    return known
                 current = self._round
             if current is None:
                 return []
             self._learn_losses(current, max(0.05, deadline - time.monotonic()))
             with self._lock:
-                if self._losses or self._isolated:
-                    return list(self._losses.values())
+                known = self._known()
+                if known is not None:
+                    return known
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return []
@@ -246,7 +285,7 @@ class NodeRoster:
         every node it saw go."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._pending and not self._isolated:
+            while self._pending and self._state is not RosterState.ISOLATED:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -255,7 +294,8 @@ class NodeRoster:
 
     def close(self) -> None:
         """Close every socket and stop the threads."""
-        self._stopping = True
+        with self._lock:
+            self._state = RosterState.CLOSED
         self._ring.stop()  # with the goodbye, where the loop stopped before it went
         self._deadlines.close()  # a deadline still waiting: the roster is gone
         self._calls.close()
@@ -268,7 +308,23 @@ class NodeRoster:
     # ------------------------------------------------------------------ the round
     def _view(self) -> tuple[Round | None, str | None]:
         """The round and why this node is cut off, for the fence (the lock held)."""
-        return self._round, self._isolated
+        return self._round, self._why if self._state is RosterState.ISOLATED else None
+
+    def _known(self) -> list[Loss] | None:
+        """The round's losses once one is known or this node is cut off, else None (the
+        lock held)."""
+        if self._losses or self._state is RosterState.ISOLATED:
+            return list(self._losses.values())
+        return None
+
+    def _isolate(self, current: Round, why: str) -> bool:
+        """Cut this node off from ``current`` (the lock held): True when it was watching
+        that round, False when it had left it or was cut off already."""
+        if self._round is not current or self._state is not RosterState.WATCHING:
+            return False
+        self._state, self._why = RosterState.ISOLATED, why
+        self._lock.notify_all()
+        return True
 
     def _learn_losses(self, current: Round, timeout: float) -> None:
         """Losses recorded in the round's store by other launchers."""
@@ -281,9 +337,11 @@ class NodeRoster:
                 return
             for r, how in found:
                 cause, _, words = how.partition(":")
-                if r == current.rank and self._isolated is None:  # the others lost this one
-                    self._isolated = f"the other nodes found this node lost ({cause}: {words})"
-                elif r != current.rank and r not in self._losses:
+                if r == current.rank:  # the others lost this one
+                    self._isolate(
+                        current, f"the other nodes found this node lost ({cause}: {words})"
+                    )
+                elif r not in self._losses:
                     self._losses[r] = Loss(current.peers[r], cause, words, None)
             self._lock.notify_all()
 
@@ -298,35 +356,28 @@ class NodeRoster:
 
         def done(value: Any, exc: BaseException | None) -> None:
             with self._lock:
-                if self._round is current:
+                held = self._round is current  # else this node has left that round since
+                if held:
                     self._pending.discard(peer.rank)
                     self._lock.notify_all()
-                if self._round is not current and exc is not None:
-                    return  # this node has left that round since: nothing to say
                 if exc is not None or value is None:
-                    first_time = self._isolated is None
-                    if value is None and exc is None:
-                        cause, self._isolated = (
-                            "replaced",
-                            (
-                                f"lost {peer.host} ({how}), and the job formed a newer round "
-                                "without this node meanwhile"
-                            ),
+                    if exc is None:
+                        cut = "replaced"
+                        why = (
+                            f"lost {peer.host} ({how}), and the job formed a newer round "
+                            "without this node meanwhile"
                         )
                     else:
-                        cause, self._isolated = (
-                            "partition",
-                            (
-                                f"lost {peer.host} ({how}) and cannot reach the rendezvous store "
-                                f"({type(exc).__name__}: {exc})"
-                            ),
+                        cut = "partition"
+                        why = (
+                            f"lost {peer.host} ({how}) and cannot reach the rendezvous store "
+                            f"({type(exc).__name__}: {exc})"
                         )
-                    self._lock.notify_all()
-                    if first_time:
-                        emit_isolated(cause, self._isolated, current.nodes)
+                    if self._isolate(current, why):
+                        emit_isolated(cut, why, current.nodes)
                     return
                 first, real_cause, real_how = value
-                if self._round is current:
+                if held:
                     self._losses[peer.rank] = Loss(peer, real_cause, real_how, latency)
                     self._lock.notify_all()
             if first:  # reported even when confirmed after this node left the round
@@ -336,7 +387,7 @@ class NodeRoster:
 
         def bounded() -> Any:
             while True:  # a store that fails for a moment (etcd electing a leader): again
-                if self._stopping:
+                if self._state is RosterState.CLOSED:
                     raise RuntimeError("the node roster closed")
                 if time.monotonic() > deadline:
                     raise TimeoutError("the store did not answer in time")
@@ -359,14 +410,14 @@ class NodeRoster:
         self._confirms.submit(bounded, finished)
 
     def _confirm_timeout(self, current: Round, peer: Peer, how: str) -> None:
+        """The store did not confirm ``peer``'s loss in time: this node is the one cut
+        off."""
+        why = (
+            f"lost {peer.host} ({how}) and the rendezvous store did not answer in "
+            f"{self.confirm_timeout:g} s"
+        )
         with self._lock:
-            if self._round is not current or peer.rank in self._losses or self._isolated:
+            if peer.rank in self._losses or not self._isolate(current, why):
                 return
             self._pending.discard(peer.rank)
-            self._isolated = (
-                f"lost {peer.host} ({how}) and the rendezvous store did not answer in "
-                f"{self.confirm_timeout:g} s"
-            )
-            self._lock.notify_all()
-            isolated = self._isolated
-        emit_isolated("partition", isolated, current.nodes)
+        emit_isolated("partition", why, current.nodes)

@@ -1,13 +1,15 @@
 """A round of the job as the node roster holds it: the nodes in it (:class:`Peer`, as
-each launcher published itself), the ones seen lost (:class:`Loss`), and the round
-itself (:class:`Round`: its store, this node's rank in it, its token)."""
+each launcher published itself), the ones seen lost (:class:`Loss`), the round itself
+(:class:`Round`: its store, this node's rank in it, its token) and the keys the roster
+keeps in the stores (:class:`RoundKeys`, the one place they are spelt)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Loss", "Peer", "Round"]
+__all__ = ["Loss", "Peer", "Round", "RoundKeys"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,58 @@ class Loss:
     latency: float | None
 
 
+class RoundKeys:
+    """Every key the roster reads or writes, in the round's store and in the job's.
+
+    In the round's store, under :attr:`prefix` (``steadfast/``, or ``steadfast/g<N>/``
+    where the rendezvous hands out one store for every round (static): the round's
+    number keeps the rounds apart):
+
+    - ``node/<R>``: node rank R's :class:`Peer`, as JSON (:meth:`node`);
+    - ``token``: the round's token, which node rank 0 sets (:attr:`token`);
+    - ``left/<R>``: why node R leaves the job, written before it goes (:meth:`left`);
+    - ``lost_how/<R>`` (``cause:how``), then ``lost/<R>`` (a count: the launcher that
+      adds the first reports the loss) and ``lost_count``, the losses recorded
+      (:meth:`lost_how`, :meth:`lost`, :attr:`lost_count`);
+    - ``exit/<R>``, ``exit/count`` and ``exit/all``: the exit barrier (:meth:`exit`,
+      :attr:`exit_count`, :attr:`exit_all`).
+
+    In the job's store, across rounds: ``steadfast/<run id>/round``, the job's current
+    round (JSON: its token and its nodes' hosts, :attr:`record`), and
+    ``steadfast/<run id>/round/fence``, which each fence probe adds to (:attr:`fence`).
+    """
+
+    def __init__(self, run_id: str, generation: int | None = None) -> None:
+        """``generation``: the round's number, where every round has the same store."""
+        self.prefix = "steadfast/" if generation is None else f"steadfast/g{generation}/"
+        self.record = f"steadfast/{run_id}/round"
+        self.fence = f"{self.record}/fence"
+        self.token = f"{self.prefix}token"
+        self.lost_count = f"{self.prefix}lost_count"
+        self.exit_count = f"{self.prefix}exit/count"
+        self.exit_all = f"{self.prefix}exit/all"
+
+    def node(self, rank: int) -> str:
+        """Where node ``rank`` publishes itself."""
+        return f"{self.prefix}node/{rank}"
+
+    def left(self, rank: int) -> str:
+        """Why node ``rank`` left the job."""
+        return f"{self.prefix}left/{rank}"
+
+    def lost(self, rank: int) -> str:
+        """How many launchers recorded node ``rank`` lost."""
+        return f"{self.prefix}lost/{rank}"
+
+    def lost_how(self, rank: int) -> str:
+        """How node ``rank`` was lost (``cause:how``)."""
+        return f"{self.prefix}lost_how/{rank}"
+
+    def exit(self, rank: int) -> str:
+        """Node ``rank`` finished its workers (the exit barrier)."""
+        return f"{self.prefix}exit/{rank}"
+
+
 @dataclass
 class Round:
     """The round this node entered: what every part of the roster reads it by."""
@@ -42,5 +96,9 @@ class Round:
     nodes: int
     peers: dict[int, Peer]
     token: str
-    key: str  # the job-wide round record
-    prefix: str  # the roster's keys in the round's store
+    keys: RoundKeys
+
+    def job_token(self) -> str:
+        """The token of the job's current round (a live read of the job's store): this
+        round's :attr:`token` while the job has formed no newer one."""
+        return str(json.loads(self.job_store.get(self.keys.record))["token"])
