@@ -262,3 +262,27 @@ def test_every_kind_name_has_its_schema():
     assert {str(k) for k in events.Kind} <= set(events.EVENT_KINDS)
     assert events.Kind.NODE_LOST == "node_lost" and f"{events.Kind.NODE_LOST}" == "node_lost"
     assert json.loads(json.dumps({"kind": events.Kind.STEP_DONE}))["kind"] == "step_done"
+
+
+def test_the_readers_compare_kinds_by_the_schemas_names():
+    """No code of steadfast compares an event's ``kind`` with a hand-typed string (a typo
+    there would match nothing, silently): readers use :class:`steadfast.events.Kind`."""
+    import ast
+
+    src = Path(events.__file__).parent.parent
+    typed = []
+    for path in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            if not any(isinstance(s, ast.Attribute) and s.attr == "kind" for s in sides):
+                continue
+            for side in sides:
+                items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                typed += [
+                    f"{path.relative_to(src)}:{node.lineno} {i.value!r}"
+                    for i in items
+                    if isinstance(i, ast.Constant) and i.value in events.EVENT_KINDS
+                ]
+    assert typed == [], typed
