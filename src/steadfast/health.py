@@ -31,6 +31,7 @@ __all__ = ["NaNDetector", "NaNState", "check_gpu_health", "check_nccl_health"]
 
 logger = logging.getLogger(__name__)
 
+
 def check_gpu_health(device: int = 0) -> dict[str, bool | str]:
     """Run basic GPU health checks on CUDA device ``device``.
 

@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -350,14 +350,14 @@ def candidates(folder: Path) -> list[Path]:
     return found
 
 
-def older_than(folder: Path, ckpt: Path, require_keys: set[str]) -> list[Path]:
+def older_than(folder: Path, ckpt: Path, require_keys: Collection[str]) -> list[Path]:
     """Every other checkpoint in ``folder`` (``step_N`` or named) whose manifest is
     readable, whose step is not above ``ckpt``'s and whose keys include ``ckpt``'s (when
     ``ckpt``'s manifest says them; else ``require_keys``), newest first: where a load
     with fall-back goes on."""
     manifest, _ = read_manifest(ckpt)
     bound = manifest["step"] if manifest is not None else None
-    keys = set(saved_keys(manifest)) if manifest is not None else require_keys
+    keys = set(saved_keys(manifest)) if manifest is not None else set(require_keys)
     found: list[tuple[int, float, Path]] = []
     if folder.is_dir():
         for entry in folder.iterdir():

@@ -13,6 +13,7 @@ import os
 import pickle
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,23 @@ from .layout import (
 from .memory import MemoryTier
 from .staging import to_state_dicts
 
-__all__ = ["Loader"]
+__all__ = ["LoadRequest", "Loader"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What a load asks for (see :meth:`steadfast.CheckpointManager.load`): ``path`` (None:
+    the newest valid checkpoint), the ``objects`` to read sharded state into (None: a
+    plain load), whether to fall back from a bad ``path``, the unpickler's setting, and
+    the keys a fall-back must hold."""
+
+    path: str | os.PathLike[str] | None
+    objects: Mapping[str, Any] | None = None
+    fallback: bool = False
+    weights_only: bool = True
+    require_keys: frozenset[str] = frozenset()
 
 
 class Loader:
@@ -49,16 +64,11 @@ class Loader:
         self.coord = coord
         self.memory = memory
 
-    def load(
-        self,
-        path: str | os.PathLike[str] | None,
-        objects: Mapping[str, Any] | None,
-        fallback: bool,
-        weights_only: bool,
-        require_keys: set[str],
-    ) -> tuple[int, dict[str, Any], Path] | None:
+    def load(self, request: LoadRequest) -> tuple[int, dict[str, Any], Path] | None:
         """The step, the state and the checkpoint read (see
         :meth:`steadfast.CheckpointManager.load`); None when there is none yet."""
+        path, objects, fallback = request.path, request.objects, request.fallback
+        weights_only, require_keys = request.weights_only, request.require_keys
         if path is None:
             tries = candidates(self.folder)
         else:

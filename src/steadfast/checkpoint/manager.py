@@ -28,7 +28,7 @@ from ..dist import group_rank
 from .collectives import Coordinator
 from .fencing import CheckpointFenced
 from .layout import MANIFEST, STATE_FILE, CheckpointError, remove_stale, verify, write_manifest
-from .loading import Loader
+from .loading import Loader, LoadRequest
 from .memory import MemoryTier, ring_group
 from .retention import Retention, remove
 from .saving import RNG_KEY, Saver, capture
@@ -264,7 +264,7 @@ class CheckpointManager:
         trust; the default executes no pickled code, and a verified checkpoint it
         refuses raises :class:`CheckpointError` saying so, not a fall-back).
         """
-        return self._load(path, None, fallback, weights_only, set(require_keys))
+        return self._load(LoadRequest(path, None, fallback, weights_only, frozenset(require_keys)))
 
     def remove(self, path: str | os.PathLike[str]) -> None:
         """Delete the checkpoint directory ``path`` (a framework's named one, when the
@@ -284,7 +284,7 @@ class CheckpointManager:
         own (sharded) state dicts. Returns ``(step, state)`` like :meth:`load`, so plain
         values can be read from ``state``; None when there is no checkpoint yet.
         """
-        loaded = self._load(path, objects, False, True, set())
+        loaded = self._load(LoadRequest(path, objects))
         if loaded is None:
             return None
         step, state = loaded
@@ -297,16 +297,9 @@ class CheckpointManager:
             RNGState().load_state_dict(state[RNG_KEY])
         return step, state
 
-    def _load(
-        self,
-        path: str | os.PathLike[str] | None,
-        objects: Mapping[str, Any] | None,
-        fallback: bool,
-        weights_only: bool,
-        require_keys: set[str],
-    ) -> tuple[int, dict[str, Any]] | None:
+    def _load(self, request: LoadRequest) -> tuple[int, dict[str, Any]] | None:
         self.wait()
-        loaded = self._loader.load(path, objects, fallback, weights_only, require_keys)
+        loaded = self._loader.load(request)
         if loaded is None:
             return None
         step, state, self.loaded_path = loaded
