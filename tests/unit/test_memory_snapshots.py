@@ -4,6 +4,7 @@ one buffer on several threads equal to zlib's."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import zlib
@@ -105,3 +106,29 @@ def test_the_crc_of_a_buffer_on_several_threads_is_zlibs(tmp_path, size):
         for shares in (1, 2, 3, 5):
             assert crc32_parallel(memoryview(data), pool, shares) == zlib.crc32(data)
             assert crc32_mapped(tmp_path / "f", pool, shares) == zlib.crc32(data)
+
+
+def test_the_crc_is_isals_with_zlibs_values(tmp_path):
+    """The checksum of every manifest is computed by ISA-L (the ``isal`` dependency) and
+    has zlib's values, continuation included, so manifests written before it verify."""
+    from steadfast.checkpoint import files, layout
+
+    assert files.CRC32_BY == "isal"
+    data = os.urandom((3 << 20) + 7)
+    assert files.crc32(data) == zlib.crc32(data)
+    assert files.crc32(data[1000:], files.crc32(data[:1000])) == zlib.crc32(data)
+    assert files.crc32(b"") == 0
+    # a checkpoint sealed with zlib's checksum (as every steadfast before isal wrote it)
+    ckpt = tmp_path / "step_1"
+    ckpt.mkdir()
+    (ckpt / "state.pt").write_bytes(data)
+    manifest = {
+        "format": layout.FORMAT,
+        "step": 1,
+        "world_size": 1,
+        "files": {"state.pt": {"bytes": len(data), "crc32": zlib.crc32(data)}},
+    }
+    (ckpt / layout.MANIFEST).write_text(json.dumps(manifest))
+    assert layout.verify(ckpt) == []
+    (ckpt / "state.pt").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert layout.verify(ckpt) != []
