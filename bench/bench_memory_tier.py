@@ -1,15 +1,25 @@
-"""The memory tier's two figures for a ``--mb`` MB state (default 1024), each against its
-baseline measured in the same run:
+"""The memory tier's figures for a ``--mb`` MB state (default 1024), each against its
+baseline measured in the same run, for a replicated state (plain tensors, as DDP keeps
+them) and for a sharded one (DTensors, as FSDP2 keeps them; here a one-rank mesh, so the
+whole state is this rank's shard):
 
 1. the stall per snapshot (what ``CheckpointManager.snapshot`` makes training wait:
    the copy into host staging buffers; the write to ``/dev/shm`` and its CRC run in
    the background) against one plain ``memcpy`` of the state into buffers already
-   allocated. Target: <= 1.2x.
-2. a restore (``CheckpointManager.load``: agreement, read, CRC check, ``torch.load``)
-   from the memory tier against the same load from a disk checkpoint of the same state,
-   with the page cache dropped before each disk load (a restarted job reads a
-   checkpoint it did not just write; root only, else the disk figure is warm and says
+   allocated. Target: <= 1.1x.
+2. a restore (agreement, read, CRC check, ``torch.load``; sharded: into the live
+   DTensors) from the memory tier against the same restore from a disk checkpoint of the
+   same state, with the page cache dropped before each disk load (a restarted job reads
+   a checkpoint it did not just write; root only, else the disk figure is warm and says
    so). Target: >= 10x faster.
+3. verification: the CRC-32 every manifest holds, on one core, over the state's bytes
+   (``steadfast.checkpoint.files.crc32``: ISA-L's) against zlib's ``crc32`` (the same
+   values). Target: >= 8 GB/s per core.
+4. ``/dev/shm`` per node (``--nodes-mb``, default 64 MB of replicated state, 4 gloo
+   ranks as 2 nodes of 2): what the tier holds per snapshot step on a node, against what
+   it held before it kept replicated state once per node (every local rank a copy, and
+   as many replicas), computed from the same run's files. Target: at most
+   (1 + replicas) x the state plus the per-rank extras.
 
     .venv/bin/python bench/bench_memory_tier.py [--mb 1024] [--repeats 5] [--dir DIR]
 
@@ -20,16 +30,22 @@ restores, so both sides of each ratio see the same machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
 import tempfile
 import time
+import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from steadfast import CheckpointManager
+from steadfast.checkpoint.files import CRC32_BY, crc32
 from steadfast.checkpoint.memory import MEMORY_DIR_ENV, create_memory_dir, remove_memory_dir
 
 
@@ -42,27 +58,39 @@ def drop_caches() -> bool:
         return False
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--dir", default=None, help="disk checkpoint folder (default: a temp dir)")
-    args = ap.parse_args()
-    os.environ["STEADFAST_EVENTS"] = "off"
+def _state(mb: int, sharded: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """What the manager is given (a module of 16 buffers, or 16 DTensors) and its
+    tensors (the local shards), which restores must fill in place."""
+    n = mb * 1024 * 1024 // 4 // 16
+    tensors = {f"layer{i}": torch.randn(n) for i in range(16)}
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (1,))
+        shards = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in tensors.items()}
+        return dict(shards), {k: v.to_local() for k, v in shards.items()}
+    module = torch.nn.Module()
+    for k, v in tensors.items():
+        module.register_buffer(k, v)
+    return {"model": module}, tensors
+
+
+def tier(mb: int, repeats: int, folder: str | None, sharded: bool) -> None:
+    """Figures 1-3 for one kind of state, in this process (a one-rank gloo group)."""
     memory = create_memory_dir()
     os.environ[MEMORY_DIR_ENV] = str(memory)
-    disk = Path(args.dir or tempfile.mkdtemp(prefix="sf-bench-mem-", dir="/var/tmp"))
+    disk = Path(folder or tempfile.mkdtemp(prefix="sf-bench-mem-", dir="/var/tmp"))
     try:
-        n = args.mb * 1024 * 1024 // 4 // 16
-        state = {f"layer{i}": torch.randn(n) for i in range(16)}
-        floor = {k: torch.empty_like(v) for k, v in state.items()}
+        state, tensors = _state(mb, sharded)
+        floor = {k: torch.empty_like(v) for k, v in tensors.items()}
         mgr = CheckpointManager(disk, keep_last_n=1, memory_every=1, rng=False)
         stalls, copies = [], []
-        for step in range(1, args.repeats + 2):
-            for v in state.values():  # training moves on between snapshots
+        for step in range(1, repeats + 2):
+            for v in tensors.values():  # training moves on between snapshots
                 v.add_(1.0)
             t0 = time.perf_counter()
-            for k, v in state.items():
+            for k, v in tensors.items():
                 floor[k].copy_(v)
             copy = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -72,38 +100,115 @@ def main() -> None:
             if step > 1:  # the first snapshot allocates the staging buffers
                 stalls.append(stall)
                 copies.append(copy)
-        mgr.save(args.repeats + 1, state)  # the disk checkpoint of the same (newest) step
+        newest = repeats + 1
+        mgr.save(newest, state)  # the disk checkpoint of the same (newest) step
         mgr.close()
+        expected = tensors["layer0"].clone()
         from_memory, from_disk = [], []
         cold = True
-        newest = args.repeats + 1
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             # the disk first, from a dropped page cache; then the memory tier, whose code
             # the disk load has just paged in again (dropping the cache evicts it too)
             loader = CheckpointManager(disk, memory_every=1, rng=False)
+            for v in tensors.values():
+                v.zero_()
             cold = drop_caches() and cold
             t0 = time.perf_counter()
-            step, loaded = loader.load(disk / f"step_{newest}")
+            loaded = loader.restore(state, disk / f"step_{newest}")
             from_disk.append(time.perf_counter() - t0)
-            assert torch.equal(loaded["layer0"], state["layer0"])
-            del loaded
+            assert loaded is not None and torch.equal(tensors["layer0"], expected)
+            for v in tensors.values():
+                v.zero_()
             t0 = time.perf_counter()
-            step, loaded = loader.load()
+            loaded = loader.restore(state)
             from_memory.append(time.perf_counter() - t0)
-            assert step == newest and torch.equal(loaded["layer0"], state["layer0"])
+            assert loaded is not None and loaded[0] == newest
+            assert torch.equal(tensors["layer0"], expected)
             del loaded
             loader.close()
+        views = [memoryview(v.numpy()).cast("B") for v in tensors.values()]
+        nbytes = sum(len(v) for v in views)
+        ours, base = [], []
+        for _ in range(repeats):
+            for fn, out in ((crc32, ours), (zlib.crc32, base)):
+                t0 = time.perf_counter()
+                for view in views:
+                    fn(view)
+                out.append(nbytes / (time.perf_counter() - t0) / 1e9)
         stall, copy = statistics.median(stalls), statistics.median(copies)
         mem, dsk = statistics.median(from_memory), statistics.median(from_disk)
-        print(f"state: {args.mb} MB in 16 tensors; medians of {args.repeats}")
-        print(f"snapshot stall {stall * 1e3:8.1f} ms   memcpy {copy * 1e3:8.1f} ms   "
-              f"ratio {stall / copy:.2f}x (target <= 1.2x)")  # fmt: skip
-        print(f"restore: memory {mem:6.3f} s   disk ({'cold' if cold else 'warm'} cache) "
+        kind = "sharded (DTensor)" if sharded else "replicated"
+        print(f"{kind} state: {mb} MB in 16 tensors; medians of {repeats}")
+        print(f"  snapshot stall {stall * 1e3:8.1f} ms   memcpy {copy * 1e3:8.1f} ms   "
+              f"ratio {stall / copy:.2f}x (target <= 1.1x)")  # fmt: skip
+        print(f"  restore: memory {mem:6.3f} s   disk ({'cold' if cold else 'warm'} cache) "
               f"{dsk:6.3f} s   memory is {dsk / mem:.1f}x faster (target >= 10x)")  # fmt: skip
+        crc, zcrc = statistics.median(ours), statistics.median(base)
+        print(f"  verification, one core: {CRC32_BY} {crc:5.1f} GB/s   zlib {zcrc:5.1f} GB/s   "
+              f"{crc / zcrc:.1f}x (target >= 8 GB/s)")  # fmt: skip
     finally:
         remove_memory_dir(memory)
-        if args.dir is None:
+        if folder is None:
             shutil.rmtree(disk, ignore_errors=True)
+
+
+def _node_rank(rank: int, world: int, work: str, mb: int) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE="2", STEADFAST_EVENTS="off"
+    )
+    os.environ[MEMORY_DIR_ENV] = f"{work}/mem_node{rank // 2}"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=world)
+    try:
+        n = mb * 1024 * 1024 // 4 // 4
+        torch.manual_seed(0)
+        state = {f"layer{i}": torch.randn(n) for i in range(4)}
+        mgr = CheckpointManager(f"{work}/ck", memory_every=1)
+        mgr.snapshot(1, state, {"position": torch.tensor([rank])})
+        mgr.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def per_node(mb: int) -> None:
+    """Figure 4: what one node's ``/dev/shm`` holds for one snapshot step."""
+    work = tempfile.mkdtemp(prefix="sf-bench-nodes-")
+    try:
+        for node in (0, 1):
+            os.mkdir(f"{work}/mem_node{node}")
+        mp.start_processes(_node_rank, args=(4, work, mb), nprocs=4, start_method="spawn")
+        files = list(Path(f"{work}/mem_node0").rglob("step_1/*.pt"))
+        held = sum(f.stat().st_size for f in files)
+        state = max(f.stat().st_size for f in files if f.name == "state.pt")
+        extras = [f.stat().st_size for f in files if f.name == "rank.pt"]
+        before = 2 * (2 * state) + sum(extras)  # every rank's copy, own and replica
+        bound = 2 * state + sum(extras)  # (1 + replicas) x the state + per-rank extras
+        print(f"/dev/shm per node, one snapshot step of a {mb} MB replicated state, 2 ranks "
+              f"per node, 1 replica: {held / 2**20:.1f} MiB (bound {bound / 2**20:.1f} MiB); "
+              f"one copy per rank would hold {before / 2**20:.1f} MiB: "
+              f"{before / held:.2f}x more")  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=1024)
+    ap.add_argument("--nodes-mb", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", default=None, help="disk checkpoint folder (default: a temp dir)")
+    args = ap.parse_args()
+    os.environ["STEADFAST_EVENTS"] = "off"
+    store = tempfile.mktemp(prefix="sf-bench-store-")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        for sharded in (False, True):
+            tier(args.mb, args.repeats, args.dir, sharded)
+    finally:
+        dist.destroy_process_group()
+        with contextlib.suppress(OSError):
+            os.unlink(store)
+    per_node(args.nodes_mb)
 
 
 if __name__ == "__main__":

@@ -62,10 +62,12 @@ class _NoMonitor:
 
 
 def _corrupt_own_snapshots(rank: int) -> None:
-    """Flip one byte in the middle of this rank's every memory snapshot (sizes kept)."""
+    """Flip one byte in the middle of every file of this rank's every memory snapshot
+    (sizes kept): its ``rank.pt``, and its ``state.pt`` where it keeps one (the node's
+    first rank keeps the replicated state for the node)."""
     from steadfast.checkpoint.memory import MEMORY_DIR_ENV
 
-    for state in Path(os.environ[MEMORY_DIR_ENV]).glob(f"*/own/rank_{rank}/step_*/state.pt"):
+    for state in Path(os.environ[MEMORY_DIR_ENV]).glob(f"*/own/rank_{rank}/step_*/*.pt"):
         with open(state, "r+b") as fh:
             fh.seek(state.stat().st_size // 2)
             byte = fh.read(1)

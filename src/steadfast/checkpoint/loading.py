@@ -77,13 +77,14 @@ class Loader:
             )
         # every rank tries the same candidates in the same order: rank 0's view
         tries = [Path(p) for p in self.coord.from_rank0([str(p) for p in tries])]
+        why = ""  # why not from the memory tier, said in the disk load's event
         if path is None and self.memory is not None:
             newest = max((_step_of(p) for p in tries), default=-1)
-            from_memory = memory_restore.restore(self.memory, self.coord, newest)
+            from_memory, why = memory_restore.restore(self.memory, self.coord, newest, objects)
             if from_memory is not None:
                 self.memory.drop_after(from_memory[0])
                 return from_memory
-        loaded = self._load_disk(tries, objects, weights_only)
+        loaded = self._load_disk(tries, objects, weights_only, why)
         if self.memory is not None and path is None:
             # the writer must not publish behind drop_after
             memory_restore.quiet_wait(self.memory)
@@ -143,8 +144,14 @@ class Loader:
         return [p for rank_problems in self.coord.all_gather(problems) for p in rank_problems]
 
     def _load_disk(
-        self, tries: list[Path], objects: Mapping[str, Any] | None, weights_only: bool
+        self,
+        tries: list[Path],
+        objects: Mapping[str, Any] | None,
+        weights_only: bool,
+        why: str = "",
     ) -> tuple[int, dict[str, Any], Path] | None:
+        """The newest of ``tries`` that every rank verifies and reads; ``why``: why not
+        from the memory tier (said in ``checkpoint_loaded``)."""
         if not tries:
             return None
         failures: list[str] = []
@@ -183,6 +190,7 @@ class Loader:
                 path=str(ckpt),
                 seconds=time.monotonic() - start,
                 tier="disk",
+                reason=why or None,
             )
             return step, state, ckpt
         raise CheckpointError(f"no valid checkpoint in {self.folder}: " + "; ".join(failures))

@@ -195,12 +195,7 @@ class CheckpointManager:
         if step % self.memory_every:
             return
         replicated, local = capture(state, rank_state, self.rng)
-        if has_dtensor(replicated):
-            raise ConfigError(
-                "CheckpointManager.snapshot: sharded (DTensor) state has no memory tier yet; "
-                "set memory_every=0 and save it to disk"
-            )
-        self._memory.snapshot(step, replicated, local)
+        self._memory.snapshot(step, replicated, local, sharded=has_dtensor(replicated))
 
     def save_emergency(
         self, step: int, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None = None

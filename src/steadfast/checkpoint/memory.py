@@ -9,18 +9,32 @@ Layout under the job's memory directory (``$STEADFAST_MEMORY_DIR``, made and rem
     <memory dir>/<key>/own/rank_<r>/step_<N>/      this node's ranks' snapshots
     <memory dir>/<key>/replica/rank_<r>/step_<N>/  snapshots of ranks on another node
 
-Each ``step_<N>`` holds ``state.pt`` (what :meth:`CheckpointManager.save` writes once,
-here per rank), ``rank.pt`` (the rank's own state and RNG streams) and ``manifest.json``
-(step, rank, the job's identity, each file's size and CRC-32), written into a hidden
+Each ``step_<N>`` holds ``rank.pt`` (the rank's own state and RNG streams),
+``manifest.json`` (step, rank, the job's identity, each file's size and CRC-32) and, where
+the rank keeps the state, ``state.pt``:
+
+- replicated state (what :meth:`CheckpointManager.save` writes once: a DDP model and its
+  optimizer) is the same on every rank, so it is kept **once per node**, by the node's
+  first local rank; the node's other ranks keep only their ``rank.pt``;
+- sharded state (FSDP2, DTensor) differs per rank: each rank keeps its own shards, the
+  local tensors of its DTensors, in its own ``state.pt``. They are restored into the
+  live DTensors (same world size and mesh); a job whose world size changed reads the
+  disk tier, which DCP reshards (``"shards": true`` in the manifest says a snapshot
+  holds shards).
+
+How a snapshot's files travel, are verified and loaded: :mod:`.snapshot_io`.
+
+Files are written into a hidden
 temporary folder and renamed into place: a process killed mid-copy leaves the previous
 snapshots as they were. The job's identity in every manifest (the launcher's run id and
 the checkpoint directory) keeps a snapshot of another job from ever being restored.
 
-Memory budget, per rank: the three newest snapshots (a rank may publish a step while
+Memory budget, per node: the three newest snapshots (a rank may publish a step while
 another still writes the one before: with three, when one dies mid-write, every rank
 still holds a step all share) plus the one being written, and as many replica slots: at
-most ``8 x`` the rank's state (state + rank state) in ``/dev/shm``, times the node's
-ranks. The first snapshot checks that the file system has room for the node's bound and
+most ``8 x`` (one replicated state + every local rank's own state), or for sharded state
+``8 x`` every local rank's shards and own state, in ``/dev/shm``. The first snapshot
+checks that the file system has room for the node's bound and
 stops with one :class:`~steadfast.ConfigError` naming the sizes if not, instead of a
 failed write (or a SIGBUS) mid-run. What a kill mid-write left is cleared when the tier
 starts; the directories of launchers killed outright, by the next one on the node.
@@ -35,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -43,7 +56,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -54,12 +66,10 @@ import torch.distributed as dist
 
 from .. import events
 from ..config import ConfigError
-from .files import crc32_mapped, crc32_parallel, describe, save_file
+from .files import describe, save_file
 from .layout import (
-    MANIFEST,
     TMP_PREFIX,
     CheckpointError,
-    check_files,
     discard,
     new_manifest,
     publish,
@@ -67,6 +77,7 @@ from .layout import (
     remove_all,
     remove_stale,
 )
+from .snapshot_io import RANK, STATE, pack, unpack
 from .staging import Stager
 
 __all__ = [
@@ -82,8 +93,6 @@ logger = logging.getLogger(__name__)
 #: the job's memory directory, set by its owner (the launcher, the in-process Wrapper)
 MEMORY_DIR_ENV = "STEADFAST_MEMORY_DIR"
 _PREFIX = "steadfast-mem-"
-STATE = "state.pt"
-RANK = "rank.pt"
 #: published snapshots kept per rank and per replicated rank (plus the one being
 #: written): a rank may publish a step while another is still writing the one before, so
 #: with three every rank still holds a step all share when one dies mid-write
@@ -165,13 +174,17 @@ class MemoryDir:
 @dataclass(frozen=True)
 class Snapshot:
     """A snapshot this node holds: whose state (``rank``, numbered as in the round that
-    took it), which step, ``"memory"`` (the rank's own) or ``"replica"``, and where."""
+    took it), which step, ``"memory"`` (the rank's own) or ``"replica"``, and where;
+    ``state``: it holds a ``state.pt`` (the node's replicated state, or the rank's shards
+    when ``sharded``)."""
 
     rank: int
     step: int
     tier: str
     path: str
     bytes: int
+    state: bool = True
+    sharded: bool = False
 
 
 class MemoryTier:
@@ -200,6 +213,7 @@ class MemoryTier:
         key = hashlib.sha1(self.job.encode()).hexdigest()[:12]
         self.base = self.root / key
         self.rank, self.world, self.local_world = rank, world, local_world
+        self.local_rank = rank % local_world  # ranks are numbered node by node
         self.own = self.base / "own" / f"rank_{rank}"
         self.own.mkdir(parents=True, exist_ok=True)
         self.ring = ring if world > local_world else None
@@ -216,11 +230,16 @@ class MemoryTier:
                 remove_stale(folder)
 
     # ------------------------------------------------------------------ snapshots
-    def snapshot(self, step: int, replicated: dict[str, Any], local: dict[str, Any]) -> float:
+    def snapshot(
+        self, step: int, replicated: dict[str, Any], local: dict[str, Any], sharded: bool = False
+    ) -> float:
         """Stage the state into host buffers (the only part training waits for) and
         write, publish and replicate it in the background. Returns the stall, in
         seconds. Waits for the previous snapshot first; if it failed, raises its error
-        once this one is under way (so the ranks' replica exchanges stay in step)."""
+        once this one is under way (so the ranks' replica exchanges stay in step).
+
+        ``replicated`` is kept by the node's first local rank only, unless ``sharded``
+        (it holds DTensors): then every rank keeps its own shards."""
         start = time.monotonic()
         failed: CheckpointError | None = None
         try:
@@ -228,14 +247,15 @@ class MemoryTier:
         except CheckpointError as exc:  # raised below, once this snapshot is under way:
             failed = exc  # its turn in the replica exchange must not be skipped
         if not self._checked:
-            self._check_room(replicated, local)
+            self._check_room(replicated, local, sharded)
             self._checked = True
-        payload = self._stager.stage(replicated)
+        keeps = sharded or self.local_rank == 0
+        payload = self._stager.stage(replicated, shards=True) if keeps else None
         own = self._local_stager.stage(local)
         stall = time.monotonic() - start
         self._thread = threading.Thread(
             target=self._background,
-            args=(step, payload, own, stall),
+            args=(step, payload, own, stall, sharded),
             name="steadfast-memory-writer",
             daemon=True,  # the snapshot is for the next restart: never hold an exit
         )
@@ -244,12 +264,12 @@ class MemoryTier:
             raise failed
         return stall
 
-    def _background(self, step: int, payload: Any, local: Any, stall: float) -> None:
+    def _background(self, step: int, payload: Any, local: Any, stall: float, sharded: bool) -> None:
         written: Path | None = None
         error: BaseException | None = None
         try:
             start = time.monotonic()
-            written = self._write(step, payload, local)
+            written = self._write(step, payload, local, sharded)
             seconds = time.monotonic() - start
             logger.debug("snapshot of step %d in %.3f s (stall %.3f s)", step, seconds, stall)
         except BaseException as exc:
@@ -263,37 +283,40 @@ class MemoryTier:
             logger.error("memory snapshot of step %d failed: %s", step, error)
             self._error = error
 
-    def _write(self, step: int, payload: Any, local: Any) -> Path:
+    def _write(self, step: int, payload: Any, local: Any, sharded: bool) -> Path:
         final = self.own / f"step_{step}"
         tmp = self.own / f"{TMP_PREFIX}{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            files = {STATE: save_file(tmp / STATE, payload), RANK: save_file(tmp / RANK, local)}
+            files = {RANK: save_file(tmp / RANK, local)}
+            if payload is not None:
+                files[STATE] = save_file(tmp / STATE, payload)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"memory snapshot to {tmp}: {describe(exc, tmp)}") from exc
-        publish(tmp, final, self._manifest(step, self.rank, files), move_latest=False)
+        publish(tmp, final, self._manifest(step, files, sharded), move_latest=False)
         _prune(self.own)
         return final
 
-    def _manifest(self, step: int, rank: int, files: dict[str, Any]) -> dict[str, Any]:
-        manifest = new_manifest(step, self.world, False, {}, files)
-        manifest.update(rank=rank, job=self.job)
+    def _manifest(self, step: int, files: dict[str, Any], sharded: bool) -> dict[str, Any]:
+        manifest = new_manifest(step, self.world, False, {}, files)  # no DCP folder
+        manifest.update(rank=self.rank, job=self.job, shards=sharded)
         return manifest
 
-    def _check_room(self, replicated: dict[str, Any], local: dict[str, Any]) -> None:
+    def _check_room(self, replicated: dict[str, Any], local: dict[str, Any], sharded: bool) -> None:
         """One readable error before the first write if the memory file system cannot
         hold the tier's bound (see the module's description)."""
-        size = _tensor_bytes(replicated) + _tensor_bytes(local) + (1 << 20)
+        state = _tensor_bytes(replicated) * (self.local_world if sharded else 1)
+        size = state + self.local_world * (_tensor_bytes(local) + (1 << 20))
         slots = BUDGET_SLOTS if self.ring is not None else KEEP + 1
-        need = self.local_world * slots * size  # every local rank's, in one /dev/shm
+        need = slots * size  # the node's, in one /dev/shm
         usage = shutil.disk_usage(self.root)
         held = _folder_bytes(self.base)
         if usage.free + held < need:
             raise ConfigError(
                 f"memory_every: {self.root} ({usage.free / 2**30:.2f} GiB free) cannot hold "
-                f"{slots} snapshots of each of the node's {self.local_world} ranks' "
+                f"{slots} snapshots of the node's {self.local_world} ranks' "
                 f"{size / 2**30:.2f} GiB state ({need / 2**30:.2f} GiB): give /dev/shm more "
                 "room (a container's "
                 "--shm-size) or set memory_every=0"
@@ -345,10 +368,19 @@ class MemoryTier:
                     trash.append(discard(Path(snap.path)))
         remove_all(trash)
 
+    def other_world_sizes(self) -> set[int]:
+        """The world sizes of this job's snapshots on this node taken by a round of
+        another size (an elastic change): they are not restored, the disk is."""
+        return {n for n in self._scan()[1] if n != self.world}
+
     def holdings(self) -> list[Snapshot]:
         """Every snapshot of this job this node holds, own and replicas, by its manifest
         (not yet verified: the files are checked when read)."""
+        return self._scan()[0]
+
+    def _scan(self) -> tuple[list[Snapshot], set[int]]:
         found: list[Snapshot] = []
+        sizes: set[int] = set()
         for tier, sub in (("memory", "own"), ("replica", "replica")):
             top = self.base / sub
             if not top.is_dir():
@@ -356,17 +388,24 @@ class MemoryTier:
             for folder in sorted(top.iterdir()):
                 for entry in sorted(folder.glob("step_*")):
                     manifest, _ = read_manifest(entry)
-                    if (
-                        manifest is None
-                        or manifest.get("job") != self.job
-                        or manifest.get("world_size") != self.world  # its rank.pt is for
-                    ):  # another numbering: the disk path skips such per-rank state too
+                    if manifest is None or manifest.get("job") != self.job:
                         continue
+                    sizes.add(int(manifest.get("world_size", 0)))
+                    if manifest.get("world_size") != self.world:  # its rank.pt is for
+                        continue  # another numbering: the disk path skips it too
                     size = sum(int(m.get("bytes", 0)) for m in manifest["files"].values())
                     found.append(
-                        Snapshot(int(manifest["rank"]), manifest["step"], tier, str(entry), size)
+                        Snapshot(
+                            int(manifest["rank"]),
+                            manifest["step"],
+                            tier,
+                            str(entry),
+                            size,
+                            state=STATE in manifest["files"],
+                            sharded=bool(manifest.get("shards")),
+                        )
                     )
-        return found
+        return found, sizes
 
     # ------------------------------------------------------------------ lifetime
     def wait(self) -> None:
@@ -388,137 +427,6 @@ class MemoryTier:
             self._local_stager.clear()
             if self._owned:
                 remove_memory_dir(self.root)
-
-
-# ---------------------------------------------------------------------- wire format
-def pack(snapshot: Path) -> torch.Tensor:
-    """A snapshot as one byte tensor: an 8-byte length, its manifest (JSON), then its
-    files in the manifest's order."""
-    manifest_bytes = (snapshot / MANIFEST).read_bytes()
-    manifest = json.loads(manifest_bytes)
-    sizes = [int(meta["bytes"]) for meta in manifest["files"].values()]
-    out = torch.empty(8 + len(manifest_bytes) + sum(sizes), dtype=torch.uint8)
-    view = out.numpy()
-    view[:8] = list(len(manifest_bytes).to_bytes(8, "little"))
-    view[8 : 8 + len(manifest_bytes)] = list(manifest_bytes)
-    at = 8 + len(manifest_bytes)
-    for name, size in zip(manifest["files"], sizes, strict=True):
-        with open(snapshot / name, "rb") as fh:
-            if fh.readinto(memoryview(view[at : at + size])) != size:  # type: ignore[arg-type]
-                raise CheckpointError(f"{snapshot / name}: shorter than its manifest says")
-        at += size
-    return out
-
-
-def decode(data: torch.Tensor) -> tuple[dict[str, Any], dict[str, memoryview], list[str]]:
-    """``(manifest, files, problems)`` of a packed snapshot, every file checked against
-    the manifest's size and CRC-32."""
-    view = memoryview(data.numpy())  # type: ignore[arg-type]
-    try:
-        length = int.from_bytes(view[:8], "little")
-        manifest = json.loads(bytes(view[8 : 8 + length]))
-        names = list(manifest["files"])
-    except (ValueError, KeyError, TypeError) as exc:
-        return {}, {}, [f"unreadable snapshot header ({exc})"]
-    files: dict[str, memoryview] = {}
-    problems: list[str] = []
-    at = 8 + length
-    shares = _checksum_threads()
-    with ThreadPoolExecutor(shares, thread_name_prefix="steadfast-crc") as pool:
-        for name in names:
-            meta = manifest["files"][name]
-            if not isinstance(meta, dict) or "bytes" not in meta or "crc32" not in meta:
-                problems.append(f"{name}: no size or checksum in the manifest")
-                break
-            chunk = view[at : at + int(meta["bytes"])]
-            at += int(meta["bytes"])
-            if len(chunk) != int(meta["bytes"]):
-                problems.append(f"{name}: {len(chunk)} bytes, manifest says {meta['bytes']}")
-            elif crc32_parallel(chunk, pool, shares) != meta["crc32"]:
-                problems.append(f"{name}: checksum mismatch")
-            files[name] = chunk
-    return manifest, files, problems
-
-
-def unpack(data: torch.Tensor, folder: Path, step: int) -> list[str]:
-    """Write a packed snapshot as ``folder/step_<step>`` (verified first, published by a
-    rename); the problems found, if any (then nothing is written)."""
-    manifest, files, problems = decode(data)
-    if problems:
-        return problems
-    final = folder / f"step_{step}"
-    tmp = folder / f"{TMP_PREFIX}{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for name, chunk in files.items():
-        with open(tmp / name, "wb") as fh:
-            fh.write(chunk)
-    publish(tmp, final, manifest, move_latest=False)
-    return []
-
-
-def _checksum_threads() -> int:
-    """Threads for the CRC-32s of a restore: one per core, at most 8."""
-    return max(1, min(8, len(os.sched_getaffinity(0))))
-
-
-def verify_in_place(snapshot: Path) -> list[str]:
-    """This node's snapshot checked against its manifest without a copy into one
-    buffer: sizes, then each file's CRC-32 on every core (``pread`` into small buffers)."""
-    manifest, problems = _sized(snapshot)
-    if manifest is None or problems:
-        return problems
-    shares = _checksum_threads()
-    with ThreadPoolExecutor(shares, thread_name_prefix="steadfast-crc") as pool:
-        for name, meta in manifest["files"].items():
-            try:
-                if crc32_mapped(snapshot / name, pool, shares) != meta["crc32"]:
-                    problems.append(f"{snapshot / name}: checksum mismatch")
-            except OSError as exc:
-                problems.append(f"{snapshot / name}: cannot be read ({exc})")
-    return problems
-
-
-def load_in_place(snapshot: str | os.PathLike[str]) -> dict[str, Any]:
-    """The state of a (verified) snapshot of this node, its tensors mapped from shared
-    memory (``torch.load(mmap=True)``): no copy until the model takes them."""
-    folder = Path(snapshot)
-    state = torch.load(folder / STATE, map_location="cpu", weights_only=True, mmap=True)
-    state.update(torch.load(folder / RANK, map_location="cpu", weights_only=True, mmap=True))
-    return dict(state)
-
-
-def load_state(files: Mapping[str, memoryview]) -> dict[str, Any]:
-    """The state of a (verified) snapshot: the replicated state with the rank's own."""
-    import io
-
-    state = torch.load(io.BytesIO(files[STATE]), map_location="cpu", weights_only=True)
-    state.update(torch.load(io.BytesIO(files[RANK]), map_location="cpu", weights_only=True))
-    return dict(state)
-
-
-def _sized(snapshot: Path) -> tuple[dict[str, Any] | None, list[str]]:
-    """A snapshot's manifest and the problems with its files' sizes (a checksum costs a
-    read of every byte: each caller checks those where it reads them)."""
-    manifest, problems = read_manifest(snapshot)
-    if manifest is None:
-        return None, problems
-    try:
-        return manifest, check_files(snapshot, manifest["files"], set())
-    except (OSError, KeyError, TypeError, ValueError) as exc:
-        return manifest, [f"{snapshot}: cannot be verified ({exc})"]
-
-
-def read_for_sending(snapshot: Path) -> tuple[torch.Tensor | None, list[str]]:
-    """A snapshot of this node packed for another rank, its sizes checked (the checksums
-    are checked where it arrives, after the transfer: :func:`decode`)."""
-    manifest, problems = _sized(snapshot)
-    if manifest is None or problems:
-        return None, problems
-    try:
-        return pack(snapshot), []
-    except (OSError, CheckpointError) as exc:
-        return None, [f"{snapshot}: cannot be read ({exc})"]
 
 
 # ---------------------------------------------------------------------- helpers

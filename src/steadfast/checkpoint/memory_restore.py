@@ -1,14 +1,19 @@
 """The restore from the memory tier (:mod:`~steadfast.checkpoint.memory`): the plan (the
-newest step of which some node holds every rank's snapshot, and who serves each rank),
-then its execution, every rank in step: each holder verifies or packs what it serves,
-the holders send, each rank verifies what arrived and loads it. A faulty copy
+newest step for which some node holds every rank's own snapshot and, for replicated
+state, a copy of the node-level state; who serves each), then its execution, every rank
+in step: each holder verifies or packs what it serves, the holders send, each rank
+verifies what arrived and loads it. The rank's own piece goes first; a rank whose own
+snapshot holds no ``state.pt`` (replicated state is kept once per node) then gets the
+state from its node's copy, read in place, or from another node. A faulty copy
 (``checkpoint_corrupt``, cause ``memory`` or ``replica``) is dropped and the plan made
-again; with no plan left, the caller reads the disk."""
+again; with no plan left, the caller reads the disk, told why."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,97 +22,165 @@ import torch
 from .. import events
 from .collectives import Coordinator
 from .layout import CheckpointError
-from .memory import (
-    MemoryTier,
-    Snapshot,
+from .memory import MemoryTier, Snapshot
+from .snapshot_io import (
+    RANK,
+    STATE,
     decode,
+    load_file,
     load_in_place,
-    load_state,
     read_for_sending,
     verify_in_place,
 )
+from .staging import fill_shards, to_state_dicts
 
-__all__ = ["plan", "quiet_wait", "restore"]
+__all__ = ["Plan", "Source", "plan", "quiet_wait", "restore"]
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where a rank gets a snapshot: the rank that serves it (itself when its node holds
+    it) and the snapshot."""
+
+    holder: int
+    snap: Snapshot
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A restore as data: the step; for each rank, its own snapshot (``rank.pt``, and
+    its shards when ``sharded``) and, for replicated state, the ``state.pt`` it reads
+    (absent where its own snapshot holds it)."""
+
+    step: int
+    own: dict[int, Source]
+    state: dict[int, Source]
+    sharded: bool
+
+
 def restore(
-    memory: MemoryTier, coord: Coordinator, newest_disk: int
-) -> tuple[int, dict[str, Any], Path] | None:
+    memory: MemoryTier,
+    coord: Coordinator,
+    newest_disk: int,
+    objects: Mapping[str, Any] | None = None,
+) -> tuple[tuple[int, dict[str, Any], Path] | None, str]:
     """The restore from the memory tier: the newest step (not older than the newest
-    disk checkpoint) whose snapshot of every rank some node holds, each rank's read
-    from its own node or sent by the holder, verified after the transfer; a faulty
-    copy (``checkpoint_corrupt``, cause ``memory`` or ``replica``) is dropped and the
-    plan made again. Returns the step, the state and the snapshot read; None: no such
-    step (the caller reads the disk)."""
+    disk checkpoint) that the job's nodes hold whole, each rank's pieces read from its
+    own node or sent by a holder, verified after the transfer; a faulty copy is dropped
+    and the plan made again. Sharded snapshots are restored only into ``objects`` (the
+    live objects, whose DTensors get their saved shards in place). Returns ``(the step,
+    the state, the snapshot read)``, or None and why not (the caller reads the disk)."""
     me = coord.rank
+    sharded_ok = objects is not None
     quiet_wait(memory)
     offers = coord.all_gather(memory.holdings())
     bad: set[str] = set()  # the snapshots (their folders) found faulty
     while True:
-        planned = plan(offers, coord.world, newest_disk, bad)
+        planned = plan(offers, coord.world, newest_disk, bad, sharded_ok)
         if planned is None:
-            return None
-        step, choice = planned
+            return None, _why_not(memory, offers, coord.world, newest_disk, bad)
         start = time.monotonic()
-        # 1. each holder reads what it serves: its own snapshot verified in place
-        # (sizes and CRC-32 through a memory map), another rank's packed for sending
-        # (verified where it arrives)
-        packed: dict[int, torch.Tensor] = {}
-        problems: list[tuple[str, str]] = []  # (the snapshot's folder, what failed)
-        for rank, (holder, snap) in choice.items():
-            if holder != me:
-                continue
-            try:  # whatever fails here is reported: the other ranks are waiting
-                if rank == me:
-                    found = verify_in_place(Path(snap.path))
-                else:
-                    data, found = read_for_sending(Path(snap.path))
-                    if data is not None and not found:
-                        packed[rank] = data
-            except Exception as exc:
-                found = [f"{snap.path}: cannot be read ({type(exc).__name__}: {exc})"]
-            if found:
-                problems.append((snap.path, "; ".join(found)))
-                _corrupt(snap, found)
-        problems = [p for share in coord.all_gather(problems) for p in share]
-        if problems:
-            bad.update(path for path, _ in problems)
+        own = _deliver(coord, planned.own, bad)
+        if own is None:
             continue
-        # 2. the transfers, holder to rank (sizes known from phase 1)
-        sizes = coord.all_gather({r: int(t.numel()) for r, t in packed.items()})
-        mine_holder, mine = choice[me]
-        data = None
-        if mine_holder != me:
-            data = torch.empty(sizes[mine_holder][me], dtype=torch.uint8)
-        coord.send_recv(packed, (mine_holder, data) if data is not None else None)
-        # 3. what arrived verified, then loaded (in place: mapped, no copy)
+        state_from = None
+        if not planned.sharded:
+            # second round for every rank (collective), a piece only where needed
+            state_from = _deliver(coord, planned.state, bad)
+            if state_from is None:
+                continue
         state: dict[str, Any] | None = None
-        found = []
+        found: list[str] = []
+        mine = planned.own[me].snap
         try:
-            if data is not None:
-                _, files, found = decode(data)
-            if not found:
-                state = load_state(files) if data is not None else load_in_place(mine.path)
+            state = _read(state_from if state_from and me in planned.state else own, STATE)
+            state.update(_read(own, RANK))
+            if planned.sharded and objects is not None:
+                live = to_state_dicts({k: objects[k] for k in state if k in objects})
+                state = {k: fill_shards(live[k], v) if k in live else v for k, v in state.items()}
         except Exception as exc:
             found = [f"cannot be loaded ({type(exc).__name__}: {exc})"]
-        if found:
             _corrupt(mine, found)
-        faults = coord.all_gather([(mine.path, "; ".join(found))] if found else [])
-        faults = [f for share in faults for f in share]
+        faults = [f for share in coord.all_gather([mine.path] if found else []) for f in share]
         if faults or state is None:
-            bad.update(path for path, _ in faults)
+            bad.update(faults)
             continue
         events.emit(
             "checkpoint_loaded",
-            step=step,
+            step=planned.step,
             path=mine.path,
             seconds=time.monotonic() - start,
             tier=mine.tier,
-            from_rank=mine_holder,
+            from_rank=planned.own[me].holder,
         )
-        return step, state, Path(mine.path)
+        return (planned.step, state, Path(mine.path)), ""
+
+
+def _read(got: tuple[Path | None, dict[str, memoryview]], name: str) -> dict[str, Any]:
+    path, files = got
+    return load_in_place(path, name) if path is not None else load_file(files, name)
+
+
+def _deliver(
+    coord: Coordinator, sources: dict[int, Source], bad: set[str]
+) -> tuple[Path | None, dict[str, memoryview]] | None:
+    """One round of the plan's execution (collective; ``sources`` may leave ranks out):
+    each holder verifies what it reads in place or packs what it sends, the holders
+    send, each rank verifies what arrived. Returns what this rank got (the snapshot's
+    folder to read in place, or the files that arrived); None when any rank found a
+    faulty copy (added to ``bad``: plan again)."""
+    me = coord.rank
+    # 1. each holder reads what it serves: a snapshot of its node that a rank of its
+    # node reads, verified in place (sizes and CRC-32 through a memory map); one for a
+    # rank of another node, packed for sending (verified where it arrives)
+    packed: dict[int, torch.Tensor] = {}
+    problems: list[str] = []  # the faulty snapshots' folders
+    for rank, source in sources.items():
+        if source.holder != me:
+            continue
+        try:  # whatever fails here is reported: the other ranks are waiting
+            if rank == me:
+                found = verify_in_place(Path(source.snap.path))
+            else:
+                data, found = read_for_sending(Path(source.snap.path))
+                if data is not None and not found:
+                    packed[rank] = data
+        except Exception as exc:
+            found = [f"{source.snap.path}: cannot be read ({type(exc).__name__}: {exc})"]
+        if found:
+            problems.append(source.snap.path)
+            _corrupt(source.snap, found)
+    everyone = [p for share in coord.all_gather(problems) for p in share]
+    if everyone:
+        bad.update(everyone)
+        return None
+    # 2. the transfers, holder to rank (sizes known from phase 1)
+    sizes = coord.all_gather({r: int(t.numel()) for r, t in packed.items()})
+    mine = sources.get(me)
+    data = None
+    if mine is not None and mine.holder != me:
+        data = torch.empty(sizes[mine.holder][me], dtype=torch.uint8)
+    coord.send_recv(packed, (mine.holder, data) if mine is not None and data is not None else None)
+    # 3. what arrived, verified
+    files: dict[str, memoryview] = {}
+    found = []
+    if data is not None and mine is not None:
+        try:
+            _, files, found = decode(data)
+        except Exception as exc:
+            found = [f"cannot be decoded ({type(exc).__name__}: {exc})"]
+        if found:
+            _corrupt(mine.snap, found)
+    faults = coord.all_gather([mine.snap.path] if found and mine is not None else [])
+    faults = [f for share in faults for f in share]
+    if faults:
+        bad.update(faults)
+        return None
+    if mine is not None and mine.holder == me:
+        return Path(mine.snap.path), {}
+    return None, files
 
 
 def quiet_wait(memory: MemoryTier) -> None:
@@ -127,26 +200,68 @@ def _corrupt(snap: Snapshot, problems: list[str]) -> None:
 
 
 def plan(
-    offers: list[list[Snapshot]], world: int, newest_disk: int, bad: set[str]
-) -> tuple[int, dict[int, tuple[int, Snapshot]]] | None:
-    """The newest step, not older than ``newest_disk``, for which every rank's snapshot
-    is held by some rank (``offers[h]``: what rank ``h``'s node holds), less the copies
-    found faulty; with, for each rank, who serves it: itself if it can, else a holder of
-    its own snapshot before one of a replica, else the lowest rank."""
-    held: dict[tuple[int, int], list[tuple[int, Snapshot]]] = {}
+    offers: list[list[Snapshot]],
+    world: int,
+    newest_disk: int,
+    bad: set[str],
+    sharded_ok: bool = True,
+) -> Plan | None:
+    """The newest step, not older than ``newest_disk``, for which every rank's own
+    snapshot is held by some rank (``offers[h]``: what rank ``h``'s node holds) and, for
+    replicated state, some node holds a ``state.pt``; less the copies found faulty. Each
+    rank is served by itself if its node holds the piece, else by a holder of its own
+    snapshot before one of a replica, else the lowest rank; the state comes with the
+    rank's own snapshot when that holds it."""
+    held: dict[tuple[int, int], list[Source]] = {}
+    states: dict[int, list[Source]] = {}
+    sharded: dict[int, bool] = {}
     for holder, offer in enumerate(offers):
         for snap in offer:
-            if snap.path not in bad:  # every local rank offers the same folder
-                held.setdefault((snap.rank, snap.step), []).append((holder, snap))
-    for step in sorted({s for _, s in held}, reverse=True):
+            if snap.path in bad:  # every local rank offers the same folder
+                continue
+            held.setdefault((snap.rank, snap.step), []).append(Source(holder, snap))
+            sharded[snap.step] = sharded.get(snap.step, False) or snap.sharded
+            if snap.state:
+                states.setdefault(snap.step, []).append(Source(holder, snap))
+    for step in sorted(sharded, reverse=True):
         if step < newest_disk:
             return None
-        choice: dict[int, tuple[int, Snapshot]] = {}
+        if sharded[step] and not sharded_ok:
+            continue
+        own: dict[int, Source] = {}
+        state: dict[int, Source] = {}
         for rank in range(world):
-            options = held.get((rank, step))
+            options = [o for o in held.get((rank, step), []) if o.snap.state or not sharded[step]]
             if not options:
                 break
-            choice[rank] = min(options, key=lambda o: (o[0] != rank, o[1].tier != "memory", o[0]))
+            own[rank] = min(options, key=lambda o: _preference(o, rank))
+            if sharded[step] or own[rank].snap.state:
+                continue
+            copies = states.get(step)
+            if not copies:
+                break
+            state[rank] = min(copies, key=lambda o: _preference(o, rank))
         else:
-            return step, choice
+            return Plan(step, own, state, sharded[step])
     return None
+
+
+def _preference(option: Source, rank: int) -> tuple[bool, bool, int]:
+    return option.holder != rank, option.snap.tier != "memory", option.holder
+
+
+def _why_not(
+    memory: MemoryTier, offers: list[list[Snapshot]], world: int, newest_disk: int, bad: set[str]
+) -> str:
+    """Why the memory tier could not restore, for the disk load's event."""
+    if any(s.path not in bad for offer in offers for s in offer):
+        return "memory tier: no step every rank's snapshot is held for, as new as the disk's"
+    if memory.other_world_sizes():
+        sizes = ", ".join(str(n) for n in sorted(memory.other_world_sizes()))
+        return (
+            f"memory tier: its snapshots are of {sizes} ranks, this job has {world}: "
+            "read from disk (sharded state resharded by DCP)"
+        )
+    if bad:
+        return "memory tier: every copy found faulty"
+    return "memory tier: no snapshot"

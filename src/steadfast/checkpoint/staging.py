@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
+from .layout import CheckpointError
 
 __all__ = [
     "Stager",
@@ -67,13 +68,18 @@ class Stager:
     """
 
     def __init__(self) -> None:
+        self._shards = False
         self._buffers: dict[str, torch.Tensor] = {}
         self._used: dict[str, torch.Tensor] = {}
         self._memo: dict[int, torch.Tensor] = {}
         self._devices: set[torch.device] = set()
 
-    def stage(self, value: Any) -> Any:
+    def stage(self, value: Any, shards: bool = False) -> Any:
+        """``value`` copied into host buffers; ``shards``: each DTensor as its local
+        shard alone (a plain tensor: what a rank keeps of sharded state), else as a
+        DTensor over the staged shard."""
         self._used, self._memo, self._devices = {}, {}, set()
+        self._shards = shards
         staged = self._walk(value, "")
         for device in self._devices:  # the non-blocking copies must land before writing
             torch.cuda.synchronize(device)
@@ -101,6 +107,8 @@ class Stager:
     def _walk(self, value: Any, key: str) -> Any:
         if is_dtensor(value):
             local = self._copy(value.to_local(), key, memo=False)  # a temporary: no id()
+            if self._shards:
+                return local
             return type(value).from_local(
                 local,
                 value.device_mesh,
@@ -117,6 +125,34 @@ class Stager:
         if isinstance(value, tuple):
             return tuple(self._walk(v, f"{key}/{i}") for i, v in enumerate(value))
         return value
+
+
+def fill_shards(template: Any, saved: Any) -> Any:
+    """``saved`` (a state kept as local shards: :meth:`Stager.stage` with ``shards``)
+    put back into ``template`` (the live objects' state dicts, same world size and mesh):
+    each DTensor of ``template`` gets its saved shard copied into its local tensor, in
+    place, and stays in the result; every other value is ``saved``'s."""
+    if is_dtensor(template):
+        local = template.to_local()
+        if not isinstance(saved, torch.Tensor) or saved.shape != local.shape:
+            got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+            raise CheckpointError(
+                f"a saved shard ({got}) does not fit the live DTensor's local shard "
+                f"{tuple(local.shape)}: the mesh or the sharding changed"
+            )
+        with torch.no_grad():
+            local.copy_(saved)
+        return template
+    if isinstance(template, Mapping) and isinstance(saved, Mapping):
+        return {k: fill_shards(template[k], v) if k in template else v for k, v in saved.items()}
+    if (
+        isinstance(template, (list, tuple))
+        and isinstance(saved, (list, tuple))
+        and len(template) == len(saved)
+    ):
+        filled = [fill_shards(t, v) for t, v in zip(template, saved, strict=True)]
+        return tuple(filled) if isinstance(saved, tuple) else filled
+    return saved
 
 
 def dtensor_off_cpu(value: Any) -> bool:

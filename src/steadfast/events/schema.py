@@ -155,6 +155,7 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "path": "its folder", "seconds": "the load",
         "tier": "disk, memory (the rank's own snapshot) or replica (one kept on another "
         "node)", "from_rank": "the rank whose node held the snapshot (memory tier)",
+        "reason": "why a disk load, not the memory tier (e.g. the world size changed)",
     }),
     (Kind.CHECKPOINT_CORRUPT, "a checkpoint failed verification; an older one (or another "
      "tier) is used (cause: verify, load, memory, replica)", {
