@@ -97,6 +97,7 @@ def main() -> int:
     ap.add_argument("--data", type=int, default=0, help="one epoch of N samples (see above)")
     ap.add_argument("--batch", type=int, default=1, help="with --data: samples per rank and step")
     ap.add_argument("--memory-every", type=int, default=0, help="memory tier snapshots")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     ap.add_argument("--ckpt-every", type=int, default=2, help="disk checkpoints")
     ap.add_argument("--kill-every", type=int, default=0, help="SIGKILL every K-th step")
     ap.add_argument(
@@ -127,8 +128,14 @@ def main() -> int:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    model = DDP(net)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if args.fsdp:  # every rank keeps its shards; the reduction layout is fixed
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(net[0])
+        model = fully_shard(net)
+    else:  # buckets never rebuilt: a resumed run reduces as the one that never stopped
+        model = DDP(net, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ckpt = CheckpointManager(args.ckpt, keep_last_n=2, memory_every=args.memory_every)
     machine = None
     if args.rerun:
@@ -138,7 +145,9 @@ def main() -> int:
                 result_rejected_tracker_filename=str(args.ckpt / "rerun_tracker.jsonl"),
             )
         )
-    objects: dict = {"model": model.module, "optim": opt}
+    objects: dict = (
+        {"train": _Sharded(net, opt)} if args.fsdp else {"model": model.module, "optim": opt}
+    )
     if args.data:
         return _epoch(args, rank, model, opt, ckpt, ft, strike)
     rank_state = {"rerun": machine} if machine is not None else None
@@ -232,11 +241,36 @@ def main() -> int:
         if rank == 0:
             save_ft_state(ft, ft_state)
     ckpt.close()
+    final = {  # FSDP2: the full parameters, gathered on every rank (collective)
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+        for k, v in net.state_dict().items()
+    }
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, args.out)
+        torch.save(final, args.out)
     ft.shutdown_workload_monitoring()
     dist.destroy_process_group()
     return 0
+
+
+class _Sharded:
+    """FSDP2's model and optimizer as one Stateful, through torch's state-dict API (DCP's
+    documented pattern: it creates the optimizer's state to load into)."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.opt)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
 
 
 def _epoch(args, rank, model, opt, ckpt, ft, strike) -> int:

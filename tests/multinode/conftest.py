@@ -202,12 +202,14 @@ def bed_factory(can_make_nodes: None, tmp_path: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``reference(steps)``: the model a fault-free 2-rank run of ft_train.py ends with on
-    this host (one run per step count), for the bit-for-bit comparisons."""
-    made: dict[int, dict[str, Any]] = {}
+    """``reference(steps, world=4, *flags)``: the model a fault-free run of ft_train.py on
+    ``world`` ranks (one node) ends with on this host (one run each), for the bit-for-bit
+    comparisons; ``flags``: ft_train's own (``--fsdp``)."""
+    made: dict[tuple[Any, ...], dict[str, Any]] = {}
 
-    def get(steps: int) -> dict[str, Any]:
-        if steps not in made:
+    def get(steps: int, world: int = 4, *flags: str) -> dict[str, Any]:
+        key = (steps, world, *flags)
+        if key not in made:
             import torch
 
             root = tmp_path_factory.mktemp(f"reference{steps}")
@@ -215,7 +217,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 [
                     *LAUNCH,
                     "--nproc-per-node",
-                    "2",
+                    str(world),
                     "--events",
                     str(root / "events.jsonl"),
                     str(TRAIN),
@@ -225,14 +227,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
                     str(root / "out.pt"),
                     "--steps",
                     str(steps),
+                    *flags,
                 ],
                 capture_output=True,
                 text=True,
-                timeout=120,
+                timeout=180,
                 cwd=REPO,
             )
             assert done.returncode == 0, done.stderr[-3000:]
-            made[steps] = torch.load(root / "out.pt")
-        return made[steps]
+            made[key] = torch.load(root / "out.pt")
+        return made[key]
 
     return get

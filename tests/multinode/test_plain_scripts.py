@@ -27,7 +27,7 @@ END_WITHIN = float(
 
 def job(nnodes: str, *, backend: str = "c10d", endpoint: str = "node1:29500") -> list[str]:
     return [
-        "--nnodes", nnodes, "--nproc-per-node", "1",
+        "--nnodes", nnodes, "--nproc-per-node", "2",
         "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", "plain",
         "--max-restarts", "3",
     ]  # fmt: skip
