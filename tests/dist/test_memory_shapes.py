@@ -188,3 +188,100 @@ def test_a_changed_world_size_reads_the_disk_through_dcp_and_says_why(tmp_path):
         (loaded,) = _events(work, 2, rank, "checkpoint_loaded")
         assert loaded["tier"] == "disk"
         assert "of 4 ranks, this job has 2" in loaded["reason"], loaded
+
+
+class _FSDP:
+    """An FSDP2 model and its optimizer as one Stateful (DCP's documented pattern)."""
+
+    def __init__(self, model, opt) -> None:
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.opt)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+
+
+def _fsdp_model(world: int):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    fully_shard(net[0])
+    fully_shard(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    return net, opt
+
+
+def _full(net) -> dict:
+    return {k: v.full_tensor() for k, v in net.state_dict().items()}  # collective
+
+
+def _fsdp_train(rank: int, world: int, workdir: Path, ckpt: str) -> dict:
+    from steadfast import CheckpointManager
+
+    _node_env(rank, workdir, world)
+    net, opt = _fsdp_model(world)
+    mgr = CheckpointManager(ckpt, memory_every=1)
+    at_save = None
+    for step in range(1, 4):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        opt.zero_grad()
+        x = torch.randn(4, 8, generator=g)
+        torch.nn.functional.mse_loss(net(x), torch.zeros(4, 4)).backward()
+        opt.step()
+        mgr.snapshot(step, {"train": _FSDP(net, opt)})
+        if step == 2:
+            mgr.save(step, {"train": _FSDP(net, opt)})
+            at_save = _full(net)
+    mgr.close()
+    expected = _full(net)
+    if rank == 0:
+        torch.save(at_save, workdir / "at_save.pt")
+    _lose_node_1(rank, workdir)
+    fresh, fresh_opt = _fsdp_model(world)
+    again = CheckpointManager(ckpt, memory_every=1)
+    step, _ = again.restore({"train": _FSDP(fresh, fresh_opt)})
+    again.close()
+    got = _full(fresh)
+    return {"step": step, "equal": all(torch.equal(got[k], v) for k, v in expected.items())}
+
+
+def _fsdp_shrunk(rank: int, world: int, _: Path, ckpt: str, workdir: str) -> dict:
+    from steadfast import CheckpointManager
+
+    _node_env(rank, Path(workdir), world)
+    net, opt = _fsdp_model(world)
+    again = CheckpointManager(ckpt, memory_every=1)
+    step, _ = again.restore({"train": _FSDP(net, opt)})
+    again.close()
+    got = _full(net)
+    saved = torch.load(Path(workdir) / "at_save.pt")
+    return {"step": step, "equal": all(torch.equal(got[k], v) for k, v in saved.items())}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp2_state_restores_from_replicas_and_reshards_from_disk_on_fewer_ranks(tmp_path):
+    """FSDP2 (``fully_shard``, its optimizer through get_state_dict): node 1 lost, its
+    ranks' shards come from node 0's replicas, bit for bit; then the job on 2 ranks reads
+    the disk checkpoint (the snapshots are of 4), resharded by DCP, and says why."""
+    work = tmp_path / "w"
+    ckpt = str(tmp_path / "ck")
+    results = run_ranks(_fsdp_train, work, 4, args=(ckpt,), timeout=140)
+    assert [(r["step"], r["equal"]) for r in results] == [(3, True)] * 4
+    tiers = [_events(work, 4, r, "checkpoint_loaded")[0]["tier"] for r in range(4)]
+    assert tiers == ["memory", "memory", "replica", "replica"]
+    shrunk = run_ranks(_fsdp_shrunk, tmp_path / "w2", 2, args=(ckpt, str(work)), timeout=140)
+    assert [(r["step"], r["equal"]) for r in shrunk] == [(2, True)] * 2
+    for rank in range(2):
+        (loaded,) = _events(work, 2, rank, "checkpoint_loaded")
+        assert loaded["tier"] == "disk" and "of 4 ranks, this job has 2" in loaded["reason"]
