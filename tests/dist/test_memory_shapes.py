@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from sfharness import read_events, run_ranks
+from steadfast.checkpoint import ShardedTrainState
 
 LOCAL = 2
 RUN_ID = "memory-shapes"
@@ -190,26 +191,6 @@ def test_a_changed_world_size_reads_the_disk_through_dcp_and_says_why(tmp_path):
         assert "of 4 ranks, this job has 2" in loaded["reason"], loaded
 
 
-class _FSDP:
-    """An FSDP2 model and its optimizer as one Stateful (DCP's documented pattern)."""
-
-    def __init__(self, model, opt) -> None:
-        self.model, self.opt = model, opt
-
-    def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.model, self.opt)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(
-            self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
-
-
 def _fsdp_model(world: int):
     from torch.distributed.fsdp import fully_shard
 
@@ -238,9 +219,9 @@ def _fsdp_train(rank: int, world: int, workdir: Path, ckpt: str) -> dict:
         x = torch.randn(4, 8, generator=g)
         torch.nn.functional.mse_loss(net(x), torch.zeros(4, 4)).backward()
         opt.step()
-        mgr.snapshot(step, {"train": _FSDP(net, opt)})
+        mgr.snapshot(step, {"train": ShardedTrainState(net, opt)})
         if step == 2:
-            mgr.save(step, {"train": _FSDP(net, opt)})
+            mgr.save(step, {"train": ShardedTrainState(net, opt)})
             at_save = _full(net)
     mgr.close()
     expected = _full(net)
@@ -249,7 +230,7 @@ def _fsdp_train(rank: int, world: int, workdir: Path, ckpt: str) -> dict:
     _lose_node_1(rank, workdir)
     fresh, fresh_opt = _fsdp_model(world)
     again = CheckpointManager(ckpt, memory_every=1)
-    step, _ = again.restore({"train": _FSDP(fresh, fresh_opt)})
+    step, _ = again.restore({"train": ShardedTrainState(fresh, fresh_opt)})
     again.close()
     got = _full(fresh)
     return {"step": step, "equal": all(torch.equal(got[k], v) for k, v in expected.items())}
@@ -261,7 +242,7 @@ def _fsdp_shrunk(rank: int, world: int, _: Path, ckpt: str, workdir: str) -> dic
     _node_env(rank, Path(workdir), world)
     net, opt = _fsdp_model(world)
     again = CheckpointManager(ckpt, memory_every=1)
-    step, _ = again.restore({"train": _FSDP(net, opt)})
+    step, _ = again.restore({"train": ShardedTrainState(net, opt)})
     again.close()
     got = _full(net)
     saved = torch.load(Path(workdir) / "at_save.pt")
@@ -271,7 +252,7 @@ def _fsdp_shrunk(rank: int, world: int, _: Path, ckpt: str, workdir: str) -> dic
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fsdp2_state_restores_from_replicas_and_reshards_from_disk_on_fewer_ranks(tmp_path):
-    """FSDP2 (``fully_shard``, its optimizer through get_state_dict): node 1 lost, its
+    """FSDP2 (``fully_shard``, with its optimizer as one ShardedTrainState): node 1 lost, its
     ranks' shards come from node 0's replicas, bit for bit; then the job on 2 ranks reads
     the disk checkpoint (the snapshots are of 4), resharded by DCP, and says why."""
     work = tmp_path / "w"

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from steadfast import CheckpointManager, ShutdownHandler, events, setup_simulated_fault
+from steadfast.checkpoint import ShardedTrainState
 from steadfast.faults import FaultKind, fail_at
 from steadfast.monitor import RankMonitorClient, load_ft_state, save_ft_state
 from steadfast.rerun import (
@@ -146,7 +147,9 @@ def main() -> int:
             )
         )
     objects: dict = (
-        {"train": _Sharded(net, opt)} if args.fsdp else {"model": model.module, "optim": opt}
+        {"train": ShardedTrainState(net, opt)}
+        if args.fsdp
+        else {"model": model.module, "optim": opt}
     )
     if args.data:
         return _epoch(args, rank, model, opt, ckpt, ft, strike)
@@ -250,27 +253,6 @@ def main() -> int:
     ft.shutdown_workload_monitoring()
     dist.destroy_process_group()
     return 0
-
-
-class _Sharded:
-    """FSDP2's model and optimizer as one Stateful, through torch's state-dict API (DCP's
-    documented pattern: it creates the optimizer's state to load into)."""
-
-    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-        self.model, self.opt = model, opt
-
-    def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.model, self.opt)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(
-            self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
 
 
 def _epoch(args, rank, model, opt, ckpt, ft, strike) -> int:

@@ -13,7 +13,7 @@ from .manager import (
     verify,
     write_manifest,
 )
-from .state import DataPosition, ResumableSampler, RNGState, Stateful
+from .state import DataPosition, ResumableSampler, RNGState, ShardedTrainState, Stateful
 
 __all__ = [
     "LATEST",
@@ -23,6 +23,7 @@ __all__ = [
     "DataPosition",
     "RNGState",
     "ResumableSampler",
+    "ShardedTrainState",
     "Stateful",
     "resolve_resume_path",
     "step_dirs",

@@ -78,9 +78,9 @@ class CheckpointManager:
 
     Sharded state is read by DCP *into* the objects' current state dicts, so each
     object must already hold tensors of the right shapes. A fresh optimizer holds no
-    state yet: for sharded optimizers, register a small Stateful that uses
-    ``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict``
-    (DCP's documented pattern), which creates the state to load into.
+    state yet: register the model and its optimizer as one
+    :class:`~steadfast.checkpoint.ShardedTrainState` (DCP's documented pattern through
+    ``get_state_dict`` / ``set_state_dict``), which creates the state to load into.
 
     Under ``torch.distributed`` the constructor is collective (it creates a small gloo
     group used to coordinate saves, also from the background thread), so every rank of

@@ -24,7 +24,7 @@ from torch.utils.data import Sampler
 
 from ..config import ConfigError, require_number
 
-__all__ = ["DataPosition", "RNGState", "ResumableSampler", "Stateful"]
+__all__ = ["DataPosition", "RNGState", "ResumableSampler", "ShardedTrainState", "Stateful"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,36 @@ def _numpy() -> Any:
     """numpy, if this process uses it: a process that never imported numpy never drew
     from its generator (and importing it just to ask would cost every save ~0.1 s)."""
     return sys.modules.get("numpy")
+
+
+class ShardedTrainState:
+    """A sharded model (FSDP2's ``fully_shard``, DTensor parameters) and its optimizer as
+    one :class:`Stateful`, through torch's ``get_state_dict`` / ``set_state_dict``: the
+    pattern DCP documents. Its ``state_dict()`` creates the optimizer's state when it has
+    none yet (a fresh optimizer after a restart), so that a checkpoint, sharded on disk
+    or in the memory tier, has DTensors of the right shapes to load into.
+
+        ckpt.restore({"train": ShardedTrainState(model, optimizer)})
+    """
+
+    def __init__(self, model: Any, optimizer: Any) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
 
 
 class RNGState:
