@@ -220,6 +220,30 @@ def test_a_shielded_scontrol_survives_a_sigterm_from_its_first_instant(tmp_path,
     assert hits[0] >= 10  # every run was signalled, over and over
 
 
+def test_the_requeue_counts_when_slurm_sigterms_its_own_scontrol(tmp_path, monkeypatch, event_log):
+    """Slurm SIGTERMs every process of the job it requeues as soon as it accepts the
+    requeue, the ``scontrol requeue`` itself included, often before it exits. The
+    (fake) scontrol here does that to itself after accepting: the requeue must still
+    count (``job_requeued``), so that its exclusion is made too (CI: "scontrol requeue 5
+    failed (exit -15)", no exclusion, and the job came back on the doubted node)."""
+    import os
+
+    from sfharness import read_events
+    from steadfast.slurm import requeue_job
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "scontrol"
+    fake.write_text(  # accepts the requeue, then gets the job's SIGTERM
+        f'#!/bin/sh\necho "$*" >> {calls}\n[ "$1" = requeue ] && kill -TERM $$ && sleep 0.2\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert requeue_job("7", cause="restart_elsewhere") is True
+    (requeued,) = [e for e in read_events(event_log) if e["kind"] == "job_requeued"]
+    assert requeued["cause"] == "restart_elsewhere"
+    assert "requeue 7" in calls.read_text().splitlines()
+
+
 @pytest.mark.parametrize(
     ("text", "seconds"),
     [("90", 5400), ("5:30", 360), ("1:00:00", 3600), ("2-3", 183600), ("1-0:10", 87000),

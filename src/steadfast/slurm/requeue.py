@@ -77,7 +77,11 @@ def requeue_job(
     # the signals until the event is written, or the retry would go uncounted (and a
     # failing job could be requeued for ever). They are delivered on the way out.
     with _signals_held():
-        if _scontrol(["requeue", job], timeout) is None:  # the reason is logged
+        # shielded too: Slurm SIGTERMs every process of the job, this scontrol included,
+        # as soon as it accepts the requeue, often before scontrol exits (seen in CI:
+        # "scontrol requeue 5 failed (exit -15)", though the job was requeued, so no
+        # exclusion was made and the job came back on the node it had to leave)
+        if _scontrol(["requeue", job], timeout, shielded=True) is None:  # reason logged
             return False
         excluded = _exclude(job, plan, timeout) if plan is not None else []
         events.emit("job_requeued", cause=cause, slurm_job=job, excluded=excluded)
