@@ -472,9 +472,11 @@ def _tensor_bytes(value: Any) -> int:
 
 
 def _folder_bytes(folder: Path) -> int:
+    """The bytes of the files under ``folder``; a folder removed meanwhile (the node's
+    other ranks prune their snapshots while this one counts) is skipped, not an error."""
     total = 0
-    for f in folder.rglob("*"):
-        with contextlib.suppress(OSError):
-            if f.is_file():
-                total += f.stat().st_size
+    for root, _, files in os.walk(folder):  # os.walk skips what it cannot list
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(root, name)).st_size
     return total
