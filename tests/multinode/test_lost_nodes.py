@@ -227,3 +227,51 @@ def test_a_node_failing_its_health_check_leaves_and_a_spare_takes_its_place(bed_
     assert node1.wait() == 0, bed.logs()
     assert spare.wait() == 0, bed.logs()
     assert_bit_exact(bed.shared / "out.pt", reference(STEPS))
+
+
+def _launcher_pid(launch: Any) -> int:
+    """The launcher's pid as the host sees it (the node's ``nsenter`` runs it as its
+    child)."""
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-P", str(launch.proc.pid)], capture_output=True, text=True)
+    return int(out.stdout.split()[0])
+
+
+@pytest.mark.parametrize("model", ["ddp", "fsdp"])
+def test_a_killed_rank_then_a_preemption_with_four_ranks_per_node_end_bit_exact(
+    bed_factory, reference, model
+):
+    """2 nodes of 4 ranks. Rank 6 (on node2) is killed: both launchers restart their
+    workers from the newest checkpoint. Then the job is preempted: SIGTERM to both
+    launchers, every rank agrees on a step and saves it, and the job ends; started again
+    it resumes from that step. The final model equals the fault-free 8-rank run's bit for
+    bit, with DDP and with FSDP2."""
+    import os
+    import signal
+
+    bed = bed_factory(2)
+    fsdp = ["--fsdp"] if model == "fsdp" else []
+    flags = job("2", nproc=4)
+    script = train(
+        bed, "--fault", "rank_killed", "--fault-rank", "6", "--fault-step", "8", "--graceful",
+        *fsdp,
+    )  # fmt: skip
+    node1, node2 = start(bed, flags, script)
+    failed = bed.wait_event("rank_failed", rank=6)
+    assert failed["host"] == "node2" and failed["cause"] == "signal SIGKILL"
+    resumed = bed.wait_event("checkpoint_loaded", rank=0)
+    bed.wait_event("checkpoint_saved", step=resumed["step"] + 4)
+    preempted = time.time()
+    for launch in (node1, node2):
+        os.kill(_launcher_pid(launch), signal.SIGTERM)
+    node1.wait(), node2.wait()
+    saved = {e["step"] for e in bed.events("checkpoint_saved") if e["time"] > preempted}
+    assert len(saved) == 1 and max(saved) < STEPS, saved  # one step, saved by every rank
+    again = [bed.launch(n, *flags, script=script) for n in ("node1", "node2")]
+    assert [lc.wait() for lc in again] == [0, 0], bed.logs()
+    loads = [e for e in bed.events("checkpoint_loaded") if e["time"] > preempted]
+    assert len(loads) == 8 and {e["step"] for e in loads} == saved
+    # the kill struck once (node1's agent names its own first exit too: issue 30)
+    assert [e["rank"] for e in bed.events("rank_failed", cause="signal SIGKILL")] == [6]
+    assert_bit_exact(bed.shared / "out.pt", reference(STEPS, 8, *fsdp))
