@@ -316,3 +316,30 @@ def test_the_exit_barrier_stops_waiting_for_a_node_another_launcher_found_lost(
     finally:
         for r in made:
             r.close()
+
+
+def test_a_watcher_that_connects_after_this_node_left_sees_it_go():
+    """A node that leaves the job right after a round formed may not have accepted every
+    watcher's connection yet (it waits in the listen backlog): that watcher must see it go
+    too, not get beats from a node that left (seen in CI under load: one of the two
+    watchers never reported the loss). Once in a round again, it is watched as before."""
+    import socket
+
+    from steadfast.launcher.nodes.ring import Ring
+
+    ring = Ring(0.05, 1.0, lambda *_: None)
+    ring.start()
+    try:
+        ring.release([], watchers=True)  # this node left
+        late = socket.create_connection(("127.0.0.1", ring.port), timeout=5)
+        late.settimeout(5)
+        assert late.recv(1) == b""  # closed at once: no beat from a node that left
+        late.close()
+        ring.admit()  # in a round again
+        watcher = socket.create_connection(("127.0.0.1", ring.port), timeout=5)
+        watcher.settimeout(5)
+        assert watcher.recv(1) == b"\x01"  # a beat
+        watcher.close()
+    finally:
+        ring.stop()
+        ring.close()

@@ -74,6 +74,7 @@ class Ring:
         self._watched: dict[socket.socket, _Watch] = {}
         self._to_close: list[socket.socket] = []  # closed by the loop thread
         self._finished = False
+        self._gone = False  # left the job (release with watchers) until admit()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="steadfast-nodes", daemon=True)
 
@@ -110,13 +111,20 @@ class Ring:
     def release(self, socks: list[socket.socket], watchers: bool = False) -> None:
         """Close ``socks`` (from :meth:`unwatch`) on the loop's thread; with
         ``watchers``, the connections of the nodes watching this one too: they see it go
-        at once."""
+        at once, and so does a watcher whose connection is still waiting to be accepted
+        (it is closed as soon as it is: this node has left, until :meth:`admit`)."""
         with self._lock:
             self._to_close.extend(socks)
             if watchers:
                 self._to_close.extend(self._watchers)
                 self._watchers.clear()
+                self._gone = True
         self._wake()
+
+    def admit(self) -> None:
+        """This node is in a round again: the nodes that connect now watch it."""
+        with self._lock:
+            self._gone = False
 
     def finish(self) -> None:
         """Say goodbye at once, then instead of beats."""
@@ -223,6 +231,11 @@ class Ring:
     def _accept(self) -> None:
         with contextlib.suppress(OSError):
             conn, _ = self._listener.accept()
+            with self._lock:
+                gone = self._gone
+            if gone:  # this node left the job: the watcher sees it go
+                conn.close()
+                return
             _keepalive(conn)
             conn.setblocking(False)
             with self._lock:

@@ -138,6 +138,7 @@ class NodeRoster:
             raise RuntimeError("the node roster is closed")
         keys = RoundKeys(run_id, generation)
         me = Peer(rank, self.name, self.host, self.port, os.getpid(), rdzv)
+        self._ring.admit()  # before the others can find this node: they watch it again
         store.set(keys.node(rank), json.dumps(me.__dict__))
         peers: dict[int, Peer] = {}
         for r in range(nodes):
