@@ -35,6 +35,11 @@ def _node_env(rank: int, workdir: Path, world: int) -> Path:
     return mem
 
 
+def _held(mem: Path) -> list[str]:
+    """The files of step 3's snapshots a node's memory directory holds (own, replica)."""
+    return sorted(str(p.relative_to(mem)).split("/", 1)[1] for p in mem.glob("*/*/*/step_3/*.pt"))
+
+
 def _lose_node_1(rank: int, workdir: Path) -> None:
     """Node 1's memory is gone (the node was lost; its spare starts empty)."""
     torch.distributed.barrier()
@@ -58,7 +63,7 @@ def _replicated(rank: int, world: int, workdir: Path, ckpt: str) -> dict:
     mgr.close()
     torch.distributed.barrier()
     # what node 0 holds: one state.pt per step of its own, one of node 1's replica
-    held = sorted(str(p.relative_to(mem)).split("/", 1)[1] for p in mem.glob("*/*/*/step_3/*.pt"))
+    held = _held(mem)
     expected = net.weight.detach().clone()
     _lose_node_1(rank, workdir)
     fresh = torch.nn.Linear(64, 32)
@@ -121,7 +126,7 @@ def _sharded(rank: int, world: int, workdir: Path, ckpt: str) -> dict:
             mgr.save(step, {"w": weight}, {"who": torch.tensor([rank, step])})
     mgr.close()
     torch.distributed.barrier()
-    held = sorted(str(p.relative_to(mem)).split("/", 1)[1] for p in mem.glob("*/*/*/step_3/*.pt"))
+    held = _held(mem)
     expected = weight.full_tensor()
     _lose_node_1(rank, workdir)
     target = distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)])

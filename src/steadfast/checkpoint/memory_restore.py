@@ -80,15 +80,18 @@ def restore(
     while True:
         planned = plan(offers, coord.world, newest_disk, bad, sharded_ok)
         if planned is None:
-            return None, _why_not(memory, offers, coord.world, newest_disk, bad)
+            return None, _why_not(memory, offers, coord.world, bad)
         start = time.monotonic()
         own = _deliver(coord, planned.own, bad)
         if own is None:
             continue
         state_from = None
         if not planned.sharded:
-            # second round for every rank (collective), a piece only where needed
-            state_from = _deliver(coord, planned.state, bad)
+            # second round for every rank (collective), a piece only where needed; a
+            # folder its owner verified in place in the first round is not checked again
+            # by each of the node's ranks that reads its state.pt
+            checked = {s.snap.path for r, s in planned.own.items() if s.holder == r}
+            state_from = _deliver(coord, planned.state, bad, checked)
             if state_from is None:
                 continue
         state: dict[str, Any] | None = None
@@ -124,10 +127,14 @@ def _read(got: tuple[Path | None, dict[str, memoryview]], name: str) -> dict[str
 
 
 def _deliver(
-    coord: Coordinator, sources: dict[int, Source], bad: set[str]
+    coord: Coordinator,
+    sources: dict[int, Source],
+    bad: set[str],
+    checked: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[Path | None, dict[str, memoryview]] | None:
     """One round of the plan's execution (collective; ``sources`` may leave ranks out):
-    each holder verifies what it reads in place or packs what it sends, the holders
+    each holder verifies what it reads in place (unless its folder is in ``checked``,
+    verified in place earlier in this attempt) or packs what it sends, the holders
     send, each rank verifies what arrived. Returns what this rank got (the snapshot's
     folder to read in place, or the files that arrived); None when any rank found a
     faulty copy (added to ``bad``: plan again)."""
@@ -142,7 +149,9 @@ def _deliver(
             continue
         try:  # whatever fails here is reported: the other ranks are waiting
             if rank == me:
-                found = verify_in_place(Path(source.snap.path))
+                found = (
+                    [] if source.snap.path in checked else verify_in_place(Path(source.snap.path))
+                )
             else:
                 data, found = read_for_sending(Path(source.snap.path))
                 if data is not None and not found:
@@ -250,14 +259,13 @@ def _preference(option: Source, rank: int) -> tuple[bool, bool, int]:
     return option.holder != rank, option.snap.tier != "memory", option.holder
 
 
-def _why_not(
-    memory: MemoryTier, offers: list[list[Snapshot]], world: int, newest_disk: int, bad: set[str]
-) -> str:
+def _why_not(memory: MemoryTier, offers: list[list[Snapshot]], world: int, bad: set[str]) -> str:
     """Why the memory tier could not restore, for the disk load's event."""
     if any(s.path not in bad for offer in offers for s in offer):
         return "memory tier: no step every rank's snapshot is held for, as new as the disk's"
-    if memory.other_world_sizes():
-        sizes = ", ".join(str(n) for n in sorted(memory.other_world_sizes()))
+    others = memory.other_world_sizes()  # a scan of the node's snapshots: once
+    if others:
+        sizes = ", ".join(str(n) for n in sorted(others))
         return (
             f"memory tier: its snapshots are of {sizes} ranks, this job has {world}: "
             "read from disk (sharded state resharded by DCP)"
