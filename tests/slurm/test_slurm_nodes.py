@@ -2,7 +2,7 @@
 on two nodes of the bed's cluster (``slurm_bed``: slurmctld on node1, slurmd on
 node2..node5, each node its own network, host name and processes).
 
-Every job is ``tests/e2e/ft_train.py``, one gloo rank per node, checkpoints every 2
+Every job is ``tests/e2e/ft_train.py``, two gloo ranks per node (DDP), checkpoints every 2
 steps on the shared file system, submitted with ``sbatch`` on the controller's node.
 Each fault test checks that the fault was detected (events with their cause, naming the
 node), what Slurm did (``scontrol show job``: the state, ``Restarts``, the nodes,
@@ -34,15 +34,18 @@ LAUNCHER = [
     "--ft-node-lost-timeout=8",
 ]
 
+#: ranks per node: more than one, as users run them (DDP stays bit-exact across resumes)
+PER_NODE = 2
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The fault-free run: 2 ranks of ft_train.py on one host, the same steps."""
+    """The fault-free run: the same ranks of ft_train.py on one host, the same steps."""
     work = tmp_path_factory.mktemp("reference")
     cmd = [sys.executable, "-m", "steadfast.cli", "launch", "--standalone"]
-    cmd += ["--nproc-per-node=2", str(TRAIN), "--ckpt", str(work / "ck")]
+    cmd += [f"--nproc-per-node={2 * PER_NODE}", str(TRAIN), "--ckpt", str(work / "ck")]
     cmd += ["--out", str(work / "out.pt"), "--steps", str(STEPS)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=work)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -67,7 +70,8 @@ class Job:
         self.slurm, self.tmp = slurm, tmp_path
         self.run_dir = tmp_path / "run"
         script = tmp_path / "job.sbatch"
-        cmd = [sys.executable, "-m", "steadfast.cli", "slurm", "--nodes=2", "--nproc-per-node=1"]
+        cmd = [sys.executable, "-m", "steadfast.cli", "slurm", "--nodes=2"]
+        cmd += [f"--nproc-per-node={PER_NODE}"]
         cmd += [f"--spare-nodes={spares}", "--max-restarts=3", "--run-dir", str(self.run_dir)]
         cmd += ["--job-name", tmp_path.name[:40], "--write", str(script)]
         cmd += [f"--launcher-arg={arg}" for arg in LAUNCHER]
@@ -127,9 +131,9 @@ class Job:
 
 
 def _training_nodes(job: Job) -> tuple[str, str]:
-    """(the batch host, the other node that trains), once both ranks started."""
+    """(the batch host, the other node that trains), once every rank started."""
     deadline = time.monotonic() + 90
-    while len(hosts := job.hosts_of(0)) < 2:
+    while len(hosts := job.hosts_of(0)) < 2 * PER_NODE:
         assert time.monotonic() < deadline, job.out()
         time.sleep(0.1)
     batch = job.record()["BatchHost"]
@@ -141,23 +145,23 @@ def _training_nodes(job: Job) -> tuple[str, str]:
 def test_a_rank_killed_on_one_node_restarts_both_nodes_in_job(
     slurm_bed: BedCluster, tmp_path: Path, reference
 ):
-    job = Job(slurm_bed, tmp_path, "--fault", "rank_killed", "--fault-rank", "1",
+    job = Job(slurm_bed, tmp_path, "--fault", "rank_killed", "--fault-rank", "3",
               "--fault-step", "7")  # fmt: skip
     info = job.finish()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, job.out())
-    # each node's launcher names the first of its own ranks to go down: rank 0 lost its
-    # peer on the other node (exit 1); the fault is rank 1's SIGKILL
+    # each node's launcher names the first of its own ranks to go down: the other node's
+    # ranks lost their peer (exit 1); the fault is rank 3's SIGKILL (a node's second rank)
     (failed,) = job.events("rank_failed", cause="signal SIGKILL")
-    assert failed["rank"] == 1
+    assert failed["rank"] == 3
     hosts = job.hosts_of(0)
-    assert len(set(hosts.values())) == 2  # one rank per node
-    assert failed["host"] == hosts[1]  # seen by the launcher of rank 1's node
+    assert sorted(list(hosts.values()).count(h) for h in set(hosts.values())) == [2, 2]
+    assert failed["host"] == hosts[3]  # seen by the launcher of rank 3's node
     restarts = job.events("restart")
     assert {e["host"] for e in restarts} == set(hosts.values())  # both nodes restarted
     assert {e["restart_count"] for e in restarts} == {1}
     assert job.events("job_requeued") == []
     resumed = [e["resumed_from"] for e in job.events("job_start") if e["restart"] == 1]
-    assert resumed == [str(tmp_path / "ck" / "step_6")] * 2
+    assert resumed == [str(tmp_path / "ck" / "step_6")] * 2 * PER_NODE
     assert_bit_exact(tmp_path / "out.pt", reference)
 
 
@@ -261,14 +265,14 @@ def test_exit_16_moves_the_doubted_rank_to_other_hardware(
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, job.out())
     rejected = job.events("rerun_result_rejected")
     assert {(e["host"], e["step"]) for e in rejected} == {("node3", 5)}
-    (elsewhere,) = job.events("rerun_elsewhere")
-    assert (elsewhere["host"], elsewhere["hardware"]) == ("node3", "node3/cpu")
+    elsewhere = job.events("rerun_elsewhere")  # each of node3's ranks asks it
+    assert [(e["host"], e["hardware"]) for e in elsewhere] == [("node3", "node3/cpu")] * PER_NODE
     assert {e["exit_code"] for e in job.events("rank_failed")} == {16}
     (requeued,) = job.events("job_requeued")
     assert (requeued["cause"], requeued["excluded"]) == ("restart_elsewhere", ["node3"])
     assert info["ExcNodeList"] == "node3"
     job.resumed_elsewhere("node3")  # from the save the machine made before its exit 16
-    assert [e["verdict"] for e in job.events("rerun_verdict")] == ["persistent"] * 2
+    assert [e["verdict"] for e in job.events("rerun_verdict")] == ["persistent"] * 2 * PER_NODE
     tracker = [json.loads(line) for line in (tmp_path / "ck" / "rerun_tracker.jsonl").open()]
     blamed = {(t["node"], t["device"]) for t in tracker if t["status"] == "rejected"}
     assert blamed == {("node3", "node3/cpu")}  # who to blame
