@@ -27,6 +27,7 @@ whole state is this rank's shard):
    (1 + replicas) x the state plus the per-rank extras.
 
     .venv/bin/python bench/bench_memory_tier.py [--mb 1024] [--repeats 5] [--dir DIR]
+        [--device cuda]  # the state on the GPU: the snapshot's D2H copy, the restore's H2D
 
 Medians of ``--repeats``; the snapshots and the memcpy are interleaved, as are the two
 restores, so both sides of each ratio see the same machine.
@@ -99,16 +100,16 @@ def _resident(fd: int, size: int) -> int:
         libc.munmap(ctypes.c_void_p(addr), size)
 
 
-def _state(mb: int, sharded: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _state(mb: int, sharded: bool, device: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """What the manager is given (a module of 16 buffers, or 16 DTensors) and its
     tensors (the local shards), which restores must fill in place."""
     n = mb * 1024 * 1024 // 4 // 16
-    tensors = {f"layer{i}": torch.randn(n) for i in range(16)}
+    tensors = {f"layer{i}": torch.randn(n, device=device) for i in range(16)}
     if sharded:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        mesh = init_device_mesh("cpu", (1,))
+        mesh = init_device_mesh(torch.device(device).type, (1,))
         shards = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in tensors.items()}
         return dict(shards), {k: v.to_local() for k, v in shards.items()}
     module = torch.nn.Module()
@@ -117,22 +118,32 @@ def _state(mb: int, sharded: bool) -> tuple[dict[str, Any], dict[str, torch.Tens
     return {"model": module}, tensors
 
 
-def tier(mb: int, repeats: int, folder: str | None, sharded: bool) -> None:
-    """Figures 1-3 for one kind of state, in this process (a one-rank gloo group)."""
+def _sync() -> None:
+    """Wait for the GPU's queued work (a state on CUDA), so a clock reads what it did."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def tier(mb: int, repeats: int, folder: str | None, sharded: bool, device: str) -> None:
+    """Figures 1-3 for one kind of state, in this process (a one-rank group). On CUDA
+    the memcpy baseline is the copy to pinned host memory (what a snapshot must do)."""
     memory = create_memory_dir()
     os.environ[MEMORY_DIR_ENV] = str(memory)
     disk = Path(folder or tempfile.mkdtemp(prefix="sf-bench-mem-", dir="/var/tmp"))
     try:
-        state, tensors = _state(mb, sharded)
-        floor = {k: torch.empty_like(v) for k, v in tensors.items()}
+        state, tensors = _state(mb, sharded, device)
+        pin = device != "cpu"
+        floor = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in tensors.items()}
         mgr = CheckpointManager(disk, keep_last_n=1, memory_every=1, rng=False)
         stalls, copies = [], []
         for step in range(1, repeats + 2):
             for v in tensors.values():  # training moves on between snapshots
                 v.add_(1.0)
+            _sync()
             t0 = time.perf_counter()
             for k, v in tensors.items():
-                floor[k].copy_(v)
+                floor[k].copy_(v, non_blocking=pin)
+            _sync()
             copy = time.perf_counter() - t0
             t0 = time.perf_counter()
             mgr.snapshot(step, state)
@@ -156,12 +167,14 @@ def tier(mb: int, repeats: int, folder: str | None, sharded: bool) -> None:
             cold = evict(disk / f"step_{newest}") and cold
             t0 = time.perf_counter()
             loaded = loader.restore(state, disk / f"step_{newest}")
+            _sync()
             from_disk.append(time.perf_counter() - t0)
             assert loaded is not None and torch.equal(tensors["layer0"], expected)
             for v in tensors.values():
                 v.zero_()
             t0 = time.perf_counter()
             loaded = loader.restore(state)
+            _sync()
             from_memory.append(time.perf_counter() - t0)
             assert loaded is not None and loaded[0] == newest
             assert torch.equal(tensors["layer0"], expected)
@@ -174,10 +187,10 @@ def tier(mb: int, repeats: int, folder: str | None, sharded: bool) -> None:
                 t0 = time.perf_counter()
                 got = loader.load()
                 load_memory.append(time.perf_counter() - t0)
-                assert got is not None and torch.equal(got[1]["model"]["layer0"], expected)
+                assert got is not None and torch.equal(got[1]["model"]["layer0"], expected.cpu())
                 del got
             loader.close()
-        views = [memoryview(v.numpy()).cast("B") for v in tensors.values()]
+        views = [memoryview(v.cpu().numpy()).cast("B") for v in tensors.values()]
         nbytes = sum(len(v) for v in views)
         ours, base = [], []
         for _ in range(repeats):
@@ -189,7 +202,7 @@ def tier(mb: int, repeats: int, folder: str | None, sharded: bool) -> None:
         stall, copy = statistics.median(stalls), statistics.median(copies)
         mem, dsk = statistics.median(from_memory), statistics.median(from_disk)
         kind = "sharded (DTensor)" if sharded else "replicated"
-        print(f"{kind} state: {mb} MB in 16 tensors; medians of {repeats}")
+        print(f"{kind} state on {device}: {mb} MB in 16 tensors; medians of {repeats}")
         print(f"  snapshot stall {stall * 1e3:8.1f} ms   memcpy {copy * 1e3:8.1f} ms   "
               f"ratio {stall / copy:.2f}x (target <= 1.1x)")  # fmt: skip
         cache = "cold" if cold else "warm"
@@ -223,7 +236,7 @@ def _crc_rate(tensors: dict[str, torch.Tensor]) -> float:
 
     from steadfast.checkpoint.files import crc32_parallel
 
-    views = [memoryview(v.numpy()).cast("B") for v in tensors.values()]
+    views = [memoryview(v.cpu().numpy()).cast("B") for v in tensors.values()]
     shares = max(1, min(8, len(os.sched_getaffinity(0))))
     with ThreadPoolExecutor(shares) as pool:
         t0 = time.perf_counter()
@@ -277,13 +290,17 @@ def main() -> None:
     ap.add_argument("--nodes-mb", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default=None, help="disk checkpoint folder (default: a temp dir)")
+    ap.add_argument("--device", default="cpu", help="where the state lives: cpu or cuda")
     args = ap.parse_args()
     os.environ["STEADFAST_EVENTS"] = "off"
     store = tempfile.mktemp(prefix="sf-bench-store-")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    backend = "gloo" if args.device == "cpu" else "cpu:gloo,cuda:nccl"
+    if args.device != "cpu":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     try:
         for sharded in (False, True):
-            tier(args.mb, args.repeats, args.dir, sharded)
+            tier(args.mb, args.repeats, args.dir, sharded, args.device)
     finally:
         dist.destroy_process_group()
         with contextlib.suppress(OSError):

@@ -32,8 +32,9 @@ from .loading import Loader, LoadRequest
 from .memory import MemoryTier, ring_group
 from .retention import Retention, remove
 from .saving import RNG_KEY, Saver, capture
-from .staging import Stager, has_dtensor
+from .staging import Stager, fill_in_place, has_dtensor
 from .state import RNGState, Stateful
+from .upload import Uploader, gpu_job
 
 __all__ = [
     "CheckpointError",
@@ -283,11 +284,14 @@ class CheckpointManager:
         if loaded is None:
             return None
         step, state = loaded
-        for key, obj in objects.items():
-            if key not in state:
-                logger.warning("checkpoint step %d has no %r; it is not restored", step, key)
-            elif isinstance(obj, Stateful):
-                obj.load_state_dict(state[key])
+        with Uploader() as up:  # a GPU job: into the live GPU tensors through pinned chunks
+            for key, obj in objects.items():
+                if key not in state:
+                    logger.warning("checkpoint step %d has no %r; it is not restored", step, key)
+                elif isinstance(obj, Stateful):
+                    if gpu_job() and not has_dtensor(state[key]):  # DTensors: filled already
+                        state[key] = fill_in_place(obj.state_dict(), state[key], up.copy)
+                    obj.load_state_dict(state[key])
         if self.rng and RNG_KEY in state and RNG_KEY not in objects:
             RNGState().load_state_dict(state[RNG_KEY])
         return step, state

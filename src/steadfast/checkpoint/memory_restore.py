@@ -32,7 +32,8 @@ from .snapshot_io import (
     read_for_sending,
     verify_in_place,
 )
-from .staging import fill_shards, to_state_dicts
+from .staging import fill_in_place, to_state_dicts
+from .upload import Uploader, gpu_job
 
 __all__ = ["Plan", "Source", "plan", "quiet_wait", "restore"]
 
@@ -102,7 +103,12 @@ def restore(
             state.update(_read(own, RANK))
             if planned.sharded and objects is not None:
                 live = to_state_dicts({k: objects[k] for k in state if k in objects})
-                state = {k: fill_shards(live[k], v) if k in live else v for k, v in state.items()}
+                with Uploader() as up:
+                    copy = up.copy if gpu_job() else None
+                    state = {
+                        k: fill_in_place(live[k], v, copy) if k in live else v
+                        for k, v in state.items()
+                    }
         except Exception as exc:
             found = [f"cannot be loaded ({type(exc).__name__}: {exc})"]
             _corrupt(mine, found)

@@ -110,7 +110,8 @@ def _checksum_threads() -> int:
 
 def verify_in_place(snapshot: Path) -> list[str]:
     """This node's snapshot checked against its manifest without a copy into one
-    buffer: sizes, then each file's CRC-32 on every core (``pread`` into small buffers)."""
+    buffer: sizes, then each file's CRC-32 on every core, through a memory map
+    (:func:`~steadfast.checkpoint.files.crc32_mapped`)."""
     manifest, problems = _sized(snapshot)
     if manifest is None or problems:
         return problems

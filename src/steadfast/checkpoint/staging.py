@@ -17,6 +17,7 @@ __all__ = [
     "Stager",
     "any_tensor",
     "dtensor_off_cpu",
+    "fill_in_place",
     "has_dtensor",
     "is_dtensor",
     "to_cpu",
@@ -127,11 +128,14 @@ class Stager:
         return value
 
 
-def fill_shards(template: Any, saved: Any) -> Any:
-    """``saved`` (a state kept as local shards: :meth:`Stager.stage` with ``shards``)
-    put back into ``template`` (the live objects' state dicts, same world size and mesh):
-    each DTensor of ``template`` gets its saved shard copied into its local tensor, in
-    place, and stays in the result; every other value is ``saved``'s."""
+def fill_in_place(template: Any, saved: Any, copy: Copy | None = None) -> Any:
+    """``saved`` (a state as read: a snapshot's local shards, a file's CPU tensors) put
+    into ``template`` (the live objects' state dicts, same world size and mesh): each
+    DTensor of ``template`` gets its saved shard copied into its local tensor, and, when
+    ``copy`` is given (a GPU job: :class:`~steadfast.checkpoint.upload.Uploader`), each
+    GPU tensor gets its saved value of the same shape and dtype, in place; those stay in
+    the result (their ``load_state_dict`` then finds its own tensors); every other value
+    is ``saved``'s."""
     if is_dtensor(template):
         local = template.to_local()
         if not isinstance(saved, torch.Tensor) or saved.shape != local.shape:
@@ -141,18 +145,40 @@ def fill_shards(template: Any, saved: Any) -> Any:
                 f"{tuple(local.shape)}: the mesh or the sharding changed"
             )
         with torch.no_grad():
-            local.copy_(saved)
+            (copy or _copy)(local, saved)
+        return template
+    if (
+        copy is not None
+        and isinstance(template, torch.Tensor)
+        and template.is_cuda
+        and isinstance(saved, torch.Tensor)
+        and not is_dtensor(saved)
+        and saved.shape == template.shape
+        and saved.dtype == template.dtype
+    ):
+        with torch.no_grad():
+            copy(template, saved)
         return template
     if isinstance(template, Mapping) and isinstance(saved, Mapping):
-        return {k: fill_shards(template[k], v) if k in template else v for k, v in saved.items()}
+        return {
+            k: fill_in_place(template[k], v, copy) if k in template else v for k, v in saved.items()
+        }
     if (
         isinstance(template, (list, tuple))
         and isinstance(saved, (list, tuple))
         and len(template) == len(saved)
     ):
-        filled = [fill_shards(t, v) for t, v in zip(template, saved, strict=True)]
+        filled = [fill_in_place(t, v, copy) for t, v in zip(template, saved, strict=True)]
         return tuple(filled) if isinstance(saved, tuple) else filled
     return saved
+
+
+#: how :func:`fill_in_place` copies a saved tensor into a live one: ``(dst, src)``
+Copy = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
 
 
 def dtensor_off_cpu(value: Any) -> bool:
