@@ -155,9 +155,37 @@ def agent_exit_barrier_timeout(agent: Any) -> float:
     return float(agent._exit_barrier_timeout)
 
 
+def _takes(fn: Any, name: str) -> bool:
+    """Whether ``fn`` has a parameter ``name`` (torch's versions differ)."""
+    import inspect
+
+    return name in inspect.signature(fn).parameters
+
+
+def agent_grace(seconds: int) -> dict[str, Any]:
+    """The keyword of ``LocalElasticAgent`` for the wait between SIGTERM and SIGKILL when
+    it stops its workers on a signal (``shutdown_timeout``, in the torch steadfast is
+    built on); empty for a torch without it (2.11: torch's fixed 30 s applies there;
+    steadfast's own stops go through :func:`agent_shutdown` with their timeout)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    return (
+        {"shutdown_timeout": seconds}
+        if _takes(LocalElasticAgent.__init__, "shutdown_timeout")
+        else {}
+    )
+
+
 def agent_shutdown(agent: Any, death_sig: signal.Signals, timeout: int) -> None:
-    """Stop the agent's workers: ``death_sig``, then SIGKILL after ``timeout`` seconds."""
-    agent._shutdown(death_sig, timeout=timeout)
+    """Stop the agent's workers: ``death_sig``, then SIGKILL after ``timeout`` seconds.
+    A torch whose ``_shutdown`` takes no timeout (2.11) closes them with its process
+    context's 30 s: they are closed here first, with ``timeout``."""
+    if _takes(agent._shutdown, "timeout"):
+        agent._shutdown(death_sig, timeout=timeout)
+        return
+    if agent._pcontext is not None:
+        agent._pcontext.close(death_sig, timeout=timeout)
+    agent._shutdown(death_sig)
 
 
 # ------------------------------------------------------------- the dynamic rendezvous

@@ -101,7 +101,11 @@ def _launch(tmp_path: Any, code: str, max_restarts: int) -> tuple[list[_Recordin
         rdzv_endpoint="localhost:0",
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        shutdown_timeout=5,
+        **(
+            {"shutdown_timeout": 5}
+            if "shutdown_timeout" in LaunchConfig.__dataclass_fields__
+            else {}
+        ),
     )
     old = os.environ.get("TORCHELASTIC_ERROR_FILE")
     try:
@@ -430,3 +434,15 @@ def test_import_dynamo_imports_torch_dynamo() -> None:
         """
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_agents_grace_is_passed_only_to_a_torch_that_takes_it() -> None:
+    """``agent_grace`` names ``shutdown_timeout`` exactly when this torch's agent takes it
+    (the torch steadfast is built on does; 2.11 does not, and got it as an unexpected
+    keyword: ``steadfast launch`` failed at its start)."""
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    takes = "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
+    assert seam.agent_grace(7) == ({"shutdown_timeout": 7} if takes else {})

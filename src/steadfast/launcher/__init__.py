@@ -176,12 +176,14 @@ def _launch_agent(argv: list[str], started: list[bool]) -> int:
     config, cmd, cmd_args = torchrun.config_from_args(args)  # sets OMP_NUM_THREADS
     keep_prestarted_if(os.environ.get("OMP_NUM_THREADS"))
     # SIGTERM -> SIGKILL when the launcher passes a signal on: --term-timeout, else
-    # torchrun's --shutdown-timeout (or its environment variable), else the FT config's
-    # workers_stop_timeout
+    # torchrun's --shutdown-timeout (or its environment variable; a torch without the
+    # flag, such as 2.11, has neither), else the FT config's workers_stop_timeout
+    torch_timeout = getattr(config, "shutdown_timeout", None)
+    asked = getattr(args, "shutdown_timeout", None) is not None
     if split.term_timeout is not None:
         term_timeout: float = split.term_timeout
-    elif args.shutdown_timeout is not None or "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ:
-        term_timeout = float(config.shutdown_timeout or 0)
+    elif torch_timeout is not None and (asked or "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ):
+        term_timeout = float(torch_timeout)
     else:
         term_timeout = split.ft.workers_stop_timeout
     agents: list[FTAgent] = []

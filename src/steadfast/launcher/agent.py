@@ -103,7 +103,8 @@ class FTAgent(LocalElasticAgent):
         # torch's agent stops the workers with this on a signal it got (NVRx's
         # term_timeout); a stop for a restart uses workers_stop_timeout (_stop_workers)
         term = ft.workers_stop_timeout if term_timeout is None else term_timeout
-        kwargs.setdefault("shutdown_timeout", max(1, math.ceil(term)))
+        for key, value in seam.agent_grace(max(1, math.ceil(term))).items():
+            kwargs.setdefault(key, value)
         super().__init__(*args, **kwargs)
         self.ft = ft
         spec = self.get_worker_group().spec
