@@ -25,6 +25,9 @@ saved through DCP. Restarted with another number of ranks (an elastic job that l
 node), the position is shared out among the new ranks and ``seen`` resharded, so the
 output's ``seen`` is all ones exactly when every sample was trained on once.
 
+``--cuda`` trains on the rank's GPU (``LOCAL_RANK``) over NCCL, the manager's own
+collectives on gloo; the data is drawn on the CPU as without it.
+
 ``--memory-every N`` snapshots every N steps to the memory tier
 (``CheckpointManager(memory_every=N)``) besides the disk checkpoint every
 ``--ckpt-every`` steps; ``--kill-every K`` SIGKILLs ``--fault-rank`` in the step section
@@ -99,6 +102,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1, help="with --data: samples per rank and step")
     ap.add_argument("--memory-every", type=int, default=0, help="memory tier snapshots")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
+    ap.add_argument("--cuda", action="store_true", help="on the rank's GPU, over NCCL")
     ap.add_argument("--ckpt-every", type=int, default=2, help="disk checkpoints")
     ap.add_argument("--kill-every", type=int, default=0, help="SIGKILL every K-th step")
     ap.add_argument(
@@ -126,16 +130,21 @@ def main() -> int:
         ft.init_workload_monitoring()
         load_ft_state(ft, ft_state)
     ft.start_section("setup")
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if args.cuda else "gloo")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    net = net.to(device)
     if args.fsdp:  # every rank keeps its shards; the reduction layout is fixed
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(net[0])
         model = fully_shard(net)
     else:  # buckets never rebuilt: a resumed run reduces as the one that never stopped
-        model = DDP(net, find_unused_parameters=True)
+        model = DDP(net, find_unused_parameters=True, device_ids=[device] if args.cuda else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ckpt = CheckpointManager(args.ckpt, keep_last_n=2, memory_every=args.memory_every)
     machine = None
@@ -179,6 +188,7 @@ def main() -> int:
             strike("step", step)
         g = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+        x, y = x.to(device), y.to(device)
         if machine is None:
             opt.zero_grad(set_to_none=True)
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -245,7 +255,7 @@ def main() -> int:
             save_ft_state(ft, ft_state)
     ckpt.close()
     final = {  # FSDP2: the full parameters, gathered on every rank (collective)
-        k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()).cpu()
         for k, v in net.state_dict().items()
     }
     if rank == 0:
