@@ -176,6 +176,10 @@ def nvrx_calls(rank: int, world: int, workdir: Path, case: str) -> Any:
     if case == "initialized":
         dist.init_process_group("gloo", init_method=f"file://{workdir}/pg", rank=rank,
                                 world_size=world)  # fmt: skip
+        # gloo's init returns on a rank whose side of the mesh is up; the peer may still
+        # be connecting, and a group destroyed now cut it off ("connectFullMesh failed:
+        # Connection closed by peer", seen once in CI): both sides up before going on
+        dist.barrier()
         try:
             train()
         except ValueError as exc:
