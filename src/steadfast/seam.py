@@ -206,6 +206,13 @@ def rendezvous_node_id(handler: Any) -> list[Any] | None:
     return [str(node.addr), int(node.pid), int(node.local_id)]
 
 
+def stop_rendezvous_heartbeats(handler: Any) -> None:
+    """Stop a dynamic rendezvous handler's keep-alive timer (``_stop_heartbeats``), as a
+    node that is lost stops beating: the simulator's node loss, and its clean-up."""
+    if _dynamic(handler):
+        handler._stop_heartbeats()
+
+
 def expire_rendezvous_nodes(handler: Any, node_ids: list[list[Any]], attempts: int = 10) -> int:
     """Mark the nodes ``node_ids`` (from :func:`rendezvous_node_id`) as having missed
     their keep-alive, so that every agent's next sync removes them (torch's sanitizer:

@@ -1,0 +1,165 @@
+"""torch's dynamic rendezvous (``DynamicRendezvousHandler`` over the c10d backend, as
+``steadfast launch`` uses it) with N simulated nodes in one process: a handler per node,
+each on a thread, each with its own :class:`~steadfast.sim.store.CountingStore` over its own real
+``TCPStore`` client of one ``TCPStore`` server.
+
+What it measures: the join of N nodes (its time, and each node's store operations and
+bytes), then a quiet window of keep-alives (operations and bytes per node per keep-alive
+interval), and the memory per simulated node."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from .store import CountingStore, Tally
+
+__all__ = ["Run", "simulate_dynamic"]
+
+
+@dataclass
+class Run:
+    """One simulation's figures; per-node figures are medians over the nodes."""
+
+    nodes: int
+    join_seconds: float
+    join: Tally  # one median node's tally for the join (round 1)
+    join_max: Tally  # the node that sent most
+    keep_alive: Tally  # per node per keep-alive interval (median node)
+    intervals: float
+    memory_per_node: float  # bytes of resident memory the harness grew by, per node
+    overhead_per_op: float  # seconds of the counting proxy's own work per operation
+    latency_per_op: float  # seconds of a bare get on this machine's loopback store
+    notes: list[str] = field(default_factory=list)
+
+
+def _median(tallies: list[Tally]) -> Tally:
+    ranked = sorted(tallies, key=lambda t: t.bytes)
+    return ranked[len(ranked) // 2]
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def simulate_dynamic(
+    nodes: int,
+    keep_alive: float = 5.0,
+    window: float = 10.0,
+    join_timeout: float = 120.0,
+) -> Run:
+    """Join ``nodes`` simulated nodes through torch's dynamic rendezvous (c10d backend
+    on a real ``TCPStore``), then let their keep-alives run for ``window`` seconds."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousTimeout,
+    )
+
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as the launcher
+    resource.setrlimit(resource.RLIMIT_NOFILE, _nofile(nodes))
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    # a client per node, as each node has: the rendezvous' own blocking get (the master
+    # address, set by rank 0) must not hold a client another node needs
+    pool = [TCPStore("127.0.0.1", server.port, is_master=False) for _ in range(nodes)]
+    run_id = uuid.uuid4().hex[:8]
+    timeout = RendezvousTimeout(
+        join=timedelta(seconds=join_timeout),
+        last_call=timedelta(seconds=0.1),
+        close=timedelta(seconds=5),
+        heartbeat=timedelta(seconds=max(5.0, 3 * keep_alive)),
+    )
+    rss0 = _rss()
+    counters = [CountingStore(pool[i % len(pool)]) for i in range(nodes)]
+    handlers = [
+        DynamicRendezvousHandler.from_backend(
+            run_id, pool[i % len(pool)], C10dRendezvousBackend(counters[i], run_id),  # type: ignore[arg-type]
+            min_nodes=nodes, max_nodes=nodes, local_addr=f"node{i}", timeout=timeout,
+            keep_alive_interval=max(1, round(keep_alive)),
+        )
+        for i in range(nodes)
+    ]  # fmt: skip
+    errors: list[BaseException] = []
+
+    def join(handler: Any) -> None:
+        try:
+            handler.next_rendezvous()
+        except BaseException as exc:  # every failure is reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    joined = time.monotonic() - start
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {nodes} nodes failed to join: {errors[0]!r}")
+    memory = (_rss() - rss0) / nodes
+    joins = [c.tally.copy() for c in counters]
+    time.sleep(window)
+    quiet = [c.tally.minus(j) for c, j in zip(counters, joins, strict=True)]
+    interval = max(1, round(keep_alive))
+    per_interval = [
+        Tally({k: round(v * interval / window) for k, v in q.ops.items()},
+              round(q.sent * interval / window), round(q.received * interval / window))
+        for q in quiet
+    ]  # fmt: skip
+    for handler in handlers:
+        with contextlib.suppress(Exception):
+            _stop_heartbeats(handler)
+    latency, overhead = _proxy_overhead(pool[0])
+    del handlers
+    for client in pool:
+        del client
+    del server
+    return Run(
+        nodes=nodes,
+        join_seconds=joined,
+        join=_median(joins),
+        join_max=max(joins, key=lambda t: t.bytes),
+        keep_alive=_median(per_interval),
+        intervals=window / interval,
+        memory_per_node=memory,
+        overhead_per_op=overhead,
+        latency_per_op=latency,
+    )
+
+
+def _stop_heartbeats(handler: Any) -> None:
+    from .. import seam
+
+    seam.stop_rendezvous_heartbeats(handler)
+
+
+def _nofile(nodes: int) -> tuple[int, int]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, max(soft, 4 * nodes + 256))
+    return want, hard
+
+
+def _proxy_overhead(client: Any, calls: int = 2000) -> tuple[float, float]:
+    """Seconds per bare ``get`` on this store, and what the counting proxy adds to each
+    (the harness's own overhead; noisy on a shared machine)."""
+    proxy = CountingStore(client)
+    client.set("sim/overhead", b"x")
+    start = time.perf_counter()
+    for _ in range(calls):
+        client.get("sim/overhead")
+    bare = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(calls):
+        proxy.get("sim/overhead")
+    return bare / calls, max(0.0, (time.perf_counter() - start - bare) / calls)
