@@ -10,7 +10,10 @@ prints, per N:
   bare store operation's latency (us/op) and what the counting proxy adds to it (the
   harness's overhead);
 then a power law fitted to each figure (log-log least squares over the measured N) and
-its value at 4,096, 8,192 and 16,384 nodes. The timings assume this machine's store
+its value at 4,096, 8,192 and 16,384 nodes. Then a node lost after the round formed
+(an elastic range N-1..N): one survivor expires it, as the launcher does when its ring
+reports the loss, and every survivor joins the next round: the time, and the store
+operations and bytes per survivor. The timings assume this machine's store
 latency (a loopback ``TCPStore``, one server thread); the counts assume nothing.
 
     .venv/bin/python bench/bench_control_plane.py [--nodes 16 64 256 1024] [--window 3]
@@ -21,7 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from steadfast.sim import Run, simulate_dynamic
+from steadfast.sim import Loss, Run, simulate_dynamic, simulate_loss
 
 EXTRAPOLATE = (4096, 8192, 16384)
 
@@ -43,6 +46,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 256, 1024])
     ap.add_argument("--window", type=float, default=10.0, help="seconds of keep-alives")
     ap.add_argument("--keep-alive", type=float, default=5.0, help="keep-alive interval (s)")
+    ap.add_argument("--last-call", type=float, default=1.0, help="the rendezvous' last call")
     args = ap.parse_args()
     runs: list[Run] = []
     print("torch dynamic rendezvous, c10d backend on a TCPStore (per node: median node)")
@@ -63,6 +67,20 @@ def main() -> None:
               f"{run.memory_per_node / 1e3:>8.0f} {run.latency_per_op * 1e6:>6.0f} "
               f"{run.overhead_per_op * 1e6:>6.1f}",
               flush=True)  # fmt: skip
+    print("\na node lost: one survivor expires it, every survivor joins the next round")
+    print(f"{'N':>6} {'last call s':>11} {'loss->round s':>13} {'expire ops':>10} "
+          f"{'round ops':>9} {'round KB':>9} {'max KB':>9}")  # fmt: skip
+    losses: list[Loss] = []
+    for n in [r.nodes for r in runs]:
+        try:
+            loss = simulate_loss(n, last_call=args.last_call)
+        except RuntimeError as exc:
+            print(f"{n:>6} no round formed: {exc}", flush=True)
+            break
+        losses.append(loss)
+        print(f"{n:>6} {loss.last_call:>11.1f} {loss.seconds:>13.2f} {loss.expire.count:>10} "
+              f"{loss.round.count:>9} {loss.round.bytes / 1e3:>9.1f} "
+              f"{loss.round_max.bytes / 1e3:>9.1f}", flush=True)  # fmt: skip
     if len(runs) < 2:
         return
     xs = [float(r.nodes) for r in runs]
@@ -74,6 +92,9 @@ def main() -> None:
             float(r.keep_alive.bytes * r.nodes) for r in runs
         ],
     }
+    if len(losses) == len(runs):
+        figures["node lost -> next round, seconds"] = [loss.seconds for loss in losses]
+        figures["next round bytes per node"] = [float(loss.round.bytes) for loss in losses]
     print("\nfitted y = a * N^b, and extrapolated:")
     print(f"{'figure':<48} {'b':>5} " + " ".join(f"{n:>12}" for n in EXTRAPOLATE))
     for name, ys in figures.items():

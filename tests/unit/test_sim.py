@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed import TCPStore
 
-from steadfast.sim import CountingStore, simulate_dynamic
+from steadfast.sim import CountingStore, simulate_dynamic, simulate_loss
 
 
 def test_the_counting_client_tallies_operations_and_bytes_both_ways() -> None:
@@ -37,3 +37,11 @@ def test_torchs_keep_alive_cost_per_node_grows_with_the_nodes() -> None:
     # (written and read back: ~290 bytes here), so the store's traffic grows as N^2
     added = (large.keep_alive.bytes - small.keep_alive.bytes) / (16 - 4)
     assert added > 100, (small.keep_alive, large.keep_alive)
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_node_is_expired_and_the_survivors_form_the_next_round() -> None:
+    loss = simulate_loss(4, last_call=0.5)
+    assert loss.world == 3  # the lost node is not in the next round
+    assert loss.expire.ops.get("compare_set") == 1  # one write marks it expired
+    assert loss.round.ops.get("compare_set", 0) >= 1  # each survivor rejoined

@@ -6,6 +6,6 @@ loss -> next round) and memory per node from the harness. See ``bench/bench_cont
 and docs/control-plane.md."""
 
 from .store import CountingStore, Tally
-from .torch_rdzv import Run, simulate_dynamic
+from .torch_rdzv import Loss, Run, simulate_dynamic, simulate_loss
 
-__all__ = ["CountingStore", "Run", "Tally", "simulate_dynamic"]
+__all__ = ["CountingStore", "Loss", "Run", "Tally", "simulate_dynamic", "simulate_loss"]

@@ -21,7 +21,7 @@ from typing import Any
 
 from .store import CountingStore, Tally
 
-__all__ = ["Run", "simulate_dynamic"]
+__all__ = ["Loss", "Run", "simulate_dynamic", "simulate_loss"]
 
 
 @dataclass
@@ -163,3 +163,103 @@ def _proxy_overhead(client: Any, calls: int = 2000) -> tuple[float, float]:
     for _ in range(calls):
         proxy.get("sim/overhead")
     return bare / calls, max(0.0, (time.perf_counter() - start - bare) / calls)
+
+
+@dataclass
+class Loss:
+    """A node lost after the round formed: the survivors expire it and form the next
+    round (detection itself is the node roster's, measured on the bed: not simulated)."""
+
+    nodes: int
+    last_call: float  # the rendezvous' last-call wait, part of every elastic round
+    seconds: float  # expiry by one survivor -> every survivor in the next round
+    expire: Tally  # the survivor that expired the lost node: that operation's tally
+    round: Tally  # per survivor for the next round (median survivor)
+    round_max: Tally
+    world: int  # the next round's size
+
+
+def simulate_loss(nodes: int, last_call: float = 1.0, join_timeout: float = 120.0) -> Loss:
+    """``nodes`` nodes join (an elastic range ``nodes - 1 .. nodes``), then the last one
+    is lost (its keep-alives stop): one survivor expires it in the rendezvous, as the
+    launcher does when its ring reports a loss, and every survivor joins the next round."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousTimeout,
+    )
+
+    from .. import seam
+
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    resource.setrlimit(resource.RLIMIT_NOFILE, _nofile(nodes))
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    clients = [TCPStore("127.0.0.1", server.port, is_master=False) for _ in range(nodes)]
+    run_id = uuid.uuid4().hex[:8]
+    timeout = RendezvousTimeout(
+        join=timedelta(seconds=join_timeout),
+        last_call=timedelta(seconds=last_call),
+        close=timedelta(seconds=5),
+        heartbeat=timedelta(seconds=15),
+    )
+    counters = [CountingStore(c) for c in clients]
+    handlers = [
+        DynamicRendezvousHandler.from_backend(
+            run_id, clients[i], C10dRendezvousBackend(counters[i], run_id),  # type: ignore[arg-type]
+            min_nodes=max(1, nodes - 1), max_nodes=nodes, local_addr=f"node{i}", timeout=timeout,
+        )
+        for i in range(nodes)
+    ]  # fmt: skip
+    worlds = _join_all(handlers)
+    if set(worlds) != {nodes}:
+        raise RuntimeError(f"the first round has {sorted(set(worlds))} nodes, not {nodes}")
+    lost, survivors = handlers[-1], handlers[:-1]
+    seam.stop_rendezvous_heartbeats(lost)
+    before = [c.tally.copy() for c in counters[:-1]]
+    start = time.monotonic()
+    node_id = seam.rendezvous_node_id(lost)
+    assert node_id is not None
+    seam.expire_rendezvous_nodes(survivors[0], [node_id])
+    expire = counters[0].tally.minus(before[0])
+    after_expire = counters[0].tally.copy()
+    worlds = _join_all(survivors)
+    seconds = time.monotonic() - start
+    rounds = [c.tally.minus(b) for c, b in zip(counters[:-1], before, strict=True)]
+    rounds[0] = counters[0].tally.minus(after_expire)
+    for handler in handlers:
+        with contextlib.suppress(Exception):
+            seam.stop_rendezvous_heartbeats(handler)
+    del handlers, clients, server
+    return Loss(
+        nodes=nodes,
+        last_call=last_call,
+        seconds=seconds,
+        expire=expire,
+        round=_median(rounds),
+        round_max=max(rounds, key=lambda t: t.bytes),
+        world=worlds[0] if len(set(worlds)) == 1 else -1,
+    )
+
+
+def _join_all(handlers: list[Any]) -> list[int]:
+    """Every handler's ``next_rendezvous`` at once, each on a thread: the world sizes."""
+    worlds: list[int] = []
+    errors: list[BaseException] = []
+
+    def join(handler: Any) -> None:
+        try:
+            worlds.append(int(handler.next_rendezvous().world_size))
+        except BaseException as exc:  # every failure is reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(handlers)} nodes failed to join: {errors[0]!r}")
+    return worlds
