@@ -58,73 +58,26 @@ def simulate_dynamic(
 ) -> Run:
     """Join ``nodes`` simulated nodes through torch's dynamic rendezvous (c10d backend
     on a real ``TCPStore``), then let their keep-alives run for ``window`` seconds."""
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend,
-    )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        DynamicRendezvousHandler,
-        RendezvousTimeout,
-    )
-
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as the launcher
-    resource.setrlimit(resource.RLIMIT_NOFILE, _nofile(nodes))
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
-    # a client per node, as each node has: the rendezvous' own blocking get (the master
-    # address, set by rank 0) must not hold a client another node needs
-    pool = [TCPStore("127.0.0.1", server.port, is_master=False) for _ in range(nodes)]
-    run_id = uuid.uuid4().hex[:8]
-    timeout = RendezvousTimeout(
-        join=timedelta(seconds=join_timeout),
-        last_call=timedelta(seconds=0.1),
-        close=timedelta(seconds=5),
-        heartbeat=timedelta(seconds=max(5.0, 3 * keep_alive)),
-    )
-    rss0 = _rss()
-    counters = [CountingStore(pool[i % len(pool)]) for i in range(nodes)]
-    handlers = [
-        DynamicRendezvousHandler.from_backend(
-            run_id, pool[i % len(pool)], C10dRendezvousBackend(counters[i], run_id),  # type: ignore[arg-type]
-            min_nodes=nodes, max_nodes=nodes, local_addr=f"node{i}", timeout=timeout,
-            keep_alive_interval=max(1, round(keep_alive)),
-        )
-        for i in range(nodes)
-    ]  # fmt: skip
-    errors: list[BaseException] = []
-
-    def join(handler: Any) -> None:
-        try:
-            handler.next_rendezvous()
-        except BaseException as exc:  # every failure is reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
-    start = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    joined = time.monotonic() - start
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {nodes} nodes failed to join: {errors[0]!r}")
-    memory = (_rss() - rss0) / nodes
-    joins = [c.tally.copy() for c in counters]
-    time.sleep(window)
-    quiet = [c.tally.minus(j) for c, j in zip(counters, joins, strict=True)]
-    interval = max(1, round(keep_alive))
-    per_interval = [
-        Tally({k: round(v * interval / window) for k, v in q.ops.items()},
-              round(q.sent * interval / window), round(q.received * interval / window))
-        for q in quiet
-    ]  # fmt: skip
-    for handler in handlers:
-        with contextlib.suppress(Exception):
-            _stop_heartbeats(handler)
-    latency, overhead = _proxy_overhead(pool[0])
-    del handlers
-    for client in pool:
-        del client
-    del server
+    with _Cluster(nodes) as cluster:
+        rss0 = _rss()
+        handlers = cluster.handlers(nodes, last_call=0.1, keep_alive=keep_alive,
+                                    join_timeout=join_timeout)  # fmt: skip
+        start = time.monotonic()
+        _join_all(handlers)
+        joined = time.monotonic() - start
+        memory = (_rss() - rss0) / nodes
+        counters = cluster.counters
+        joins = [c.tally.copy() for c in counters]
+        time.sleep(window)
+        quiet = [c.tally.minus(j) for c, j in zip(counters, joins, strict=True)]
+        interval = max(1, round(keep_alive))
+        per_interval = [
+            Tally({k: round(v * interval / window) for k, v in q.ops.items()},
+                  round(q.sent * interval / window), round(q.received * interval / window))
+            for q in quiet
+        ]  # fmt: skip
+        cluster.stop()
+        latency, overhead = _proxy_overhead(cluster.clients[0])
     return Run(
         nodes=nodes,
         join_seconds=joined,
@@ -138,10 +91,71 @@ def simulate_dynamic(
     )
 
 
-def _stop_heartbeats(handler: Any) -> None:
-    from .. import seam
+class _Cluster:
+    """One ``TCPStore`` server and a client per simulated node, each counted (a context
+    manager: on exit every handler's keep-alive stops and the store goes)."""
 
-    seam.stop_rendezvous_heartbeats(handler)
+    def __init__(self, nodes: int) -> None:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as the launcher
+        resource.setrlimit(resource.RLIMIT_NOFILE, _nofile(nodes))
+        self.server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                               use_libuv=True)  # fmt: skip
+        # a client per node, as each node has: the rendezvous' own blocking get (the
+        # master address, set by rank 0) must not hold a client another node needs
+        self.clients = [
+            TCPStore("127.0.0.1", self.server.port, is_master=False) for _ in range(nodes)
+        ]
+        self.counters = [CountingStore(c) for c in self.clients]
+        self.run_id = uuid.uuid4().hex[:8]
+        self._handlers: list[Any] = []
+
+    def handlers(
+        self, min_nodes: int, last_call: float, keep_alive: float = 5.0,
+        join_timeout: float = 120.0,
+    ) -> list[Any]:  # fmt: skip
+        """A dynamic rendezvous handler per node (elastic ``min_nodes`` .. all), its
+        state through that node's counted client."""
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            C10dRendezvousBackend,
+        )
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+            DynamicRendezvousHandler,
+            RendezvousTimeout,
+        )
+
+        timeout = RendezvousTimeout(
+            join=timedelta(seconds=join_timeout),
+            last_call=timedelta(seconds=last_call),
+            close=timedelta(seconds=5),
+            heartbeat=timedelta(seconds=max(5.0, 3 * keep_alive)),
+        )
+        self._handlers = [
+            DynamicRendezvousHandler.from_backend(
+                self.run_id, client, C10dRendezvousBackend(counter, self.run_id),  # type: ignore[arg-type]
+                min_nodes=min_nodes, max_nodes=len(self.clients), local_addr=f"node{i}",
+                timeout=timeout, keep_alive_interval=max(1, round(keep_alive)),
+            )
+            for i, (client, counter) in enumerate(zip(self.clients, self.counters, strict=True))
+        ]  # fmt: skip
+        return self._handlers
+
+    def stop(self) -> None:
+        """Every handler's keep-alive stopped (what a lost node does, and the clean-up)."""
+        from .. import seam
+
+        for handler in self._handlers:
+            with contextlib.suppress(Exception):
+                seam.stop_rendezvous_heartbeats(handler)
+
+    def __enter__(self) -> _Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._handlers, self.counters, self.clients = [], [], []
+        del self.server
 
 
 def _nofile(nodes: int) -> tuple[int, int]:
@@ -183,56 +197,27 @@ def simulate_loss(nodes: int, last_call: float = 1.0, join_timeout: float = 120.
     """``nodes`` nodes join (an elastic range ``nodes - 1 .. nodes``), then the last one
     is lost (its keep-alives stop): one survivor expires it in the rendezvous, as the
     launcher does when its ring reports a loss, and every survivor joins the next round."""
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend,
-    )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        DynamicRendezvousHandler,
-        RendezvousTimeout,
-    )
-
     from .. import seam
 
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    resource.setrlimit(resource.RLIMIT_NOFILE, _nofile(nodes))
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
-    clients = [TCPStore("127.0.0.1", server.port, is_master=False) for _ in range(nodes)]
-    run_id = uuid.uuid4().hex[:8]
-    timeout = RendezvousTimeout(
-        join=timedelta(seconds=join_timeout),
-        last_call=timedelta(seconds=last_call),
-        close=timedelta(seconds=5),
-        heartbeat=timedelta(seconds=15),
-    )
-    counters = [CountingStore(c) for c in clients]
-    handlers = [
-        DynamicRendezvousHandler.from_backend(
-            run_id, clients[i], C10dRendezvousBackend(counters[i], run_id),  # type: ignore[arg-type]
-            min_nodes=max(1, nodes - 1), max_nodes=nodes, local_addr=f"node{i}", timeout=timeout,
-        )
-        for i in range(nodes)
-    ]  # fmt: skip
-    worlds = _join_all(handlers)
-    if set(worlds) != {nodes}:
-        raise RuntimeError(f"the first round has {sorted(set(worlds))} nodes, not {nodes}")
-    lost, survivors = handlers[-1], handlers[:-1]
-    seam.stop_rendezvous_heartbeats(lost)
-    before = [c.tally.copy() for c in counters[:-1]]
-    start = time.monotonic()
-    node_id = seam.rendezvous_node_id(lost)
-    assert node_id is not None
-    seam.expire_rendezvous_nodes(survivors[0], [node_id])
-    expire = counters[0].tally.minus(before[0])
-    after_expire = counters[0].tally.copy()
-    worlds = _join_all(survivors)
-    seconds = time.monotonic() - start
-    rounds = [c.tally.minus(b) for c, b in zip(counters[:-1], before, strict=True)]
-    rounds[0] = counters[0].tally.minus(after_expire)
-    for handler in handlers:
-        with contextlib.suppress(Exception):
-            seam.stop_rendezvous_heartbeats(handler)
-    del handlers, clients, server
+    with _Cluster(nodes) as cluster:
+        handlers = cluster.handlers(max(1, nodes - 1), last_call, join_timeout=join_timeout)
+        worlds = _join_all(handlers)
+        if set(worlds) != {nodes}:
+            raise RuntimeError(f"the first round has {sorted(set(worlds))} nodes, not {nodes}")
+        counters = cluster.counters[:-1]
+        lost, survivors = handlers[-1], handlers[:-1]
+        seam.stop_rendezvous_heartbeats(lost)
+        before = [c.tally.copy() for c in counters]
+        start = time.monotonic()
+        node_id = seam.rendezvous_node_id(lost)
+        assert node_id is not None
+        seam.expire_rendezvous_nodes(survivors[0], [node_id])
+        expire = counters[0].tally.minus(before[0])
+        after_expire = counters[0].tally.copy()
+        worlds = _join_all(survivors)
+        seconds = time.monotonic() - start
+        rounds = [c.tally.minus(b) for c, b in zip(counters, before, strict=True)]
+        rounds[0] = counters[0].tally.minus(after_expire)
     return Loss(
         nodes=nodes,
         last_call=last_call,
