@@ -214,7 +214,7 @@ def tier(mb: int, repeats: int, folder: str | None, sharded: bool, device: str) 
               f"memory is {dsk / mem:.1f}x faster (both copy into the objects)")  # fmt: skip
         # what bounds restore(): the state is read twice (verified, then copied into the
         # objects) before any of it is written, so a failed restore leaves them untouched
-        ceiling = dsk / (copy + nbytes_of(tensors) / 1e9 / _crc_rate(tensors))
+        ceiling = dsk / (copy + nbytes / 1e9 / _crc_rate(views))
         print(f"    restore() reads the state twice (CRC on every core, then a memcpy of "
               f"{copy * 1e3:.0f} ms into the objects): at most {ceiling:.1f}x here")  # fmt: skip
         crc, zcrc = statistics.median(ours), statistics.median(base)
@@ -226,18 +226,14 @@ def tier(mb: int, repeats: int, folder: str | None, sharded: bool, device: str) 
             shutil.rmtree(disk, ignore_errors=True)
 
 
-def nbytes_of(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(v.numel() * v.element_size() for v in tensors.values())
-
-
-def _crc_rate(tensors: dict[str, torch.Tensor]) -> float:
-    """GB/s of the CRC-32 over the state on every core (as a restore verifies it)."""
+def _crc_rate(views: list[memoryview]) -> float:
+    """GB/s of the CRC-32 over the state on the threads a restore verifies it with."""
     from concurrent.futures import ThreadPoolExecutor
 
     from steadfast.checkpoint.files import crc32_parallel
+    from steadfast.checkpoint.snapshot_io import _checksum_threads
 
-    views = [memoryview(v.cpu().numpy()).cast("B") for v in tensors.values()]
-    shares = max(1, min(8, len(os.sched_getaffinity(0))))
+    shares = _checksum_threads()
     with ThreadPoolExecutor(shares) as pool:
         t0 = time.perf_counter()
         for view in views:

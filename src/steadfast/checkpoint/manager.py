@@ -284,12 +284,13 @@ class CheckpointManager:
         if loaded is None:
             return None
         step, state = loaded
-        with Uploader() as up:  # a GPU job: into the live GPU tensors through pinned chunks
+        gpu = gpu_job()  # then into the live GPU tensors, through pinned chunks
+        with Uploader() as up:
             for key, obj in objects.items():
                 if key not in state:
                     logger.warning("checkpoint step %d has no %r; it is not restored", step, key)
                 elif isinstance(obj, Stateful):
-                    if gpu_job() and not has_dtensor(state[key]):  # DTensors: filled already
+                    if gpu and not has_dtensor(state[key]):  # DTensors: filled already
                         state[key] = fill_in_place(obj.state_dict(), state[key], up.copy)
                     obj.load_state_dict(state[key])
         if self.rng and RNG_KEY in state and RNG_KEY not in objects:
