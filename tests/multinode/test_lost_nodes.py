@@ -27,7 +27,7 @@ STEPS = 40
 SLEEP = "0.2"  # seconds per step: the fault lands mid-run, the run stays short
 
 
-def job(nnodes: str, *, backend: str = "c10d", endpoint: str = "node1:29500", nproc: int = 2):
+def job(nnodes: str, *, backend: str = "steadfast", endpoint: str = "node1:29500", nproc: int = 2):
     """The launcher's flags, the same on every node."""
     return [
         "--nnodes", nnodes, "--nproc-per-node", str(nproc),

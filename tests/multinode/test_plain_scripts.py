@@ -25,7 +25,7 @@ END_WITHIN = float(
 )  # a launcher ends this soon after its node's last worker
 
 
-def job(nnodes: str, *, backend: str = "c10d", endpoint: str = "node1:29500") -> list[str]:
+def job(nnodes: str, *, backend: str = "steadfast", endpoint: str = "node1:29500") -> list[str]:
     return [
         "--nnodes", nnodes, "--nproc-per-node", "2",
         "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", "plain",
@@ -137,9 +137,11 @@ def assert_the_report_tells_the_launchers_story(bed: Any, lost: dict[str, Any]) 
     assert report.wall_time == pytest.approx(max(ends) - min(starts), abs=1e-6)
     view = report.launchers
     assert view is not None and not report.reports_steps
+    # by node rank: steadfast's rendezvous gives the spare the lost node's seat, and the
+    # survivors keep theirs
     assert [g.nodes for g in view.generations] == [
         ["node1", "node2", "node3"],
-        ["node1", "node3", "node4"],
+        ["node1", "node4", "node3"],
     ]
     # the first ended when node2 went: stopped by the launchers, or failed on their own
     # when a collective lost its peer before the roster stopped them
@@ -178,8 +180,8 @@ def test_a_plain_script_survives_a_lost_node_with_a_spare(bed_factory, fault, re
     if fault == "etcd_host_lost":
         bed.do("etcd")
         flags, victim = job("2", backend="etcd-v2", endpoint="127.0.0.1:2379"), "node1"
-    else:
-        flags, victim = job("2"), "node2"
+    else:  # torch's c10d rendezvous stays selectable: the silent kill runs on it
+        flags, victim = job("2", backend="c10d" if fault == "silent_kill" else "steadfast"), "node2"
     flags = [*flags, "--ft-node-heartbeat-interval", "0.25", "--ft-node-heartbeat-timeout", "2"]
     args = script(bed)
     launches = [bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2")]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed import TCPStore
 
-from steadfast.sim import CountingStore, simulate_dynamic, simulate_loss
+from steadfast.sim import CountingStore, simulate_join, simulate_loss
 
 
 def test_the_counting_client_tallies_operations_and_bytes_both_ways() -> None:
@@ -28,8 +28,8 @@ def test_the_counting_client_tallies_operations_and_bytes_both_ways() -> None:
 
 @pytest.mark.timeout(120)
 def test_torchs_keep_alive_cost_per_node_grows_with_the_nodes() -> None:
-    small = simulate_dynamic(4, keep_alive=1, window=2)
-    large = simulate_dynamic(16, keep_alive=1, window=2)
+    small = simulate_join(4, "torch", keep_alive=1, window=2)
+    large = simulate_join(16, "torch", keep_alive=1, window=2)
     for run in (small, large):
         assert run.join.ops.get("compare_set", 0) >= 1  # each node wrote the state
         assert run.keep_alive.ops.get("compare_set", 0) >= 1  # and writes it to beat
@@ -41,7 +41,7 @@ def test_torchs_keep_alive_cost_per_node_grows_with_the_nodes() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_lost_node_is_expired_and_the_survivors_form_the_next_round() -> None:
-    loss = simulate_loss(4, last_call=0.5)
+    loss = simulate_loss(4, "torch", last_call=0.5)
     assert loss.world == 3  # the lost node is not in the next round
     assert loss.expire.ops.get("compare_set") == 1  # one write marks it expired
     assert loss.round.ops.get("compare_set", 0) >= 1  # each survivor rejoined

@@ -133,10 +133,12 @@ def _launch_agent(argv: list[str], started: list[bool]) -> int:
     )
 
     from .. import events, seam
+    from ..rendezvous import BACKEND, register
     from .agent import FTAgent, NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
     from .args import get_args_parser, resolve_events_path, split_argv
     from .template import discard_prestarted, keep_prestarted_if
 
+    register()  # --rdzv-backend steadfast, whether or not the package's entry point is
     parser = torchrun.get_args_parser()
     split = split_argv(argv, parser)
     if {"-h", "--help"} & set(split.launcher_flags):  # torchrun's flags and steadfast's
@@ -163,8 +165,8 @@ def _launch_agent(argv: list[str], started: list[bool]) -> int:
         and args.master_port is None
         and torchrun.parse_min_max_nnodes(args.nnodes)[1] == 1
     )
-    if args.standalone or single_node_default:  # a private c10d store on a free port
-        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+    if args.standalone or single_node_default:  # a private store on a free port
+        args.rdzv_backend, args.rdzv_endpoint = BACKEND, "localhost:0"
         args.rdzv_id = str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500

@@ -228,7 +228,7 @@ class FTAgent(LocalElasticAgent):
             names = _nodes(loss.peer.host for loss in lost)
             hosts = sorted({loss.peer.host for loss in lost})
             try:
-                with seam.rendezvous_join_timeout(handler, self.ft.node_lost_timeout):
+                with self.rendezvous.join_timeout(self.ft.node_lost_timeout):
                     super()._rendezvous(worker_group)
             except RendezvousTimeoutError as exc:
                 raise NodeLostError(
@@ -246,7 +246,7 @@ class FTAgent(LocalElasticAgent):
                 int(worker_group.group_rank or 0),
                 int(worker_group.group_world_size or 1),
                 handler.get_run_id(),
-                seam.rendezvous_node_id(handler),
+                self.rendezvous.node_id(),
                 # static hands out one store for every round: the round's number, the
                 # same on every node (they all restart together), keeps rounds apart
                 generation=self.rounds if handler.get_backend() == "static" else None,
@@ -256,13 +256,12 @@ class FTAgent(LocalElasticAgent):
         """This node leaves the job: the event, its place in the rendezvous given up
         (so that the others do not wait for it), the rendezvous left open for them."""
         events.emit("node_unhealthy", cause=check, reason=reason)
-        handler = self.rendezvous.wrapped
         if self.roster is not None:
             self.roster.leave_round(reason=f"unhealthy ({check}): {reason}")
-        me = seam.rendezvous_node_id(handler)
+        me = self.rendezvous.node_id()
         if me is not None:
             try:
-                seam.expire_rendezvous_nodes(handler, [me])
+                self.rendezvous.expire([me])
             except Exception as exc:  # the others then wait for its keep-alive to expire
                 logger.warning("could not leave the rendezvous at once: %s", exc)
         self.rendezvous.leaving = True
@@ -427,7 +426,7 @@ class FTAgent(LocalElasticAgent):
         self.lost = lost
         ids = [loss.peer.rdzv for loss in lost if loss.peer.rdzv]
         try:
-            seam.expire_rendezvous_nodes(self.rendezvous.wrapped, ids)
+            self.rendezvous.expire(ids)
         except Exception as exc:  # the keep-alive expiry removes them in the end
             logger.warning("could not expire the lost nodes from the rendezvous: %s", exc)
 

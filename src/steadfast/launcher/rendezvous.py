@@ -1,16 +1,24 @@
-"""The agent's rendezvous handler: torch's, made to outlast a node that leaves and a
-backend that does not answer for a moment."""
+"""The agent's rendezvous handler: the one ``--rdzv-backend`` named (steadfast's own, or
+torch's), made to outlast a node that leaves and a backend that does not answer for a
+moment; and the three things the agent asks of any of them (this node's id, expiring
+lost nodes, a shorter join after a loss), each answered by steadfast's handler itself
+or by the seam for torch's dynamic one."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousHandler,
 )
+
+from .. import seam
+from ..rendezvous.handler import SteadfastRendezvousHandler
 
 __all__ = ["Rendezvous"]
 
@@ -71,6 +79,30 @@ class Rendezvous(RendezvousHandler):
         if self.leaving:
             return True
         return self.wrapped.shutdown()
+
+    def node_id(self) -> list[Any] | None:
+        """This node in the rendezvous, JSON-able (None for static and legacy etcd)."""
+        if isinstance(self.wrapped, SteadfastRendezvousHandler):
+            return self.wrapped.node_id()
+        return seam.rendezvous_node_id(self.wrapped)
+
+    def expire(self, node_ids: list[list[Any]]) -> int:
+        """The lost nodes ``node_ids`` (from :meth:`node_id`) are taken out of the
+        rendezvous now, not when their keep-alive runs out (a spare takes their place,
+        the next round does not wait for them)."""
+        if isinstance(self.wrapped, SteadfastRendezvousHandler):
+            return self.wrapped.expire(node_ids)
+        return seam.expire_rendezvous_nodes(self.wrapped, node_ids)
+
+    @contextlib.contextmanager
+    def join_timeout(self, seconds: float) -> Iterator[None]:
+        """Within the block a join gives up after ``seconds`` (``RendezvousTimeoutError``)."""
+        if isinstance(self.wrapped, SteadfastRendezvousHandler):
+            with self.wrapped.join_timeout_of(seconds):
+                yield
+            return
+        with seam.rendezvous_join_timeout(self.wrapped, seconds):
+            yield
 
     def __getattr__(self, name: str) -> Any:  # settings and the like
         return getattr(self.wrapped, name)

@@ -2,7 +2,8 @@
 
 A launcher that sees a watched node go records the loss in the round's store
 (:func:`claim_loss`: the description under ``lost_how/R``, then a count under ``lost/R``
-and, the first time, ``lost_count``; the keys are :class:`~.round.RoundKeys`); the first
+and, the first time, ``lost_count`` and ``lost_seq/<i>``, so that a reader reads the
+losses and not every node's key; the keys are :class:`~.round.RoundKeys`); the first
 to record it emits ``node_lost`` (:func:`emit_lost`), so a loss is reported once for the
 job. A node that leaves on purpose records why first (:func:`record_leaving`), and
 whoever finds it gone reports that instead. The other launchers read the losses back
@@ -51,31 +52,41 @@ def claim_loss(current: Round, peer: Peer, cause: str, how: str) -> tuple[bool, 
         store.set(keys.lost_how(peer.rank), f"{real_cause}:{real_how}")
     first = int(store.add(keys.lost(peer.rank), 1)) == 1
     if first:
-        store.add(keys.lost_count, 1)
+        store.set(keys.lost_seq(int(store.add(keys.lost_count, 1))), str(peer.rank))
     return first, real_cause, real_how
 
 
+def _lost_ranks(store: Any, current: Round, count: int) -> list[int]:
+    """The node ranks recorded lost, in order (the first ``count``): O(losses) reads,
+    not one per node of the round. A rank whose key its recorder has yet to write (it
+    added the count a moment ago) is read at the next look."""
+    keys = current.keys
+    found: list[int] = []
+    for i in range(1, count + 1):
+        if store.check([keys.lost_seq(i)]):
+            found.append(int(store.get(keys.lost_seq(i))))
+    return found
+
+
 def recorded_losses(current: Round) -> list[tuple[int, str]]:
-    """The losses recorded in the round's store: ``(node rank, "cause:how")`` each."""
-    found: list[tuple[int, str]] = []
+    """The losses recorded in the round's store: ``(node rank, "cause:how")`` each (the
+    lost nodes' descriptions read into the round's book, off the caller's lock)."""
     keys, store = current.keys, current.store
-    if int(store.add(keys.lost_count, 0)) == 0:
-        return found
-    for r in range(current.nodes):
-        if store.check([keys.lost(r)]):
-            found.append((r, store.get(keys.lost_how(r)).decode()))
+    count = int(store.add(keys.lost_count, 0))
+    found: list[tuple[int, str]] = []
+    for r in _lost_ranks(store, current, count):
+        current.peers[r]
+        found.append((r, store.get(keys.lost_how(r)).decode()))
     return found
 
 
 def confirmed_losses(store: Any, current: Round, known: set[int]) -> set[int]:
     """The other nodes recorded lost in ``store`` (the round's, on a connection of the
     caller's): ``known`` as it is while the store counts no more losses than it holds."""
-    keys = current.keys
-    if int(store.add(keys.lost_count, 0)) <= len(known):
+    count = int(store.add(current.keys.lost_count, 0))
+    if count <= len(known):
         return known
-    return known | {
-        r for r in range(current.nodes) if r != current.rank and store.check([keys.lost(r)])
-    }
+    return known | {r for r in _lost_ranks(store, current, count) if r != current.rank}
 
 
 def record_leaving(current: Round, cause: str, reason: str) -> None:

@@ -32,7 +32,7 @@ from .confirm import (
 )
 from .fence import Fence
 from .ring import WATCHERS, Ring
-from .round import Loss, Peer, Round, RoundKeys
+from .round import Loss, Peer, PeerBook, Round, RoundKeys
 from .store_calls import Deadlines, StoreCalls
 
 __all__ = ["CONFIRM_MIN", "NodeRoster", "RosterState"]
@@ -128,34 +128,41 @@ class NodeRoster:
         run_id: str,
         rdzv: list[Any] | None,
         generation: int | None = None,
-    ) -> list[Peer]:
-        """Publish this node in the round that just formed, learn the others, start
-        watching the next ones and (node rank 0) record the round job-wide, emitting
+    ) -> PeerBook:
+        """Publish this node in the round that just formed, learn the nodes it watches,
+        start watching them and (node rank 0) record the round job-wide, emitting
         ``node_joined`` for each node that the previous round did not have. Returns the
-        round's nodes by node rank. ``generation``: the round's number, the same on every
-        node, where the rendezvous hands out one store for every round (static)."""
+        round's nodes by node rank (read when first asked for). ``generation``: the
+        round's number, the same on every node, where the rendezvous hands out one store
+        for every round (static)."""
         if self._state is RosterState.CLOSED:
             raise RuntimeError("the node roster is closed")
         keys = RoundKeys(run_id, generation)
         me = Peer(rank, self.name, self.host, self.port, os.getpid(), rdzv)
         self._ring.admit()  # before the others can find this node: they watch it again
         store.set(keys.node(rank), json.dumps(me.__dict__))
-        peers: dict[int, Peer] = {}
-        for r in range(nodes):
-            peers[r] = Peer(**json.loads(store.get(keys.node(r))))
+        watched = {(rank + k) % nodes for k in range(1, min(WATCHERS, nodes - 1) + 1)}
+        known = {rank: me}
+        for r in sorted(watched):  # the few this node watches: O(1) reads per node
+            known[r] = Peer(**json.loads(store.get(keys.node(r))))
         job_store = getattr(store, "underlying_store", store)
-        if rank == 0:
+        if rank == 0:  # the round's record: every node's host, one read of them all
+            everyone = [keys.node(r) for r in range(nodes)]
+            known.update(
+                (r, Peer(**json.loads(raw))) for r, raw in enumerate(store.multi_get(everyone))
+            )
             token = uuid.uuid4().hex
             previous = None
-            if job_store.check([keys.record]):
-                previous = json.loads(job_store.get(keys.record))
-            record = {"token": token, "nodes": [peers[r].host for r in range(nodes)]}
-            job_store.set(keys.record, json.dumps(record))
+            if job_store.check([keys.record_nodes]):
+                previous = json.loads(job_store.get(keys.record_nodes))
+            job_store.set(keys.record_nodes, json.dumps([known[r].host for r in range(nodes)]))
+            job_store.set(keys.record, json.dumps({"token": token}))
             store.set(keys.token, token)
             if previous is not None:
-                emit_joined(peers, previous.get("nodes", []))
+                emit_joined({r: known[r] for r in range(nodes)}, previous)
         else:
             token = store.get(keys.token).decode()
+        peers = PeerBook(store, keys, known)
         with self._lock:
             self._round = Round(store, job_store, rank, nodes, peers, token, keys)
             self._state, self._why = RosterState.WATCHING, None
@@ -164,7 +171,7 @@ class NodeRoster:
             self._fence.forget()
         for k in range(1, min(WATCHERS, nodes - 1) + 1):
             self._ring.watch(peers[(rank + k) % nodes])
-        return [peers[r] for r in range(nodes)]
+        return peers
 
     def leave_round(self, reason: str | None = None, cause: str = "unhealthy") -> None:
         """Stop watching; the fence is closed until the next round. ``reason``: this node
@@ -216,27 +223,34 @@ class NodeRoster:
         start = time.monotonic()
         deadline, report, pause = start + timeout, start + 10.0, 0.005
         confirmed: set[int] = set()  # losses other launchers recorded in the store
+
+        def unfinished(lost: set[int]) -> list[int]:  # O(N) reads: for the log only
+            return [
+                r for r in range(current.nodes)
+                if r not in lost and not store.check([keys.exit(r)])
+            ]  # fmt: skip
+
         while not store.check([keys.exit_all]):
             confirmed = confirmed_losses(store, current, confirmed)
             with self._lock:
                 lost = set(self._losses) | confirmed
-            waiting = [
-                r
-                for r in range(current.nodes)
-                if r not in lost and (lost or time.monotonic() > report)
-                and not store.check([keys.exit(r)])
-            ]  # fmt: skip
-            if lost and not waiting:  # every node left finished: the lost ones never will
-                return sorted(current.peers[r].host for r in lost)
+            if lost:  # every node left finished: the lost ones never will
+                finished = int(store.add(keys.exit_count, 0))
+                finished -= sum(1 for r in lost if store.check([keys.exit(r)]))
+                if finished + len(lost) >= current.nodes:
+                    return sorted(current.peers[r].host for r in lost)
             now = time.monotonic()
-            if now > report and waiting:
-                logger.info(
-                    "waiting for %s to finish their workers (%.0f s so far)",
-                    ", ".join(current.peers[r].host for r in waiting),
-                    now - start,
-                )
+            if now > report:
+                waiting = unfinished(lost)
+                if waiting:
+                    logger.info(
+                        "waiting for %s to finish their workers (%.0f s so far)",
+                        ", ".join(current.peers[r].host for r in waiting),
+                        now - start,
+                    )
                 report = now + 10.0
             if now > deadline:
+                waiting = unfinished(lost)
                 logger.warning(
                     "exit barrier: %s did not finish within %.0f s; leaving without them",
                     ", ".join(current.peers[r].host for r in waiting) or "some nodes",

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Loss", "Peer", "Round", "RoundKeys"]
+__all__ = ["Loss", "Peer", "PeerBook", "Round", "RoundKeys"]
 
 
 @dataclass(frozen=True)
@@ -45,14 +45,18 @@ class RoundKeys:
     - ``token``: the round's token, which node rank 0 sets (:attr:`token`);
     - ``left/<R>``: why node R leaves the job, written before it goes (:meth:`left`);
     - ``lost_how/<R>`` (``cause:how``), then ``lost/<R>`` (a count: the launcher that
-      adds the first reports the loss) and ``lost_count``, the losses recorded
-      (:meth:`lost_how`, :meth:`lost`, :attr:`lost_count`);
+      adds the first reports the loss), ``lost_count`` (the losses recorded) and
+      ``lost_seq/<i>`` (the i-th node recorded lost: a reader reads the losses, not
+      every node's key) (:meth:`lost_how`, :meth:`lost`, :attr:`lost_count`,
+      :meth:`lost_seq`);
     - ``exit/<R>``, ``exit/count`` and ``exit/all``: the exit barrier (:meth:`exit`,
       :attr:`exit_count`, :attr:`exit_all`).
 
     In the job's store, across rounds: ``steadfast/<run id>/round``, the job's current
-    round (JSON: its token and its nodes' hosts, :attr:`record`), and
-    ``steadfast/<run id>/round/fence``, which each fence probe adds to (:attr:`fence`).
+    round's token (JSON, :attr:`record`: every fence probe reads it, so it stays a few
+    bytes), ``steadfast/<run id>/round/nodes``, its nodes' hosts (JSON, node rank 0's
+    only, :attr:`record_nodes`), and ``steadfast/<run id>/round/fence``, which each fence
+    probe adds to (:attr:`fence`).
     """
 
     def __init__(self, run_id: str, generation: int | None = None) -> None:
@@ -60,6 +64,7 @@ class RoundKeys:
         self.prefix = "steadfast/" if generation is None else f"steadfast/g{generation}/"
         self.record = f"steadfast/{run_id}/round"
         self.fence = f"{self.record}/fence"
+        self.record_nodes = f"{self.record}/nodes"
         self.token = f"{self.prefix}token"
         self.lost_count = f"{self.prefix}lost_count"
         self.exit_count = f"{self.prefix}exit/count"
@@ -77,6 +82,10 @@ class RoundKeys:
         """How many launchers recorded node ``rank`` lost."""
         return f"{self.prefix}lost/{rank}"
 
+    def lost_seq(self, index: int) -> str:
+        """The node rank recorded lost ``index``-th (1-based) in the round."""
+        return f"{self.prefix}lost_seq/{index}"
+
     def lost_how(self, rank: int) -> str:
         """How node ``rank`` was lost (``cause:how``)."""
         return f"{self.prefix}lost_how/{rank}"
@@ -84,6 +93,23 @@ class RoundKeys:
     def exit(self, rank: int) -> str:
         """Node ``rank`` finished its workers (the exit barrier)."""
         return f"{self.prefix}exit/{rank}"
+
+
+class PeerBook:
+    """The round's nodes by node rank, read from the round's store when first asked
+    for: a node needs the few it watches, and the description of a node only when it is
+    lost, so entering a round costs it O(1) store reads whatever the job's size (reading
+    every node's key made each round O(N^2) reads job-wide)."""
+
+    def __init__(self, store: Any, keys: RoundKeys, known: dict[int, Peer]) -> None:
+        self._store, self._keys, self._known = store, keys, dict(known)
+
+    def __getitem__(self, rank: int) -> Peer:
+        peer = self._known.get(rank)
+        if peer is None:
+            peer = Peer(**json.loads(self._store.get(self._keys.node(rank))))
+            self._known[rank] = peer
+        return peer
 
 
 @dataclass
@@ -94,7 +120,7 @@ class Round:
     job_store: Any  # the job's store, across rounds
     rank: int
     nodes: int
-    peers: dict[int, Peer]
+    peers: PeerBook
     token: str
     keys: RoundKeys
 

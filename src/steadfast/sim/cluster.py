@@ -1,11 +1,17 @@
-"""torch's dynamic rendezvous (``DynamicRendezvousHandler`` over the c10d backend, as
-``steadfast launch`` uses it) with N simulated nodes in one process: a handler per node,
-each on a thread, each with its own :class:`~steadfast.sim.store.CountingStore` over its own real
-``TCPStore`` client of one ``TCPStore`` server.
+"""N simulated nodes' rendezvous in one process: a handler per node, each on a thread,
+each with its own :class:`~steadfast.sim.store.CountingStore` over its own real
+``TCPStore`` client of one ``TCPStore`` server. Two designs side by side:
+
+- ``torch``: torch's dynamic rendezvous (``DynamicRendezvousHandler`` over the c10d
+  backend), as ``steadfast launch --rdzv-backend c10d`` uses it;
+- ``steadfast``: steadfast's own (``steadfast.rendezvous``, ``--rdzv-backend steadfast``).
 
 What it measures: the join of N nodes (its time, and each node's store operations and
-bytes), then a quiet window of keep-alives (operations and bytes per node per keep-alive
-interval), and the memory per simulated node."""
+bytes), then a quiet window in which the round runs: each node's keep-alive and the
+agent's own polling (torch's agent asks ``num_nodes_waiting`` every
+``monitor_interval``, 0.1 s by default), per node per keep-alive interval; the memory per
+simulated node; and a node lost after the round formed: one survivor expires it, every
+survivor joins the next round."""
 
 from __future__ import annotations
 
@@ -21,13 +27,16 @@ from typing import Any
 
 from .store import CountingStore, Tally
 
-__all__ = ["Loss", "Run", "simulate_dynamic", "simulate_loss"]
+__all__ = ["DESIGNS", "Loss", "Run", "simulate_join", "simulate_loss"]
+
+DESIGNS = ("torch", "steadfast")
 
 
 @dataclass
 class Run:
     """One simulation's figures; per-node figures are medians over the nodes."""
 
+    design: str
     nodes: int
     join_seconds: float
     join: Tally  # one median node's tally for the join (round 1)
@@ -50,17 +59,21 @@ def _rss() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def simulate_dynamic(
+def simulate_join(
     nodes: int,
+    design: str = "steadfast",
     keep_alive: float = 5.0,
     window: float = 10.0,
+    monitor_interval: float = 0.1,
     join_timeout: float = 120.0,
 ) -> Run:
-    """Join ``nodes`` simulated nodes through torch's dynamic rendezvous (c10d backend
-    on a real ``TCPStore``), then let their keep-alives run for ``window`` seconds."""
+    """Join ``nodes`` simulated nodes through ``design``'s rendezvous on a real
+    ``TCPStore``, then let the round run for ``window`` seconds: the handlers'
+    keep-alives, and every node's agent asking ``num_nodes_waiting`` each
+    ``monitor_interval`` (one thread asks for all nodes in turn)."""
     with _Cluster(nodes) as cluster:
         rss0 = _rss()
-        handlers = cluster.handlers(nodes, last_call=0.1, keep_alive=keep_alive,
+        handlers = cluster.handlers(design, nodes, last_call=0.1, keep_alive=keep_alive,
                                     join_timeout=join_timeout)  # fmt: skip
         start = time.monotonic()
         _join_all(handlers)
@@ -68,7 +81,7 @@ def simulate_dynamic(
         memory = (_rss() - rss0) / nodes
         counters = cluster.counters
         joins = [c.tally.copy() for c in counters]
-        time.sleep(window)
+        _monitor(handlers, window, monitor_interval)
         quiet = [c.tally.minus(j) for c, j in zip(counters, joins, strict=True)]
         interval = max(1, round(keep_alive))
         per_interval = [
@@ -79,6 +92,7 @@ def simulate_dynamic(
         cluster.stop()
         latency, overhead = _proxy_overhead(cluster.clients[0])
     return Run(
+        design=design,
         nodes=nodes,
         join_seconds=joined,
         join=_median(joins),
@@ -89,6 +103,16 @@ def simulate_dynamic(
         overhead_per_op=overhead,
         latency_per_op=latency,
     )
+
+
+def _monitor(handlers: list[Any], window: float, interval: float) -> None:
+    """Each node's agent loop, for ``window`` seconds: ``num_nodes_waiting`` every
+    ``interval`` (torch's ``_invoke_run`` while the workers are healthy)."""
+    end = time.monotonic() + window
+    while (now := time.monotonic()) < end:
+        for handler in handlers:
+            handler.num_nodes_waiting()
+        time.sleep(max(0.0, min(interval - (time.monotonic() - now), end - time.monotonic())))
 
 
 class _Cluster:
@@ -112,11 +136,27 @@ class _Cluster:
         self._handlers: list[Any] = []
 
     def handlers(
-        self, min_nodes: int, last_call: float, keep_alive: float = 5.0,
+        self, design: str, min_nodes: int, last_call: float, keep_alive: float = 5.0,
         join_timeout: float = 120.0,
     ) -> list[Any]:  # fmt: skip
-        """A dynamic rendezvous handler per node (elastic ``min_nodes`` .. all), its
-        state through that node's counted client."""
+        """A handler of ``design`` per node (elastic ``min_nodes`` .. all), its store
+        calls through that node's counted client."""
+        if design == "steadfast":
+            from ..rendezvous.handler import Settings, SteadfastRendezvousHandler
+
+            self._handlers = [
+                SteadfastRendezvousHandler(
+                    counter,
+                    Settings(self.run_id, min_nodes, len(self.clients), join_timeout=join_timeout,
+                             last_call_timeout=last_call, keep_alive_interval=keep_alive,
+                             local_addr="127.0.0.1"),
+                    node=f"node{i}",
+                )
+                for i, counter in enumerate(self.counters)
+            ]  # fmt: skip
+            return self._handlers
+        if design != "torch":
+            raise ValueError(f"design: {design!r} (expected one of {', '.join(DESIGNS)})")
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
             C10dRendezvousBackend,
         )
@@ -147,7 +187,7 @@ class _Cluster:
 
         for handler in self._handlers:
             with contextlib.suppress(Exception):
-                seam.stop_rendezvous_heartbeats(handler)
+                seam.stop_rendezvous_heartbeats(handler)  # torch's: a timer thread
 
     def __enter__(self) -> _Cluster:
         return self
@@ -182,10 +222,11 @@ def _proxy_overhead(client: Any, calls: int = 2000) -> tuple[float, float]:
 @dataclass
 class Loss:
     """A node lost after the round formed: the survivors expire it and form the next
-    round (detection itself is the node roster's, measured on the bed: not simulated)."""
+    round (detection itself is the node roster's: ``steadfast.sim.roster``)."""
 
+    design: str
     nodes: int
-    last_call: float  # the rendezvous' last-call wait, part of every elastic round
+    last_call: float  # the rendezvous' last-call wait (torch's elastic rounds wait it)
     seconds: float  # expiry by one survivor -> every survivor in the next round
     expire: Tally  # the survivor that expired the lost node: that operation's tally
     round: Tally  # per survivor for the next round (median survivor)
@@ -193,14 +234,18 @@ class Loss:
     world: int  # the next round's size
 
 
-def simulate_loss(nodes: int, last_call: float = 1.0, join_timeout: float = 120.0) -> Loss:
+def simulate_loss(
+    nodes: int, design: str = "steadfast", last_call: float = 1.0, join_timeout: float = 120.0
+) -> Loss:
     """``nodes`` nodes join (an elastic range ``nodes - 1 .. nodes``), then the last one
-    is lost (its keep-alives stop): one survivor expires it in the rendezvous, as the
-    launcher does when its ring reports a loss, and every survivor joins the next round."""
+    is lost (torch's: its keep-alives stop): one survivor expires it in the rendezvous,
+    as the launcher does when its ring reports a loss, and every survivor joins the next
+    round."""
     from .. import seam
 
     with _Cluster(nodes) as cluster:
-        handlers = cluster.handlers(max(1, nodes - 1), last_call, join_timeout=join_timeout)
+        handlers = cluster.handlers(design, max(1, nodes - 1), last_call,
+                                    join_timeout=join_timeout)  # fmt: skip
         worlds = _join_all(handlers)
         if set(worlds) != {nodes}:
             raise RuntimeError(f"the first round has {sorted(set(worlds))} nodes, not {nodes}")
@@ -209,9 +254,12 @@ def simulate_loss(nodes: int, last_call: float = 1.0, join_timeout: float = 120.
         seam.stop_rendezvous_heartbeats(lost)
         before = [c.tally.copy() for c in counters]
         start = time.monotonic()
-        node_id = seam.rendezvous_node_id(lost)
-        assert node_id is not None
-        seam.expire_rendezvous_nodes(survivors[0], [node_id])
+        if design == "steadfast":
+            survivors[0].expire([lost.node_id()])
+        else:
+            node_id = seam.rendezvous_node_id(lost)
+            assert node_id is not None
+            seam.expire_rendezvous_nodes(survivors[0], [node_id])
         expire = counters[0].tally.minus(before[0])
         after_expire = counters[0].tally.copy()
         worlds = _join_all(survivors)
@@ -219,6 +267,7 @@ def simulate_loss(nodes: int, last_call: float = 1.0, join_timeout: float = 120.
         rounds = [c.tally.minus(b) for c, b in zip(counters, before, strict=True)]
         rounds[0] = counters[0].tally.minus(after_expire)
     return Loss(
+        design=design,
         nodes=nodes,
         last_call=last_call,
         seconds=seconds,
@@ -230,7 +279,8 @@ def simulate_loss(nodes: int, last_call: float = 1.0, join_timeout: float = 120.
 
 
 def _join_all(handlers: list[Any]) -> list[int]:
-    """Every handler's ``next_rendezvous`` at once, each on a thread: the world sizes."""
+    """Every handler's ``next_rendezvous`` at once, each on a thread (small stacks: a
+    thousand nodes' threads): the world sizes."""
     worlds: list[int] = []
     errors: list[BaseException] = []
 
@@ -238,11 +288,15 @@ def _join_all(handlers: list[Any]) -> list[int]:
         try:
             worlds.append(int(handler.next_rendezvous().world_size))
         except BaseException as exc:  # every failure is reported below
-            errors.append(exc)
+            errors.append(exc.with_traceback(None))
 
-    threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
-    for t in threads:
-        t.start()
+    previous = threading.stack_size(512 * 1024)
+    try:
+        threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
+        for t in threads:
+            t.start()
+    finally:
+        threading.stack_size(previous)
     for t in threads:
         t.join()
     if errors:

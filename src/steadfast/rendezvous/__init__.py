@@ -1,0 +1,34 @@
+"""steadfast's own rendezvous (``--rdzv-backend steadfast``): O(1) store operations and
+bytes per node (``handler.py`` says how; ``keys.py`` owns the key layout).
+
+:func:`register` adds it to torch's rendezvous registry (``steadfast launch`` does, before
+its agent starts); plain ``torchrun`` finds it through the ``torchrun.handlers`` entry
+point (:func:`torchrun_handler`). Importing this package does not import torch."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+__all__ = ["BACKEND", "register", "torchrun_handler"]
+
+BACKEND = "steadfast"
+
+
+def torchrun_handler() -> Any:
+    """The creator torch's registry calls for ``--rdzv-backend steadfast`` (the
+    ``torchrun.handlers`` entry point's object)."""
+    from .handler import create_handler
+
+    return create_handler
+
+
+def register() -> None:
+    """Make ``--rdzv-backend steadfast`` known to torch's rendezvous registry (idempotent)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    from .handler import create_handler
+
+    # registered already: the entry point's creator, or ours
+    with contextlib.suppress(ValueError):
+        rendezvous_handler_registry.register(BACKEND, create_handler)
