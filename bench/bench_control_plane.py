@@ -49,7 +49,7 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def joins(design: str, nodes: list[int], args: argparse.Namespace) -> list[Run]:
     runs: list[Run] = []
     print(f"\n{design}: the join, then the round running (per node: the median node)")
-    head = f"{'N':>6} {'join s':>8} {'join ops':>9} {'join KB':>9} {'max KB':>9} "
+    head = f"{'N':>6} {'procs':>5} {'join s':>8} {'join ops':>9} {'join KB':>9} {'max KB':>9} "
     head += f"{'ka ops':>7} {'ka KB':>9} {'store MB/ka':>12} {'KB/node':>8} "
     print(head + f"{'us/op':>6} {'+proxy':>6}")
     for n in nodes:
@@ -60,8 +60,9 @@ def joins(design: str, nodes: list[int], args: argparse.Namespace) -> list[Run]:
             break
         runs.append(run)
         total = run.keep_alive.bytes * n / 1e6
-        print(f"{n:>6} {run.join_seconds:>8.2f} {run.join.count:>9} {run.join.bytes / 1e3:>9.2f} "
-              f"{run.join_max.bytes / 1e3:>9.1f} {run.keep_alive.count:>7} "
+        print(f"{n:>6} {run.processes:>5} {run.join_seconds:>8.2f} {run.join.count:>9} "
+              f"{run.join.bytes / 1e3:>9.2f} "
+              f"{run.join_max.bytes / 1e3:>9.1f} {run.keep_alive_ops:>7.1f} "
               f"{run.keep_alive.bytes / 1e3:>9.3f} {total:>12.3f} "
               f"{run.memory_per_node / 1e3:>8.0f} {run.latency_per_op * 1e6:>6.0f} "
               f"{run.overhead_per_op * 1e6:>6.1f}",

@@ -131,7 +131,7 @@ def _add_slurm_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "slurm",
         help="write (and optionally submit) an sbatch script: steadfast launch on N nodes",
         description="Write a batch script that runs `steadfast launch` once per node "
-        "through srun, with a c10d rendezvous on the first node, in-job restarts, job "
+        "through srun, with a rendezvous on the first node, in-job restarts, job "
         "retries (the launcher requeues the job) and the preemption signal forwarded to "
         "the ranks. Printed to stdout unless --write or --submit.",
     )
@@ -181,8 +181,9 @@ def _add_slurm_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--rdzv-backend",
         default=d["rdzv_backend"].default,
-        help="c10d (the store on the first node), or etcd-v2 with --rdzv-endpoint: an etcd "
-        "cluster outside the job, so that losing the first node does not end it",
+        help="steadfast (default: steadfast's own rendezvous, O(1) store traffic per node) or "
+        "c10d (torch's), the store on the first node; or etcd-v2 with --rdzv-endpoint: an "
+        "etcd cluster outside the job, so that losing the first node does not end it",
     )
     p.add_argument(
         "--rdzv-endpoint",

@@ -6,6 +6,7 @@ end of the job, a store gone, and torch's registry. (The launcher's multi-node t
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -177,8 +178,8 @@ def test_a_node_dying_during_the_join_is_left_out() -> None:
     server = serve()
     keys = Keys("job")
     server.add(keys.ticket(0), 1)
-    server.set(keys.holder(0, 1), '["dead", -1]')
-    server.set(keys.heartbeat("dead"), f"{time.time() - 100:.3f}")
+    # its key: a newcomer that took its ticket 100 s ago and never beat since
+    server.set(keys.holder(0, 1), json.dumps(["dead", -1, time.time() - 100, "127.0.0.1", 1]))
     a, b = (node(server, n, 2, 3, last_call_timeout=0.3) for n in ("a", "b"))
     result = join(a, b)
     assert sorted(ranks(result).values()) == [0, 1]

@@ -9,6 +9,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from steadfast.sim import CountingStore, simulate_join, simulate_loss
+from steadfast.sim.roster import simulate_roster
 
 
 def test_the_counting_client_tallies_operations_and_bytes_both_ways() -> None:
@@ -45,3 +46,37 @@ def test_a_lost_node_is_expired_and_the_survivors_form_the_next_round() -> None:
     assert loss.world == 3  # the lost node is not in the next round
     assert loss.expire.ops.get("compare_set") == 1  # one write marks it expired
     assert loss.round.ops.get("compare_set", 0) >= 1  # each survivor rejoined
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_steadfasts_per_node_store_figures_stay_flat_from_16_to_256_nodes() -> None:
+    """The issue's scale test: steadfast's rendezvous with 16 and 256 simulated nodes
+    (the 256 in a worker process), each on its own real store client. Per node, the
+    join, the round running and the next round after a loss cost the same operations,
+    and bytes that differ only by the digits of longer numbers; only the node that
+    decides a round reads every holder (O(N) bytes, once per round)."""
+    small = simulate_join(16, "steadfast", keep_alive=1, window=3, processes=0)
+    large = simulate_join(256, "steadfast", keep_alive=1, window=3, processes=1)
+    assert large.join.count == small.join.count <= 8, (small.join, large.join)
+    assert large.join.bytes - small.join.bytes <= 16, (small.join, large.join)
+    assert large.keep_alive_ops == small.keep_alive_ops <= 1  # one counter read
+    assert large.keep_alive.bytes - small.keep_alive.bytes <= 4
+    assert large.join_max.bytes > 8 * small.join_max.bytes  # the decider's one read
+    small_loss = simulate_loss(16, "steadfast", processes=0)
+    large_loss = simulate_loss(256, "steadfast", processes=1)
+    assert (small_loss.world, large_loss.world) == (15, 255)
+    assert large_loss.round.count == small_loss.round.count <= 6
+    assert large_loss.round.bytes - small_loss.round.bytes <= 16
+    assert large_loss.expire.count == small_loss.expire.count  # marking a loss: O(1)
+
+
+@pytest.mark.timeout(120)
+def test_the_node_rosters_round_and_loss_cost_each_node_the_same_at_any_size() -> None:
+    """Real node rosters (ring watch, confirmation in the store): entering a round reads
+    the nodes a roster watches, not every node; a killed node is seen by its watchers
+    and every survivor learns it with the same few reads."""
+    small, large = simulate_roster(8), simulate_roster(48)
+    assert small.enter.count == large.enter.count <= 5, (small.enter, large.enter)
+    assert small.learn.count == large.learn.count <= 6, (small.learn, large.learn)
+    assert small.detect_seconds < 5 and large.detect_seconds < 5  # a reset, not a silence

@@ -272,7 +272,7 @@ def test_parse_time_limit_rejects(text):
         ({"max_restarts": -1}, "max_restarts"),
         ({"num_job_retries_on_failure": 1.5}, "num_job_retries_on_failure"),
         ({"rdzv_port": 70000}, "rdzv_port: 70000 is not a TCP port"),
-        ({"rdzv_backend": "zookeeper"}, "rdzv_backend: 'zookeeper' .expected one of c10d"),
+        ({"rdzv_backend": "zookeeper"}, "rdzv_backend: 'zookeeper' .expected one of steadfast"),
         ({"rdzv_backend": "etcd-v2"}, "rdzv_endpoint: rdzv_backend=etcd-v2 needs the etcd"),
         ({"rdzv_endpoint": "a:1, b:2"}, "rdzv_endpoint: 'a:1, b:2' must be one word"),
         ({"job_name": "my job"}, "job_name"),

@@ -37,6 +37,7 @@ while it joins.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -113,16 +114,20 @@ class Verdict:
     previous: int
     vacant: str
     newcomers: str
+    master_addr: str = ""  # node rank 0's address and a free port there: the workers'
+    master_port: int = 0  # store (torch's bootstrap_store_info), with no read more
 
     def to_json(self) -> str:
         return json.dumps(
-            {"w": self.world, "p": self.previous, "v": self.vacant, "n": self.newcomers}
-        )
+            {"w": self.world, "p": self.previous, "v": self.vacant, "n": self.newcomers,
+             "a": self.master_addr, "o": self.master_port}
+        )  # fmt: skip
 
     @classmethod
     def from_json(cls, raw: bytes) -> Verdict:
         data = json.loads(raw)
-        return cls(int(data["w"]), int(data["p"]), str(data["v"]), str(data["n"]))
+        return cls(int(data["w"]), int(data["p"]), str(data["v"]), str(data["n"]),
+                   str(data.get("a", "")), int(data.get("o", 0)))  # fmt: skip
 
     def rank(self, ticket: int, seat: int) -> int | None:
         """The rank of the node that holds ``ticket`` (``seat``: its rank in the round
@@ -215,7 +220,10 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             s, k = self.store, self.keys
             s.set(k.closed, "1")
             r = self._current_round()
-            s.compare_set(k.verdict(r), "", CLOSED)  # a round forming now forms no more
+            # a round forming now forms no more, nor does the next (its members look no
+            # further than their verdict)
+            s.compare_set(k.verdict(r), "", CLOSED)
+            s.compare_set(k.verdict(r + 1), "", CLOSED)
             s.set(k.ended(r), "1")  # spares waiting for it wake and see the end
 
         self._call(close)
@@ -260,11 +268,15 @@ class SteadfastRendezvousHandler(RendezvousHandler):
         return counted
 
     def _mark_lost(self, node: str) -> bool:
+        """Count ``node`` lost once job-wide (whoever marks it first), in this node's
+        round: one fewer expected in the next round, and on the round's list of lost
+        nodes, which the next round's decider leaves out should one of them come back."""
         s, k = self.store, self.keys
         s.set(k.heartbeat(node), "0")
         first = s.compare_set(k.lost(node), "", self.node) == self.node.encode()
         if first and self._round is not None:
             s.add(k.delta(self._round), -1)
+            s.set(k.lost_seq(self._round, int(s.add(k.lost_count(self._round), 1))), node)
         return bool(first)
 
     @contextlib.contextmanager
@@ -286,9 +298,6 @@ class SteadfastRendezvousHandler(RendezvousHandler):
     def _current_round(self) -> int:
         return int(self.store.compare_set(self.keys.round, "", "0"))
 
-    def _beat(self) -> None:
-        self.store.set(self.keys.heartbeat(self.node), f"{time.time():.3f}")
-
     def _wait(self, key: str, seconds: float) -> bool:
         """Whether ``key`` exists within ``seconds`` (a store wait; a check when no time
         is left)."""
@@ -305,33 +314,33 @@ class SteadfastRendezvousHandler(RendezvousHandler):
     def _join(self) -> RendezvousInfo:
         s, k = self.store, self.keys
         deadline = time.monotonic() + self.join_timeout
-        if s.check([k.closed]):
-            raise RendezvousClosedError(f"the rendezvous {self.settings.run_id!r} is closed")
         previous: int | None = None  # the size of the round before r, where known
         seat = -1
         if self._round is not None:  # a member of round r starts the next one
             r, previous, seat = self._round, self._world, self._seat
-            s.set(k.ended(r), "1")
-            s.compare_set(k.round, str(r), str(r + 1))
+            if int(s.add(k.leaving(r), 1)) == 1:  # the first member to leave ends it
+                s.compare_set(k.round, str(r), str(r + 1))
+                s.set(k.ended(r), "1")
             self._round, self._seat = None, -1
             r += 1
         elif self._pending is not None:  # joining again after the store failed
             r = self._pending[0]
         else:
+            if s.check([k.closed]):
+                raise RendezvousClosedError(f"the rendezvous {self.settings.run_id!r} is closed")
             r = self._current_round()
         while True:
             if self._pending is not None and self._pending[0] == r:
                 ticket = self._pending[1]
-            elif s.check([k.verdict(r)]):  # round r formed without this node
+            elif seat < 0 and s.check([k.verdict(r)]):  # round r formed without this node
                 r, previous = self._wait_for_next(r, deadline)
-                seat = -1
                 continue
             else:
-                self._beat()
                 ticket = int(s.add(k.ticket(r), 1))
-                s.set(k.holder(r, ticket), json.dumps([self.node, seat]))
+                host, port = self.settings.local_addr or socket.getfqdn(), _free_port()
+                s.set(k.holder(r, ticket), json.dumps([self.node, seat, time.time(), host, port]))
                 self._pending = (r, ticket)
-            raw = self._await_verdict(r, ticket, previous, deadline)
+            raw = self._await_verdict(r, ticket, seat, previous, deadline)
             self._pending = None
             if raw == CLOSED.encode():
                 raise RendezvousClosedError(f"the rendezvous {self.settings.run_id!r} is closed")
@@ -345,7 +354,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
         self._round, self._seat, self._world = r, rank, verdict.world
         self._waiting = (time.monotonic(), 0)
         store = _prefixed(k.round_store(r), s)
-        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self.settings.local_addr)
+        bootstrap = RendezvousStoreInfo(verdict.master_addr, verdict.master_port)
         return RendezvousInfo(store, rank, verdict.world, bootstrap)
 
     def _wait_for_next(self, r: int, deadline: float) -> tuple[int, int]:
@@ -382,29 +391,39 @@ class SteadfastRendezvousHandler(RendezvousHandler):
     def _left(deadline: float) -> float:
         return max(0.0, deadline - time.monotonic())
 
-    def _expected(self, r: int, previous: int | None) -> int:
-        """How many tickets complete round ``r``: ``max_nodes`` for the first round;
-        after it, the round before's size plus its delta (waiting nodes in, lost out)."""
+    def _previous_world(self, r: int) -> int | None:
+        """Round ``r - 1``'s size, from its verdict (None: no such round)."""
         s, k = self.store, self.keys
-        if r == 0:
-            return self.settings.max_nodes
-        if previous is None:
-            if not s.check([k.verdict(r - 1)]):
-                return self.settings.max_nodes
-            raw = s.get(k.verdict(r - 1))
-            if raw == CLOSED.encode():
-                return self.settings.max_nodes
-            previous = Verdict.from_json(raw).world
-        return max(1, previous + int(s.add(k.delta(r - 1), 0)))
+        if r == 0 or not s.check([k.verdict(r - 1)]):
+            return None
+        raw = s.get(k.verdict(r - 1))
+        return None if raw == CLOSED.encode() else Verdict.from_json(raw).world
 
-    def _await_verdict(self, r: int, ticket: int, previous: int | None, deadline: float) -> bytes:
-        """Wait for round ``r``'s verdict, beating; the node whose ticket completes the
-        round (or reaches ``min_nodes``, after the last call; or any, late, if those
-        died) writes it."""
+    def _completes(self, r: int, ticket: int, previous: int | None) -> bool:
+        """Whether ``ticket`` completes round ``r``: ``max_nodes`` tickets in the first
+        round; after it, the round before's size plus its delta (nodes waiting for it
+        in, lost members out). A ticket below ``min_nodes`` never completes a round (no
+        read)."""
+        cfg = self.settings
+        if ticket < cfg.min_nodes:
+            return False
+        if previous is None:
+            previous = self._previous_world(r)
+        if previous is None:
+            return ticket >= cfg.max_nodes
+        expected = max(1, previous + int(self.store.add(self.keys.delta(r - 1), 0)))
+        return ticket >= expected or (ticket >= cfg.max_nodes and expected <= cfg.max_nodes)
+
+    def _await_verdict(
+        self, r: int, ticket: int, seat: int, previous: int | None, deadline: float
+    ) -> bytes:
+        """Wait for round ``r``'s verdict; the node whose ticket completes the round (or
+        reaches ``min_nodes``, after the last call; or any, late, if those died) writes
+        it. A node waiting longer than a keep-alive interval beats (its own key), so the
+        decider can tell it from a node that died during the join."""
         s, k, cfg = self.store, self.keys, self.settings
         now = time.monotonic()
-        expected = self._expected(r, previous)
-        if ticket >= expected or (ticket >= cfg.max_nodes and expected <= cfg.max_nodes):
+        if self._completes(r, ticket, previous):
             act = now
         elif ticket == cfg.min_nodes:
             act = now + cfg.last_call_timeout
@@ -417,7 +436,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
                 self._decide(r)
                 act = now + cfg.keep_alive_interval
             if now >= beat:
-                self._beat()
+                s.set(k.heartbeat(self.node), f"{time.time():.3f}")
                 beat = now + cfg.keep_alive_interval
             if now >= deadline:
                 with contextlib.suppress(Exception):
@@ -430,55 +449,86 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             if self._wait(k.verdict(r), min(act, beat, deadline) - now):
                 return bytes(s.get(k.verdict(r)))
 
+    def _alive(self, r: int, holders: list[str], infos: list[list[Any]]) -> list[bool]:
+        """Which ticket holders of round ``r`` are alive: not expired in the round before,
+        and beating (the time in the holder's key, or, for one that has waited longer,
+        its heartbeat key: read only for those)."""
+        s, k, cfg = self.store, self.keys, self.settings
+        lost: set[str] = set()
+        if r > 0:
+            count = int(s.add(k.lost_count(r - 1), 0))
+            keys = [k.lost_seq(r - 1, i) for i in range(1, count + 1)]
+            if keys and s.check(keys):
+                lost = {bytes(v).decode() for v in s.multi_get(keys)}
+        now, alive = time.time(), []
+        for info in infos:
+            node, at = str(info[0]), float(info[2])
+            if node in lost:
+                alive.append(False)
+                continue
+            if now - at > cfg.stale_after:  # joined a while ago: its heartbeat says
+                key = k.heartbeat(node)
+                at = float(s.get(key)) if s.check([key]) else 0.0
+            alive.append(at > 0 and now - at <= cfg.stale_after)
+        return alive
+
     def _decide(self, r: int) -> None:
         """Write round ``r``'s verdict if ``min_nodes`` live ticket holders are there:
         the members of the round before keep their seats, newcomers by ticket fill the
-        vacant seats, then new ones, up to ``max_nodes``."""
+        vacant seats, then new ones, up to ``max_nodes``; the master address is node rank
+        0's."""
         s, k, cfg = self.store, self.keys, self.settings
         if s.check([k.verdict(r)]):
             return
         count = int(s.add(k.ticket(r), 0))
         holders = [k.holder(r, t) for t in range(1, count + 1)]
-        if holders and not s.check(holders):  # a node between its ticket and its key
-            time.sleep(0.05)
-            holders = [h for h in holders if s.check([h])]
+        settle = time.monotonic() + 1.0
+        while holders and not s.check(holders):  # a node between its ticket and its key
+            if time.monotonic() > settle:  # died there: one check per holder, this once
+                holders = [h for h in holders if s.check([h])]
+                break
+            time.sleep(0.01)
         if not holders:
             return
         infos = [json.loads(raw) for raw in s.multi_get(holders)]
-        beats = s.multi_get([k.heartbeat(str(info[0])) for info in infos])
-        now = time.time()
-        seats: set[int] = set()
-        newcomers: list[int] = []
+        seats: dict[int, list[Any]] = {}
+        newcomers: dict[int, list[Any]] = {}
         seen: set[str] = set()
-        for holder, (node, seat), beat in zip(holders, infos, beats, strict=True):
-            try:
-                at = float(beat)
-            except ValueError:
-                continue
-            if node in seen or at <= 0 or now - at > cfg.stale_after:
-                continue  # expired, dying during the join, or twice
-            seen.add(node)
-            if seat >= 0:
-                seats.add(int(seat))
+        for holder, info, alive in zip(holders, infos, self._alive(r, holders, infos), strict=True):
+            if not alive or info[0] in seen:
+                continue  # expired, dead during the join, or twice
+            seen.add(info[0])
+            if int(info[1]) >= 0:
+                seats[int(info[1])] = info
             else:
-                newcomers.append(int(holder.rsplit("/", 1)[1]))
+                newcomers[int(holder.rsplit("/", 1)[1])] = info
         if len(seats) + len(newcomers) < cfg.min_nodes:
             return
         previous = max(seats) + 1 if seats else 0
-        if r > 0 and s.check([k.verdict(r - 1)]):
-            raw = s.get(k.verdict(r - 1))
-            if raw != CLOSED.encode():
-                previous = max(previous, Verdict.from_json(raw).world)
+        previous = max(previous, self._previous_world(r) or 0)
         vacant = [x for x in range(previous) if x not in seats]
-        room = cfg.max_nodes - len(seats)
-        admitted = sorted(newcomers)[: max(0, room)]
+        admitted = sorted(newcomers)[: max(0, cfg.max_nodes - len(seats))]
         verdict = Verdict(
             world=len(seats) + len(admitted),
             previous=previous,
             vacant=encode_members(vacant),
             newcomers=encode_members(admitted),
         )
+        first = seats.get(0) or (
+            newcomers[admitted[0]] if admitted and (vacant[:1] == [0] or not seats) else None
+        )
+        if first is None:  # seat 0 left, no newcomer took it: the lowest seat kept
+            first = seats[min(seats)]
+        verdict = dataclasses.replace(verdict, master_addr=str(first[3]), master_port=int(first[4]))
         s.compare_set(k.verdict(r), "", verdict.to_json())
+
+
+def _free_port() -> int:
+    """A port free on this node now (the workers' store, should this node be rank 0;
+    as torch's rendezvous picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
 
 
 class _Prefixed:

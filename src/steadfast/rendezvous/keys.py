@@ -7,13 +7,17 @@ job's prefix ``/steadfast/<run_id>/``:
 
 - ``round``: the round now forming or running (moved on once, by compare-and-set);
 - ``closed``: the job ended; no round forms again;
-- ``hb/<node>``: a joining node's heartbeat (its wall time), ``0`` once it is expired;
+- ``hb/<node>``: the heartbeat (wall time) of a node that has waited longer than a
+  keep-alive interval for its round to form, ``0`` once it is expired;
 - ``lost/<node>``: who expired the node first (so a loss counts once);
+- ``<r>/lost_count``, ``<r>/lost_seq/<i>``: the members of round r expired, in order;
 - ``<r>/ticket``: round r's ticket counter (``add``);
-- ``<r>/t/<ticket>``: the node that holds a ticket (its key, and whether it was a member
-  of the round before);
+- ``<r>/t/<ticket>``: the node that holds a ticket: its key, its seat in the round
+  before (-1: a newcomer), when it took the ticket, and its address and a free port
+  there (the workers' store, should it be node rank 0);
 - ``<r>/verdict``: round r's members, written once (compare-and-set) by one node;
-- ``<r>/ended``: a member of round r started the next one;
+- ``<r>/leaving``: members of round r that started the next one (the first moves
+  ``round`` on and writes ``<r>/ended``, which the nodes waiting for round r wait on);
 - ``<r>/delta``: the next round's size minus round r's: +1 per node waiting (a spare, a
   late node), -1 per member lost;
 - ``<r>/waiting``: nodes that arrived late while round r has room (they make the members
@@ -51,6 +55,15 @@ class Keys:
 
     def verdict(self, r: int) -> str:
         return f"{self.prefix}{r}/verdict"
+
+    def leaving(self, r: int) -> str:
+        return f"{self.prefix}{r}/leaving"
+
+    def lost_count(self, r: int) -> str:
+        return f"{self.prefix}{r}/lost_count"
+
+    def lost_seq(self, r: int, index: int) -> str:
+        return f"{self.prefix}{r}/lost_seq/{index}"
 
     def ended(self, r: int) -> str:
         return f"{self.prefix}{r}/ended"

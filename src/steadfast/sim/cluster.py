@@ -1,6 +1,12 @@
-"""N simulated nodes' rendezvous in one process: a handler per node, each on a thread,
-each with its own :class:`~steadfast.sim.store.CountingStore` over its own real
-``TCPStore`` client of one ``TCPStore`` server. Two designs side by side:
+"""N simulated nodes' rendezvous: a handler per node, each with its own
+:class:`~steadfast.sim.store.CountingStore` over its own real ``TCPStore`` client of one
+``TCPStore`` server (in this process). The nodes live in ``processes`` worker processes
+(a thread per node in each): one interpreter holding thousands of nodes' threads spends
+more time handing its lock around than the protocol takes (2,048 nodes: 1.5 s of a
+node loss's 1.7 s went to the harness), so the nodes are spread over processes, each
+thread is started before the clock starts (a real node's agent exists before it joins),
+and ``processes=0`` keeps them in this process (small runs, tests). Two designs side by
+side:
 
 - ``torch``: torch's dynamic rendezvous (``DynamicRendezvousHandler`` over the c10d
   backend), as ``steadfast launch --rdzv-backend c10d`` uses it;
@@ -38,15 +44,32 @@ class Run:
 
     design: str
     nodes: int
+    processes: int  # worker processes holding the nodes (0: this one)
     join_seconds: float
     join: Tally  # one median node's tally for the join (round 1)
     join_max: Tally  # the node that sent most
-    keep_alive: Tally  # per node per keep-alive interval (median node)
+    keep_alive: Tally  # per node per keep-alive interval (median node; ops rounded)
+    keep_alive_ops: float  # operations per node per keep-alive interval (median node)
     intervals: float
     memory_per_node: float  # bytes of resident memory the harness grew by, per node
     overhead_per_op: float  # seconds of the counting proxy's own work per operation
     latency_per_op: float  # seconds of a bare get on this machine's loopback store
     notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Loss:
+    """A node lost after the round formed: the survivors expire it and form the next
+    round (detection itself is the node roster's: ``steadfast.sim.roster``)."""
+
+    design: str
+    nodes: int
+    last_call: float  # the rendezvous' last-call wait (torch's elastic rounds wait it)
+    seconds: float  # expiry by one survivor -> every survivor in the next round
+    expire: Tally  # the survivor that expired the lost node: that operation's tally
+    round: Tally  # per survivor for the next round (median survivor)
+    round_max: Tally
+    world: int  # the next round's size
 
 
 def _median(tallies: list[Tally]) -> Tally:
@@ -59,6 +82,11 @@ def _rss() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def default_processes(nodes: int) -> int:
+    """Worker processes for ``nodes`` simulated nodes: about 256 nodes' threads each."""
+    return 0 if nodes <= 64 else min(16, (nodes + 255) // 256)
+
+
 def simulate_join(
     nodes: int,
     design: str = "steadfast",
@@ -66,97 +94,122 @@ def simulate_join(
     window: float = 10.0,
     monitor_interval: float = 0.1,
     join_timeout: float = 120.0,
+    processes: int | None = None,
 ) -> Run:
     """Join ``nodes`` simulated nodes through ``design``'s rendezvous on a real
     ``TCPStore``, then let the round run for ``window`` seconds: the handlers'
     keep-alives, and every node's agent asking ``num_nodes_waiting`` each
-    ``monitor_interval`` (one thread asks for all nodes in turn)."""
-    with _Cluster(nodes) as cluster:
-        rss0 = _rss()
-        handlers = cluster.handlers(design, nodes, last_call=0.1, keep_alive=keep_alive,
-                                    join_timeout=join_timeout)  # fmt: skip
-        start = time.monotonic()
-        _join_all(handlers)
-        joined = time.monotonic() - start
-        memory = (_rss() - rss0) / nodes
-        counters = cluster.counters
-        joins = [c.tally.copy() for c in counters]
-        _monitor(handlers, window, monitor_interval)
-        quiet = [c.tally.minus(j) for c, j in zip(counters, joins, strict=True)]
+    ``monitor_interval``."""
+    procs = default_processes(nodes) if processes is None else processes
+    settings = _Setup(design, nodes, nodes, 0.1, keep_alive, join_timeout)
+    with _Cluster(settings, procs) as cluster:
+        joined, worlds, memory = cluster.join(range(nodes))
+        if set(worlds) != {nodes}:
+            raise RuntimeError(f"the round has {sorted(set(worlds))} nodes, not {nodes}")
+        joins = cluster.tallies()
+        cluster.monitor(window, monitor_interval)
+        quiet = [t.minus(j) for t, j in zip(cluster.tallies(), joins, strict=True)]
         interval = max(1, round(keep_alive))
         per_interval = [
             Tally({k: round(v * interval / window) for k, v in q.ops.items()},
                   round(q.sent * interval / window), round(q.received * interval / window))
             for q in quiet
         ]  # fmt: skip
-        cluster.stop()
-        latency, overhead = _proxy_overhead(cluster.clients[0])
+        latency, overhead = cluster.proxy_overhead()
     return Run(
         design=design,
         nodes=nodes,
+        processes=procs,
         join_seconds=joined,
         join=_median(joins),
         join_max=max(joins, key=lambda t: t.bytes),
         keep_alive=_median(per_interval),
+        keep_alive_ops=sorted(q.count for q in quiet)[len(quiet) // 2] * interval / window,
         intervals=window / interval,
-        memory_per_node=memory,
+        memory_per_node=memory / nodes,
         overhead_per_op=overhead,
         latency_per_op=latency,
     )
 
 
-def _monitor(handlers: list[Any], window: float, interval: float) -> None:
-    """Each node's agent loop, for ``window`` seconds: ``num_nodes_waiting`` every
-    ``interval`` (torch's ``_invoke_run`` while the workers are healthy)."""
-    end = time.monotonic() + window
-    while (now := time.monotonic()) < end:
-        for handler in handlers:
-            handler.num_nodes_waiting()
-        time.sleep(max(0.0, min(interval - (time.monotonic() - now), end - time.monotonic())))
+def simulate_loss(
+    nodes: int,
+    design: str = "steadfast",
+    last_call: float = 1.0,
+    join_timeout: float = 120.0,
+    processes: int | None = None,
+) -> Loss:
+    """``nodes`` nodes join (an elastic range ``nodes - 1 .. nodes``), then the last one
+    is lost (torch's: its keep-alives stop): one survivor expires it in the rendezvous,
+    as the launcher does when its ring reports a loss, and every survivor joins the next
+    round."""
+    procs = default_processes(nodes) if processes is None else processes
+    settings = _Setup(design, nodes, max(1, nodes - 1), last_call, 5.0, join_timeout)
+    with _Cluster(settings, procs) as cluster:
+        _, worlds, _ = cluster.join(range(nodes))
+        if set(worlds) != {nodes}:
+            raise RuntimeError(f"the first round has {sorted(set(worlds))} nodes, not {nodes}")
+        lost = nodes - 1
+        cluster.lose(lost)
+        before = cluster.tallies()
+        seconds, worlds, _ = cluster.join(range(nodes - 1), expire=(0, lost))
+        after = cluster.tallies()
+        rounds = [a.minus(b) for a, b in zip(after[:-1], before[:-1], strict=True)]
+        expire = cluster.expire_tally
+        rounds[0] = rounds[0].minus(expire)
+    return Loss(
+        design=design,
+        nodes=nodes,
+        last_call=last_call,
+        seconds=seconds,
+        expire=expire,
+        round=_median(rounds),
+        round_max=max(rounds, key=lambda t: t.bytes),
+        world=worlds[0] if len(set(worlds)) == 1 else -1,
+    )
 
 
-class _Cluster:
-    """One ``TCPStore`` server and a client per simulated node, each counted (a context
-    manager: on exit every handler's keep-alive stops and the store goes)."""
+@dataclass(frozen=True)
+class _Setup:
+    """What every worker needs to build its nodes."""
 
-    def __init__(self, nodes: int) -> None:
+    design: str
+    nodes: int
+    min_nodes: int
+    last_call: float
+    keep_alive: float
+    join_timeout: float
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    port: int = 0
+
+
+class _Nodes:
+    """Some of the simulated nodes (``indices``), in one process: a counted client and
+    a handler each."""
+
+    def __init__(self, setup: _Setup, indices: list[int]) -> None:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as the launcher
-        resource.setrlimit(resource.RLIMIT_NOFILE, _nofile(nodes))
-        self.server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                               use_libuv=True)  # fmt: skip
-        # a client per node, as each node has: the rendezvous' own blocking get (the
-        # master address, set by rank 0) must not hold a client another node needs
-        self.clients = [
-            TCPStore("127.0.0.1", self.server.port, is_master=False) for _ in range(nodes)
-        ]
-        self.counters = [CountingStore(c) for c in self.clients]
-        self.run_id = uuid.uuid4().hex[:8]
-        self._handlers: list[Any] = []
+        resource.setrlimit(resource.RLIMIT_NOFILE, _nofile(len(indices)))
+        self.setup, self.indices = setup, indices
+        self.rss0 = _rss()
+        self.counters = {
+            i: CountingStore(TCPStore("127.0.0.1", setup.port, is_master=False)) for i in indices
+        }
+        self.handlers = {i: self._handler(i) for i in indices}
 
-    def handlers(
-        self, design: str, min_nodes: int, last_call: float, keep_alive: float = 5.0,
-        join_timeout: float = 120.0,
-    ) -> list[Any]:  # fmt: skip
-        """A handler of ``design`` per node (elastic ``min_nodes`` .. all), its store
-        calls through that node's counted client."""
-        if design == "steadfast":
+    def _handler(self, i: int) -> Any:
+        s, counter = self.setup, self.counters[i]
+        if s.design == "steadfast":
             from ..rendezvous.handler import Settings, SteadfastRendezvousHandler
 
-            self._handlers = [
-                SteadfastRendezvousHandler(
-                    counter,
-                    Settings(self.run_id, min_nodes, len(self.clients), join_timeout=join_timeout,
-                             last_call_timeout=last_call, keep_alive_interval=keep_alive,
-                             local_addr="127.0.0.1"),
-                    node=f"node{i}",
-                )
-                for i, counter in enumerate(self.counters)
-            ]  # fmt: skip
-            return self._handlers
-        if design != "torch":
-            raise ValueError(f"design: {design!r} (expected one of {', '.join(DESIGNS)})")
+            settings = Settings(s.run_id, s.min_nodes, s.nodes, join_timeout=s.join_timeout,
+                                last_call_timeout=s.last_call, keep_alive_interval=s.keep_alive,
+                                local_addr="127.0.0.1")  # fmt: skip
+            return SteadfastRendezvousHandler(counter, settings, node=f"node{i}")
+        if s.design != "torch":
+            raise ValueError(f"design: {s.design!r} (expected one of {', '.join(DESIGNS)})")
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
             C10dRendezvousBackend,
         )
@@ -166,35 +219,279 @@ class _Cluster:
         )
 
         timeout = RendezvousTimeout(
-            join=timedelta(seconds=join_timeout),
-            last_call=timedelta(seconds=last_call),
+            join=timedelta(seconds=s.join_timeout),
+            last_call=timedelta(seconds=s.last_call),
             close=timedelta(seconds=5),
-            heartbeat=timedelta(seconds=max(5.0, 3 * keep_alive)),
+            heartbeat=timedelta(seconds=max(5.0, 3 * s.keep_alive)),
         )
-        self._handlers = [
-            DynamicRendezvousHandler.from_backend(
-                self.run_id, client, C10dRendezvousBackend(counter, self.run_id),  # type: ignore[arg-type]
-                min_nodes=min_nodes, max_nodes=len(self.clients), local_addr=f"node{i}",
-                timeout=timeout, keep_alive_interval=max(1, round(keep_alive)),
-            )
-            for i, (client, counter) in enumerate(zip(self.clients, self.counters, strict=True))
-        ]  # fmt: skip
-        return self._handlers
+        return DynamicRendezvousHandler.from_backend(
+            s.run_id, counter.store, C10dRendezvousBackend(counter, s.run_id),  # type: ignore[arg-type]
+            min_nodes=s.min_nodes, max_nodes=s.nodes, local_addr=f"node{i}",
+            timeout=timeout, keep_alive_interval=max(1, round(s.keep_alive)),
+        )  # fmt: skip
 
-    def stop(self) -> None:
-        """Every handler's keep-alive stopped (what a lost node does, and the clean-up)."""
+    def prepare(self, which: list[int], expire: tuple[int, Any] | None) -> threading.Event:
+        """A thread per node of ``which`` (here), started and waiting for the returned
+        event: each then joins (the first expiring ``expire``'s node first, if here)."""
+        go = threading.Event()
+        self._results: list[tuple[int, int, float]] = []
+        self._errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            go.wait()
+            try:
+                if expire is not None and i == expire[0]:
+                    before = self.counters[i].tally.copy()
+                    self._expire(i, expire[1])
+                    self.expire_tally = self.counters[i].tally.minus(before)
+                world = int(self.handlers[i].next_rendezvous().world_size)
+                self._results.append((i, world, time.monotonic()))
+            except BaseException as exc:  # every failure is reported
+                self._errors.append(exc.with_traceback(None))
+
+        previous = threading.stack_size(512 * 1024)
+        try:
+            self._threads = [
+                threading.Thread(target=run, args=(i,), daemon=True)
+                for i in which
+                if i in self.handlers
+            ]
+            for t in self._threads:
+                t.start()
+        finally:
+            threading.stack_size(previous)
+        return go
+
+    def finish(self) -> tuple[list[tuple[int, int, float]], int]:
+        """Wait for the prepared joins: ``(node, world, when done)`` each, and the
+        resident memory grown since these nodes were made."""
+        for t in self._threads:
+            t.join()
+        if self._errors:
+            raise RuntimeError(f"{len(self._errors)} nodes failed to join: {self._errors[0]!r}")
+        return self._results, _rss() - self.rss0
+
+    def _expire(self, i: int, node_id: Any) -> None:
         from .. import seam
 
-        for handler in self._handlers:
+        handler = self.handlers[i]
+        if self.setup.design == "steadfast":
+            handler.expire([node_id])
+        else:
+            seam.expire_rendezvous_nodes(handler, [node_id])
+
+    def node_id(self, i: int) -> Any:
+        """Node ``i`` in its rendezvous (for the node that expires it)."""
+        from .. import seam
+
+        handler = self.handlers[i]
+        return handler.node_id() if self.setup.design == "steadfast" else (
+            seam.rendezvous_node_id(handler)
+        )  # fmt: skip
+
+    def lose(self, i: int) -> Any:
+        """Node ``i`` is lost: its keep-alives stop; returns its id."""
+        from .. import seam
+
+        seam.stop_rendezvous_heartbeats(self.handlers[i])
+        return self.node_id(i)
+
+    def monitor(self, window: float, interval: float) -> None:
+        """Each node's agent loop for ``window`` seconds: ``num_nodes_waiting`` every
+        ``interval`` (torch's ``_invoke_run`` while the workers are healthy)."""
+        end = time.monotonic() + window
+        while (now := time.monotonic()) < end:
+            for handler in self.handlers.values():
+                handler.num_nodes_waiting()
+            time.sleep(max(0.0, min(interval - (time.monotonic() - now), end - time.monotonic())))
+
+    def tallies(self) -> dict[int, Tally]:
+        return {i: c.tally.copy() for i, c in self.counters.items()}
+
+    def stop(self) -> None:
+        from .. import seam
+
+        for handler in self.handlers.values():
             with contextlib.suppress(Exception):
                 seam.stop_rendezvous_heartbeats(handler)  # torch's: a timer thread
+        self.handlers, self.counters = {}, {}
+
+
+def serve(inp: Any, out: Any) -> None:
+    """A worker process's loop (``python -m steadfast.sim.worker``): its nodes, built
+    from the first message on ``inp``, then driven by the parent's commands; answers on
+    ``out``."""
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    setup, indices = inp.recv()
+    nodes = _Nodes(setup, indices)
+    out.send("ready")
+    while True:
+        cmd, args = inp.recv()
+        if cmd == "prepare":
+            go = nodes.prepare(*args)
+            out.send("ready")
+            inp.recv()
+            go.set()
+            try:
+                out.send(("ok", nodes.finish(), getattr(nodes, "expire_tally", None)))
+            except RuntimeError as exc:
+                out.send(("error", str(exc), None))
+        elif cmd == "call":
+            out.send(getattr(nodes, args[0])(*args[1:]))
+        elif cmd == "stop":
+            nodes.stop()
+            out.send("bye")
+            return
+
+
+class _Worker:
+    """A worker process (a plain subprocess: no multiprocessing helper process outlives
+    it) and the two pipes to it, each carrying pickled messages."""
+
+    def __init__(self, setup: _Setup, indices: list[int]) -> None:
+        import subprocess
+        import sys
+        from multiprocessing.connection import Connection
+
+        to_child, from_parent = os.pipe()
+        to_parent, from_child = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "steadfast.sim.worker", str(to_child), str(from_child)],
+            pass_fds=(to_child, from_child),
+        )
+        os.close(to_child)
+        os.close(from_child)
+        self.send_conn = Connection(from_parent, readable=False)
+        self.recv_conn = Connection(to_parent, writable=False)
+        self.indices = indices
+        self.send((setup, indices))
+
+    def send(self, message: Any) -> None:
+        self.send_conn.send(message)
+
+    def recv(self) -> Any:
+        return self.recv_conn.recv()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.send(("stop", ()))
+            self.recv()
+        self.send_conn.close()
+        self.recv_conn.close()
+        try:
+            self.proc.wait(10)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class _Cluster:
+    """One ``TCPStore`` server here and the nodes in ``processes`` workers (0: here),
+    a context manager: on exit the workers stop and the store goes."""
+
+    def __init__(self, setup: _Setup, processes: int) -> None:
+        from dataclasses import replace
+
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        # a loopback client's address is looked up in DNS by c10d's logging: where DNS
+        # does not answer, every lookup waits 5 s (the harness's, not the protocol's)
+        os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        resource.setrlimit(resource.RLIMIT_NOFILE, _nofile(setup.nodes))
+        self.server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                               use_libuv=True)  # fmt: skip
+        self.setup = replace(setup, port=self.server.port)
+        self.expire_tally = Tally()
+        self._local: _Nodes | None = None
+        self._workers: list[_Worker] = []
+        if processes <= 0:
+            self._local = _Nodes(self.setup, list(range(setup.nodes)))
+            return
+        self._workers = [
+            _Worker(self.setup, list(range(p, setup.nodes, processes))) for p in range(processes)
+        ]
+        for worker in self._workers:
+            if worker.recv() != "ready":
+                raise RuntimeError("a simulator worker did not start")
+
+    def _owner(self, i: int) -> _Worker:
+        for worker in self._workers:
+            if i in worker.indices:
+                return worker
+        raise KeyError(i)
+
+    def _call(self, i: int | None, name: str, *args: Any) -> list[Any]:
+        """``_Nodes.name(*args)`` on node ``i``'s process, or on every process."""
+        if self._local is not None:
+            return [getattr(self._local, name)(*args)]
+        workers = [self._owner(i)] if i is not None else self._workers
+        for worker in workers:
+            worker.send(("call", (name, *args)))
+        return [worker.recv() for worker in workers]
+
+    def join(
+        self, which: range, expire: tuple[int, int] | None = None
+    ) -> tuple[float, list[int], int]:
+        """Nodes ``which`` join at once (node ``expire[0]`` first expiring node
+        ``expire[1]``): the seconds from the start to the last node's round, the worlds,
+        and the memory the nodes' processes grew by."""
+        target = (
+            None if expire is None else (expire[0], self._call(expire[1], "node_id", expire[1])[0])
+        )
+        if self._local is not None:
+            go = self._local.prepare(list(which), target)
+            time.sleep(0.05)  # every thread waiting
+            start = time.monotonic()
+            go.set()
+            results, memory = self._local.finish()
+            self.expire_tally = getattr(self._local, "expire_tally", Tally())
+            return max(r[2] for r in results) - start, [r[1] for r in results], memory
+        for worker in self._workers:
+            worker.send(("prepare", (list(which), target)))
+        for worker in self._workers:
+            worker.recv()
+        start = time.monotonic()
+        for worker in self._workers:
+            worker.send("go")
+        results, memory = [], 0
+        for worker in self._workers:
+            status, value, tally = worker.recv()
+            if status != "ok":
+                raise RuntimeError(value)
+            results.extend(value[0])
+            memory += value[1]
+            if tally is not None:
+                self.expire_tally = tally
+        return max(r[2] for r in results) - start, [r[1] for r in results], memory
+
+    def lose(self, i: int) -> None:
+        self._call(i, "lose", i)
+
+    def monitor(self, window: float, interval: float) -> None:
+        self._call(None, "monitor", window, interval)
+
+    def tallies(self) -> list[Tally]:
+        merged: dict[int, Tally] = {}
+        for part in self._call(None, "tallies"):
+            merged.update(part)
+        return [merged[i] for i in range(self.setup.nodes)]
+
+    def proxy_overhead(self) -> tuple[float, float]:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        return _proxy_overhead(TCPStore("127.0.0.1", self.server.port, is_master=False))
 
     def __enter__(self) -> _Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
-        self._handlers, self.counters, self.clients = [], [], []
+        if self._local is not None:
+            self._local.stop()
+            self._local = None
+        for worker in self._workers:
+            worker.close()
+        self._workers = []
         del self.server
 
 
@@ -219,86 +516,9 @@ def _proxy_overhead(client: Any, calls: int = 2000) -> tuple[float, float]:
     return bare / calls, max(0.0, (time.perf_counter() - start - bare) / calls)
 
 
-@dataclass
-class Loss:
-    """A node lost after the round formed: the survivors expire it and form the next
-    round (detection itself is the node roster's: ``steadfast.sim.roster``)."""
+def clients(port: int, count: int) -> list[Any]:
+    """``count`` counted clients of the store at ``port`` (the roster simulation's)."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    design: str
-    nodes: int
-    last_call: float  # the rendezvous' last-call wait (torch's elastic rounds wait it)
-    seconds: float  # expiry by one survivor -> every survivor in the next round
-    expire: Tally  # the survivor that expired the lost node: that operation's tally
-    round: Tally  # per survivor for the next round (median survivor)
-    round_max: Tally
-    world: int  # the next round's size
-
-
-def simulate_loss(
-    nodes: int, design: str = "steadfast", last_call: float = 1.0, join_timeout: float = 120.0
-) -> Loss:
-    """``nodes`` nodes join (an elastic range ``nodes - 1 .. nodes``), then the last one
-    is lost (torch's: its keep-alives stop): one survivor expires it in the rendezvous,
-    as the launcher does when its ring reports a loss, and every survivor joins the next
-    round."""
-    from .. import seam
-
-    with _Cluster(nodes) as cluster:
-        handlers = cluster.handlers(design, max(1, nodes - 1), last_call,
-                                    join_timeout=join_timeout)  # fmt: skip
-        worlds = _join_all(handlers)
-        if set(worlds) != {nodes}:
-            raise RuntimeError(f"the first round has {sorted(set(worlds))} nodes, not {nodes}")
-        counters = cluster.counters[:-1]
-        lost, survivors = handlers[-1], handlers[:-1]
-        seam.stop_rendezvous_heartbeats(lost)
-        before = [c.tally.copy() for c in counters]
-        start = time.monotonic()
-        if design == "steadfast":
-            survivors[0].expire([lost.node_id()])
-        else:
-            node_id = seam.rendezvous_node_id(lost)
-            assert node_id is not None
-            seam.expire_rendezvous_nodes(survivors[0], [node_id])
-        expire = counters[0].tally.minus(before[0])
-        after_expire = counters[0].tally.copy()
-        worlds = _join_all(survivors)
-        seconds = time.monotonic() - start
-        rounds = [c.tally.minus(b) for c, b in zip(counters, before, strict=True)]
-        rounds[0] = counters[0].tally.minus(after_expire)
-    return Loss(
-        design=design,
-        nodes=nodes,
-        last_call=last_call,
-        seconds=seconds,
-        expire=expire,
-        round=_median(rounds),
-        round_max=max(rounds, key=lambda t: t.bytes),
-        world=worlds[0] if len(set(worlds)) == 1 else -1,
-    )
-
-
-def _join_all(handlers: list[Any]) -> list[int]:
-    """Every handler's ``next_rendezvous`` at once, each on a thread (small stacks: a
-    thousand nodes' threads): the world sizes."""
-    worlds: list[int] = []
-    errors: list[BaseException] = []
-
-    def join(handler: Any) -> None:
-        try:
-            worlds.append(int(handler.next_rendezvous().world_size))
-        except BaseException as exc:  # every failure is reported below
-            errors.append(exc.with_traceback(None))
-
-    previous = threading.stack_size(512 * 1024)
-    try:
-        threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
-        for t in threads:
-            t.start()
-    finally:
-        threading.stack_size(previous)
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {len(handlers)} nodes failed to join: {errors[0]!r}")
-    return worlds
+    resource.setrlimit(resource.RLIMIT_NOFILE, _nofile(count))
+    return [CountingStore(TCPStore("127.0.0.1", port, is_master=False)) for _ in range(count)]

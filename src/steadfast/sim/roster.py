@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .cluster import _Cluster, _median
+from .cluster import _median, clients
 from .store import Tally
 
 __all__ = ["RosterRun", "simulate_roster"]
@@ -50,9 +50,13 @@ def simulate_roster(nodes: int, interval: float = 0.5, timeout: float = 5.0) -> 
         raise ValueError(f"nodes: {nodes} (a loss needs at least 3)")
     ft = FaultToleranceConfig(node_heartbeat_interval=interval, node_heartbeat_timeout=timeout)
     run_id = uuid.uuid4().hex[:8]
-    with _Cluster(nodes) as cluster:
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    counters = clients(server.port, nodes)
+    try:
         prefix = f"/sim/{run_id}/round0/"
-        stores = [_Prefixed(prefix, counter) for counter in cluster.counters]
+        stores = [_Prefixed(prefix, counter) for counter in counters]
         previous = threading.stack_size(512 * 1024)
         try:
             made = [NodeRoster(ft, host="127.0.0.1", name=f"node{i}") for i in range(nodes)]
@@ -62,7 +66,7 @@ def simulate_roster(nodes: int, interval: float = 0.5, timeout: float = 5.0) -> 
             start = time.monotonic()
             _all(lambda i: made[i].enter_round(stores[i], i, nodes, run_id, None), nodes)
             entered = time.monotonic() - start
-            enters = [c.tally.copy() for c in cluster.counters]
+            enters = [c.tally.copy() for c in counters]
             victim, survivors = made[-1], made[:-1]
             watchers = [made[(nodes - 1 - k) % nodes] for k in range(1, WATCHERS + 1)]
             killed = time.monotonic()
@@ -73,18 +77,18 @@ def simulate_roster(nodes: int, interval: float = 0.5, timeout: float = 5.0) -> 
             detected = time.monotonic() - killed
             for w in watchers:  # both watchers' confirmations are part of the loss's cost
                 w.settle(timeout)
-            confirmed = [c.tally.copy() for c in cluster.counters]
+            confirmed = [c.tally.copy() for c in counters]
             _all(lambda i: survivors[i].wait_for_loss(timeout), len(survivors))
-            learned = [
-                c.tally.minus(b) for c, b in zip(cluster.counters[:-1], confirmed[:-1], strict=True)
-            ]
-            cost = [c.tally.minus(e) for c, e in zip(cluster.counters, enters, strict=True)]
+            learned = [c.tally.minus(b) for c, b in zip(counters[:-1], confirmed[:-1], strict=True)]
+            cost = [c.tally.minus(e) for c, e in zip(counters, enters, strict=True)]
             lost_seen = [bool(s.losses()) for s in survivors]
             if not all(lost_seen):
                 raise RuntimeError(f"{lost_seen.count(False)} survivors never learnt the loss")
         finally:
             for roster in made:
                 roster.close()
+    finally:
+        counters.clear()  # the clients, then the server (the function's locals) go
     return RosterRun(
         nodes=nodes,
         enter_seconds=entered,

@@ -83,9 +83,13 @@ def _preempt_signal(value: str | int, field_name: str) -> str:
     return name
 
 
-#: The rendezvous backends a batch script can name: c10d (the store on the first node),
-#: etcd-v2 and etcd (torch's backends on an etcd cluster; ``steadfast[etcd]``).
-RDZV_BACKENDS = ("c10d", "etcd-v2", "etcd")
+#: The rendezvous backends a batch script can name: steadfast (steadfast's own, O(1) store
+#: traffic per node; its store on the first node), c10d (torch's dynamic rendezvous on
+#: the same store), etcd-v2 and etcd (torch's backends on an etcd cluster;
+#: ``steadfast[etcd]``).
+RDZV_BACKENDS = ("steadfast", "c10d", "etcd-v2", "etcd")
+#: the backends whose store is the TCPStore on the allocation's first node
+_STORE_ON_FIRST_NODE = ("steadfast", "c10d")
 
 
 @dataclass
@@ -103,8 +107,9 @@ class SbatchSpec:
     the output); ``sbatch_lines`` are extra ``#SBATCH`` options, ``setup`` shell lines run
     before srun (``module load``, ``source venv/bin/activate``), ``launcher_args`` extra
     ``steadfast launch`` flags (``--ft-cfg-path ft.yaml``), ``srun_args`` extra srun flags.
-    ``rdzv_backend`` is ``c10d`` (the store on the allocation's first node, at
-    ``rdzv_port``) or ``etcd-v2`` / ``etcd`` with ``rdzv_endpoint`` naming an etcd cluster
+    ``rdzv_backend`` is ``steadfast`` (steadfast's own rendezvous) or ``c10d`` (torch's),
+    both with the store on the allocation's first node, at ``rdzv_port``, or ``etcd-v2``
+    / ``etcd`` with ``rdzv_endpoint`` naming an etcd cluster
     (``host1:2379,host2:2379,host3:2379``) outside the job: then losing any node, the
     first included, leaves the rendezvous standing.
     """
@@ -127,7 +132,7 @@ class SbatchSpec:
     max_restarts: int = 3
     num_job_retries_on_failure: int = 2
     rdzv_port: int | None = None
-    rdzv_backend: str = "c10d"
+    rdzv_backend: str = "steadfast"
     rdzv_endpoint: str | None = None
     run_dir: str | None = None
     python: str = sys.executable
@@ -165,7 +170,7 @@ class SbatchSpec:
             not self.rdzv_endpoint.strip() or re.search(r"\s", self.rdzv_endpoint.strip())
         ):
             raise ConfigError(f"rdzv_endpoint: {self.rdzv_endpoint!r} must be one word")
-        if self.rdzv_backend != "c10d" and not self.rdzv_endpoint:
+        if self.rdzv_backend not in _STORE_ON_FIRST_NODE and not self.rdzv_endpoint:
             raise ConfigError(
                 f"rdzv_endpoint: rdzv_backend={self.rdzv_backend} needs the etcd cluster's "
                 "client addresses (host1:2379,host2:2379,host3:2379)"
@@ -242,7 +247,7 @@ class SbatchSpec:
 def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
     """The batch script for ``spec``: ``spec.nodes`` nodes, each running one
     ``steadfast launch`` (through srun) that starts ``spec.nproc_per_node`` ranks, all
-    meeting in a c10d rendezvous on the first node of the allocation; with
+    meeting in a rendezvous (steadfast's, by default) on the first node of the allocation; with
     ``spec.spare_nodes``, that many more launchers wait there as spares.
 
     Faults are answered in three layers: a failed or hung rank restarts every node's
