@@ -1,6 +1,9 @@
-"""The control plane at scale, simulated (issue 28): N nodes' rendezvous handlers in one
-process, no training workers, against a real ``TCPStore`` (``steadfast.sim``), torch's
-dynamic rendezvous (c10d backend) and steadfast's own side by side in the same run.
+"""The control plane at scale, simulated (issue 28): N nodes' rendezvous handlers, no
+training workers, against a real ``TCPStore`` (``steadfast.sim``; the nodes spread over
+worker processes), side by side in the same run: torch's dynamic rendezvous (c10d
+backend), steadfast's own, and, with ``--nvrx PYTHON`` (the environment
+``scripts/nvrx-env.sh`` makes), NVRx's barrier rendezvous from its newest source; with
+``--etcd HOST:PORT,...`` steadfast's also runs on an etcd cluster's v3 API.
 
 Per design and N it prints:
 - machine-independent figures, counted at the store client: operations and bytes per
@@ -10,9 +13,10 @@ Per design and N it prints:
 - this machine's: the time for N nodes to join, resident memory per simulated node, a
   bare store operation's latency (us/op) and what the counting proxy adds to it (the
   harness's overhead);
-then a node lost after the round formed (an elastic range N-1..N): one survivor expires
-it, as the launcher does when its ring reports the loss, and every survivor joins the
-next round: the time, and the store operations and bytes per survivor. Then a power law
+then a node lost after the round formed while a spare waits: one survivor reports it as
+its launcher does when its ring sees the loss (expiry; NVRx: it opens the next round),
+and every survivor and the spare join the next round: the time, and the store
+operations and bytes per node. Then a power law
 fitted to each figure (log-log least squares over the measured N) and its value at
 4,096, 8,192 and 16,384 nodes; the timings assume this machine's store latency (a
 loopback ``TCPStore``, one server thread, printed), the counts assume nothing. Then
@@ -20,13 +24,15 @@ the node roster (``steadfast.sim.roster``): N real rosters enter a round and one
 killed: store operations per node to enter, and messages per loss detection.
 
     .venv/bin/python bench/bench_control_plane.py [--nodes 16 64 256 1024 2048]
-        [--torch-nodes 16 64] [--roster-nodes 16 64 256]
+        [--torch-nodes 16 64] [--nvrx .nvrx/venv/bin/python] [--nvrx-nodes 16 64 256]
+        [--etcd 127.0.0.1:2379] [--roster-nodes 16 64 256]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from typing import Any
 
 from steadfast.sim import Loss, Run, simulate_join, simulate_loss
 from steadfast.sim.roster import simulate_roster
@@ -46,15 +52,16 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return math.exp(my - b * mx), b
 
 
-def joins(design: str, nodes: list[int], args: argparse.Namespace) -> list[Run]:
+def joins(design: str, nodes: list[int], args: argparse.Namespace, **on: Any) -> list[Run]:
     runs: list[Run] = []
-    print(f"\n{design}: the join, then the round running (per node: the median node)")
+    where = " on etcd" if on.get("etcd") else ""
+    print(f"\n{design}{where}: the join, then the round running (per node: the median node)")
     head = f"{'N':>6} {'procs':>5} {'join s':>8} {'join ops':>9} {'join KB':>9} {'max KB':>9} "
     head += f"{'ka ops':>7} {'ka KB':>9} {'store MB/ka':>12} {'KB/node':>8} "
     print(head + f"{'us/op':>6} {'+proxy':>6}")
     for n in nodes:
         try:
-            run = simulate_join(n, design, keep_alive=args.keep_alive, window=args.window)
+            run = simulate_join(n, design, keep_alive=args.keep_alive, window=args.window, **on)
         except RuntimeError as exc:  # the rendezvous did not form the round in time
             print(f"{n:>6} no round formed: {exc}", flush=True)
             break
@@ -70,14 +77,14 @@ def joins(design: str, nodes: list[int], args: argparse.Namespace) -> list[Run]:
     return runs
 
 
-def losses(design: str, nodes: list[int], args: argparse.Namespace) -> list[Loss]:
+def losses(design: str, nodes: list[int], args: argparse.Namespace, **on: Any) -> list[Loss]:
     found: list[Loss] = []
-    print(f"\n{design}: a node lost; one survivor expires it, every survivor joins the next round")
+    print(f"\n{design}: a node lost while a spare waits; the survivors and the spare re-form")
     print(f"{'N':>6} {'last call s':>11} {'loss->round s':>13} {'expire ops':>10} "
           f"{'round ops':>9} {'round KB':>9} {'max KB':>9}")  # fmt: skip
     for n in nodes:
         try:
-            loss = simulate_loss(n, design, last_call=args.last_call)
+            loss = simulate_loss(n, design, last_call=args.last_call, **on)
         except RuntimeError as exc:
             print(f"{n:>6} no round formed: {exc}", flush=True)
             break
@@ -133,15 +140,27 @@ def main() -> None:
     ap.add_argument("--torch-nodes", type=int, nargs="*", default=[16, 64],
                     help="N for torch's rendezvous (it forms no 256-node round here)")  # fmt: skip
     ap.add_argument("--roster-nodes", type=int, nargs="*", default=[16, 64, 256])
+    ap.add_argument("--nvrx", default="", help="the python of scripts/nvrx-env.sh's environment")
+    ap.add_argument("--nvrx-nodes", type=int, nargs="*", default=[16, 64, 256])
+    ap.add_argument("--etcd", default="", help="an etcd cluster's client endpoints, a,b,c")
+    ap.add_argument("--etcd-nodes", type=int, nargs="*", default=[16, 64, 256])
     ap.add_argument("--window", type=float, default=10.0, help="seconds of the round running")
     ap.add_argument("--keep-alive", type=float, default=5.0, help="keep-alive interval (s)")
     ap.add_argument("--last-call", type=float, default=1.0, help="the rendezvous' last call")
     args = ap.parse_args()
-    for design, nodes in (("torch", args.torch_nodes), ("steadfast", args.nodes)):
+    plan: list[tuple[str, list[int], dict[str, Any]]] = [
+        ("torch", args.torch_nodes, {}),
+        ("steadfast", args.nodes, {}),
+    ]
+    if args.nvrx:
+        plan.append(("nvrx", args.nvrx_nodes, {"python": args.nvrx}))
+    if args.etcd:
+        plan.append(("steadfast", args.etcd_nodes, {"etcd": tuple(args.etcd.split(","))}))
+    for design, nodes, on in plan:
         if not nodes:
             continue
-        runs = joins(design, nodes, args)
-        lost = losses(design, [r.nodes for r in runs], args)
+        runs = joins(design, nodes, args, **on)
+        lost = losses(design, [r.nodes for r in runs], args, **on)
         extrapolate(design, runs, lost)
     if args.roster_nodes:
         rosters(args.roster_nodes)

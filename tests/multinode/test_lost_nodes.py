@@ -109,14 +109,19 @@ def test_a_killed_node_is_replaced_by_a_spare_and_the_run_ends_bit_exact(
     assert_bit_exact(bed.shared / "out.pt", reference(STEPS, 8, *fsdp))
 
 
+@pytest.mark.parametrize("backend", ["steadfast", "etcd-v2"])
 def test_the_rendezvous_host_lost_under_etcd_a_spare_takes_its_place(
-    etcd_installed, bed_factory, reference
+    etcd_installed, bed_factory, reference, backend
 ):
-    """etcd-v2: the rendezvous lives in an etcd cluster (a member per node), so losing
-    node1, whose address every launcher was given, costs nothing but the node."""
+    """The rendezvous lives in an etcd cluster (a member per node): steadfast's through
+    etcd's v3 API (``--rdzv-conf store_type=etcd``), torch's etcd-v2 through v2. Losing
+    node1, its etcd member with it, whose address every launcher was given under c10d,
+    costs nothing but the node."""
     bed = bed_factory(3)
     bed.do("etcd")
-    flags, script = job("2", backend="etcd-v2", endpoint="127.0.0.1:2379"), train(bed)
+    flags, script = job("2", backend=backend, endpoint="127.0.0.1:2379"), train(bed)
+    if backend == "steadfast":
+        flags += ["--rdzv-conf", "store_type=etcd"]
     node1, node2, spare = start(bed, flags, script, spare=True)
     bed.wait_event("checkpoint_saved", step=10)
     killed = time.time()

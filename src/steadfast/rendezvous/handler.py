@@ -182,7 +182,8 @@ class SteadfastRendezvousHandler(RendezvousHandler):
         self._round: int | None = None  # the round this node is a member of
         self._seat = -1  # its rank there
         self._world = 0
-        self._pending: tuple[int, int] | None = None  # (round, ticket) awaiting a verdict
+        # (round, ticket, seat, the round before's size) of a join awaiting its verdict
+        self._pending: tuple[int, int, int, int | None] | None = None
         self._expired: set[str] = set()
         self._waiting = (0.0, 0)  # (when read, value) of num_nodes_waiting
 
@@ -324,14 +325,14 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             self._round, self._seat = None, -1
             r += 1
         elif self._pending is not None:  # joining again after the store failed
-            r = self._pending[0]
+            r, _, seat, previous = self._pending
         else:
             if s.check([k.closed]):
                 raise RendezvousClosedError(f"the rendezvous {self.settings.run_id!r} is closed")
             r = self._current_round()
         while True:
             if self._pending is not None and self._pending[0] == r:
-                ticket = self._pending[1]
+                ticket = self._pending[1]  # (its seat and the round before's, kept too)
             elif seat < 0 and s.check([k.verdict(r)]):  # round r formed without this node
                 r, previous = self._wait_for_next(r, deadline)
                 continue
@@ -339,7 +340,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
                 ticket = int(s.add(k.ticket(r), 1))
                 host, port = self.settings.local_addr or socket.getfqdn(), _free_port()
                 s.set(k.holder(r, ticket), json.dumps([self.node, seat, time.time(), host, port]))
-                self._pending = (r, ticket)
+                self._pending = (r, ticket, seat, previous)
             raw = self._await_verdict(r, ticket, seat, previous, deadline)
             self._pending = None
             if raw == CLOSED.encode():
@@ -575,11 +576,13 @@ def _seconds(params: RendezvousParameters, name: str, default: float) -> float:
 def create_handler(params: RendezvousParameters) -> SteadfastRendezvousHandler:
     """torch's rendezvous registry's creator for ``--rdzv-backend steadfast``: the store
     as torch's c10d backend makes it (``--rdzv-endpoint``; ``is_host``, ``read_timeout``
-    and ``store_type`` in ``--rdzv-conf``), the settings from ``--nnodes`` and
-    ``--rdzv-conf`` (``join_timeout``, ``last_call_timeout``, ``keep_alive_interval``,
-    ``keep_alive_max_attempt``). A requeued Slurm job (``SLURM_RESTART_COUNT``) uses
-    keys of its own, so that a store that outlived the job's first run (etcd) does not
-    hand it the closed rendezvous of the run before."""
+    and ``store_type`` in ``--rdzv-conf``), or, with ``store_type=etcd``, an etcd
+    cluster's v3 API at the comma-separated ``--rdzv-endpoint`` (:mod:`.etcd`); the
+    settings from ``--nnodes`` and ``--rdzv-conf`` (``join_timeout``,
+    ``last_call_timeout``, ``keep_alive_interval``, ``keep_alive_max_attempt``). A
+    requeued Slurm job (``SLURM_RESTART_COUNT``) uses keys of its own, so that a store
+    that outlived the job's first run (etcd) does not hand it the closed rendezvous of
+    the run before."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 
     run_id = params.run_id
@@ -596,5 +599,16 @@ def create_handler(params: RendezvousParameters) -> SteadfastRendezvousHandler:
         keep_alive_max_attempt=int(_seconds(params, "keep_alive_max_attempt", 3)),
         local_addr=params.local_addr,
     )
-    _, store = create_backend(params)
+    store_type = str(params.get("store_type", "tcp") or "tcp").strip().lower()
+    if store_type == "etcd":  # no single point of failure: an etcd cluster's v3 API
+        from .etcd import EtcdV3Store
+
+        read_timeout = _seconds(params, "read_timeout", 300.0)
+        store: Any = EtcdV3Store(
+            [e for e in params.endpoint.split(",") if e.strip()],
+            prefix="",
+            timeout=timedelta(seconds=read_timeout),
+        )
+    else:
+        _, store = create_backend(params)
     return SteadfastRendezvousHandler(store, settings)

@@ -10,7 +10,15 @@ side:
 
 - ``torch``: torch's dynamic rendezvous (``DynamicRendezvousHandler`` over the c10d
   backend), as ``steadfast launch --rdzv-backend c10d`` uses it;
-- ``steadfast``: steadfast's own (``steadfast.rendezvous``, ``--rdzv-backend steadfast``).
+- ``steadfast``: steadfast's own (``steadfast.rendezvous``, ``--rdzv-backend steadfast``);
+- ``nvrx``: NVRx's barrier rendezvous (``ft_rendezvous_barrier``, the default of its
+  newest launcher), from its source (``scripts/nvrx-env.sh`` makes an environment with
+  it; the workers run that environment's interpreter, ``python=``). Node 0 is its store
+  host (``is_store_host``), which closes each round. The harness runs NVRx's nodes on
+  threads, so its handler's install of signal handlers (main thread only) is skipped, it
+  is told that many launchers share this machine
+  (``NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE``), and it gets a stand-in worker group (one
+  local rank) as its agent would set; nothing of its protocol is changed.
 
 What it measures: the join of N nodes (its time, and each node's store operations and
 bytes), then a quiet window in which the round runs: each node's keep-alive and the
@@ -35,7 +43,7 @@ from .store import CountingStore, Tally
 
 __all__ = ["DESIGNS", "Loss", "Run", "simulate_join", "simulate_loss"]
 
-DESIGNS = ("torch", "steadfast")
+DESIGNS = ("torch", "steadfast", "nvrx")
 
 
 @dataclass
@@ -95,13 +103,17 @@ def simulate_join(
     monitor_interval: float = 0.1,
     join_timeout: float = 120.0,
     processes: int | None = None,
+    etcd: tuple[str, ...] = (),
+    python: str = "",
 ) -> Run:
     """Join ``nodes`` simulated nodes through ``design``'s rendezvous on a real
     ``TCPStore``, then let the round run for ``window`` seconds: the handlers'
     keep-alives, and every node's agent asking ``num_nodes_waiting`` each
     ``monitor_interval``."""
     procs = default_processes(nodes) if processes is None else processes
-    settings = _Setup(design, nodes, nodes, 0.1, keep_alive, join_timeout)
+    procs = max(procs, 1) if python else procs  # another interpreter: in workers
+    settings = _Setup(design, nodes, nodes, 0.1, keep_alive, join_timeout, etcd=etcd,
+                      python=python)  # fmt: skip
     with _Cluster(settings, procs) as cluster:
         joined, worlds, memory = cluster.join(range(nodes))
         if set(worlds) != {nodes}:
@@ -138,23 +150,32 @@ def simulate_loss(
     last_call: float = 1.0,
     join_timeout: float = 120.0,
     processes: int | None = None,
+    etcd: tuple[str, ...] = (),
+    python: str = "",
 ) -> Loss:
-    """``nodes`` nodes join (an elastic range ``nodes - 1 .. nodes``), then the last one
-    is lost (torch's: its keep-alives stop): one survivor expires it in the rendezvous,
-    as the launcher does when its ring reports a loss, and every survivor joins the next
-    round."""
-    procs = default_processes(nodes) if processes is None else processes
-    settings = _Setup(design, nodes, max(1, nodes - 1), last_call, 5.0, join_timeout)
+    """``nodes`` nodes form a round and a spare waits (``--nnodes N`` with one launcher
+    more; NVRx's: N active nodes and one hot spare), then an active node is lost: one
+    survivor reports it as its launcher does when it sees the loss (steadfast's and
+    torch's: expire it; NVRx's: open the next round), and every survivor and the spare
+    join the next round: the time from the report to the last node in that round."""
+    procs = default_processes(nodes + 1) if processes is None else processes
+    procs = max(procs, 1) if python else procs  # another interpreter: in workers
+    top = nodes + 1 if design == "nvrx" else nodes  # NVRx counts its hot spares in max
+    settings = _Setup(design, nodes + 1, nodes, last_call, 5.0, join_timeout, etcd=etcd,
+                      python=python, max_nodes=top)  # fmt: skip
     with _Cluster(settings, procs) as cluster:
         _, worlds, _ = cluster.join(range(nodes))
         if set(worlds) != {nodes}:
             raise RuntimeError(f"the first round has {sorted(set(worlds))} nodes, not {nodes}")
-        lost = nodes - 1
+        spare, lost = nodes, nodes - 1
+        cluster.park(spare)
+        time.sleep(1.0)  # the spare waits in the rendezvous
         cluster.lose(lost)
         before = cluster.tallies()
         seconds, worlds, _ = cluster.join(range(nodes - 1), expire=(0, lost))
         after = cluster.tallies()
-        rounds = [a.minus(b) for a, b in zip(after[:-1], before[:-1], strict=True)]
+        joined = [*range(nodes - 1), spare]
+        rounds = [after[i].minus(before[i]) for i in joined]
         expire = cluster.expire_tally
         rounds[0] = rounds[0].minus(expire)
     return Loss(
@@ -181,6 +202,13 @@ class _Setup:
     join_timeout: float
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     port: int = 0
+    etcd: tuple[str, ...] = ()  # an etcd cluster's client endpoints instead of a TCPStore
+    python: str = ""  # the workers' interpreter (NVRx's environment), else this one
+    max_nodes: int = 0  # the rendezvous' max_nodes (0: every node)
+
+    @property
+    def top(self) -> int:
+        return self.max_nodes or self.nodes
 
 
 class _Nodes:
@@ -188,15 +216,12 @@ class _Nodes:
     a handler each."""
 
     def __init__(self, setup: _Setup, indices: list[int]) -> None:
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as the launcher
         resource.setrlimit(resource.RLIMIT_NOFILE, _nofile(len(indices)))
         self.setup, self.indices = setup, indices
         self.rss0 = _rss()
-        self.counters = {
-            i: CountingStore(TCPStore("127.0.0.1", setup.port, is_master=False)) for i in indices
-        }
+        self.counters = {i: CountingStore(_client(setup)) for i in indices}
         self.handlers = {i: self._handler(i) for i in indices}
 
     def _handler(self, i: int) -> Any:
@@ -204,10 +229,12 @@ class _Nodes:
         if s.design == "steadfast":
             from ..rendezvous.handler import Settings, SteadfastRendezvousHandler
 
-            settings = Settings(s.run_id, s.min_nodes, s.nodes, join_timeout=s.join_timeout,
+            settings = Settings(s.run_id, s.min_nodes, s.top, join_timeout=s.join_timeout,
                                 last_call_timeout=s.last_call, keep_alive_interval=s.keep_alive,
                                 local_addr="127.0.0.1")  # fmt: skip
             return SteadfastRendezvousHandler(counter, settings, node=f"node{i}")
+        if s.design == "nvrx":
+            return _nvrx_handler(s, i, counter)
         if s.design != "torch":
             raise ValueError(f"design: {s.design!r} (expected one of {', '.join(DESIGNS)})")
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
@@ -225,8 +252,8 @@ class _Nodes:
             heartbeat=timedelta(seconds=max(5.0, 3 * s.keep_alive)),
         )
         return DynamicRendezvousHandler.from_backend(
-            s.run_id, counter.store, C10dRendezvousBackend(counter, s.run_id),  # type: ignore[arg-type]
-            min_nodes=s.min_nodes, max_nodes=s.nodes, local_addr=f"node{i}",
+            s.run_id, counter.store, C10dRendezvousBackend(counter, s.run_id),
+            min_nodes=s.min_nodes, max_nodes=s.top, local_addr=f"node{i}",
             timeout=timeout, keep_alive_interval=max(1, round(s.keep_alive)),
         )  # fmt: skip
 
@@ -262,11 +289,35 @@ class _Nodes:
             threading.stack_size(previous)
         return go
 
+    def park(self, i: int) -> None:
+        """Node ``i`` joins now, on a thread of its own that the next :meth:`finish`
+        waits for too (a spare: it waits in the rendezvous until a round takes it)."""
+        parked = getattr(self, "_parked", [])
+        self._parked = parked
+        results: list[tuple[int, int, float]] = []
+
+        def run() -> None:
+            try:
+                world = int(self.handlers[i].next_rendezvous().world_size)
+                results.append((i, world, time.monotonic()))
+            except BaseException as exc:  # reported by finish
+                self._parked_errors.append(exc.with_traceback(None))
+
+        self._parked_errors: list[BaseException] = []
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        parked.append((thread, results))
+
     def finish(self) -> tuple[list[tuple[int, int, float]], int]:
-        """Wait for the prepared joins: ``(node, world, when done)`` each, and the
-        resident memory grown since these nodes were made."""
+        """Wait for the prepared joins (and a parked spare's): ``(node, world, when
+        done)`` each, and the resident memory grown since these nodes were made."""
         for t in self._threads:
             t.join()
+        for thread, results in getattr(self, "_parked", []):
+            thread.join(self.setup.join_timeout)
+            self._results.extend(results)
+        self._errors.extend(getattr(self, "_parked_errors", []))
+        self._parked = []
         if self._errors:
             raise RuntimeError(f"{len(self._errors)} nodes failed to join: {self._errors[0]!r}")
         return self._results, _rss() - self.rss0
@@ -277,14 +328,18 @@ class _Nodes:
         handler = self.handlers[i]
         if self.setup.design == "steadfast":
             handler.expire([node_id])
-        else:
+        elif self.setup.design == "torch":
             seam.expire_rendezvous_nodes(handler, [node_id])
+        else:  # NVRx: no expiry; the launcher that sees a failure opens the next round
+            handler._barrier_state.open_rendezvous()  # (its launcher's own call)
 
     def node_id(self, i: int) -> Any:
         """Node ``i`` in its rendezvous (for the node that expires it)."""
         from .. import seam
 
         handler = self.handlers[i]
+        if self.setup.design == "nvrx":
+            return [f"node{i}"]
         return handler.node_id() if self.setup.design == "steadfast" else (
             seam.rendezvous_node_id(handler)
         )  # fmt: skip
@@ -298,11 +353,14 @@ class _Nodes:
 
     def monitor(self, window: float, interval: float) -> None:
         """Each node's agent loop for ``window`` seconds: ``num_nodes_waiting`` every
-        ``interval`` (torch's ``_invoke_run`` while the workers are healthy)."""
+        ``interval`` (torch's ``_invoke_run`` while the workers are healthy; NVRx's
+        agent: ``is_next_round_open``)."""
         end = time.monotonic() + window
+        # NVRx's agent asks whether a peer opened the next round instead
+        ask = "is_next_round_open" if self.setup.design == "nvrx" else "num_nodes_waiting"
         while (now := time.monotonic()) < end:
             for handler in self.handlers.values():
-                handler.num_nodes_waiting()
+                getattr(handler, ask)()
             time.sleep(max(0.0, min(interval - (time.monotonic() - now), end - time.monotonic())))
 
     def tallies(self) -> dict[int, Tally]:
@@ -356,7 +414,13 @@ class _Worker:
         to_child, from_parent = os.pipe()
         to_parent, from_child = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "steadfast.sim.worker", str(to_child), str(from_child)],
+            [
+                setup.python or sys.executable,
+                "-m",
+                "steadfast.sim.worker",
+                str(to_child),
+                str(from_child),
+            ],
             pass_fds=(to_child, from_child),
         )
         os.close(to_child)
@@ -399,9 +463,14 @@ class _Cluster:
         os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         resource.setrlimit(resource.RLIMIT_NOFILE, _nofile(setup.nodes))
-        self.server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                               use_libuv=True)  # fmt: skip
-        self.setup = replace(setup, port=self.server.port)
+        self.server: Any = None
+        if not setup.etcd:
+            self.server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   use_libuv=True)  # fmt: skip
+            setup = replace(setup, port=self.server.port)
+        elif setup.design != "steadfast":
+            raise ValueError(f"design {setup.design!r} on etcd: steadfast's design only")
+        self.setup = setup
         self.expire_tally = Tally()
         self._local: _Nodes | None = None
         self._workers: list[_Worker] = []
@@ -468,6 +537,9 @@ class _Cluster:
     def lose(self, i: int) -> None:
         self._call(i, "lose", i)
 
+    def park(self, i: int) -> None:
+        self._call(i, "park", i)
+
     def monitor(self, window: float, interval: float) -> None:
         self._call(None, "monitor", window, interval)
 
@@ -478,9 +550,7 @@ class _Cluster:
         return [merged[i] for i in range(self.setup.nodes)]
 
     def proxy_overhead(self) -> tuple[float, float]:
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-        return _proxy_overhead(TCPStore("127.0.0.1", self.server.port, is_master=False))
+        return _proxy_overhead(_client(self.setup))
 
     def __enter__(self) -> _Cluster:
         return self
@@ -493,6 +563,40 @@ class _Cluster:
             worker.close()
         self._workers = []
         del self.server
+
+
+def _nvrx_handler(s: _Setup, i: int, counter: Any) -> Any:
+    """NVRx's barrier rendezvous handler for node ``i`` (its ``create_handler``, as its
+    launcher calls it), on the counted store."""
+    import types
+
+    import nvidia_resiliency_ext.fault_tolerance.ft_rendezvous_barrier as barrier  # type: ignore[import-not-found]
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    os.environ["NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE"] = "1"  # N nodes on one machine
+    barrier._install_rdzv_signal_handlers = lambda: {}  # main thread only; nodes are threads
+    barrier._restore_rdzv_signal_handlers = lambda previous: None
+    params = RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{s.port}", run_id=s.run_id,
+        min_nodes=s.min_nodes, max_nodes=s.top, local_addr="127.0.0.1",
+        is_store_host=i == 0, join_timeout=str(int(s.join_timeout)),
+        last_call_timeout=str(round(s.last_call)),  # whole seconds: its parser
+    )  # fmt: skip
+    handler = barrier.create_handler(counter, None, params)
+    spec = types.SimpleNamespace(local_world_size=1)
+    handler.set_worker_group(types.SimpleNamespace(spec=spec))  # as its agent does
+    return handler
+
+
+def _client(setup: _Setup) -> Any:
+    """A node's store client: of the TCPStore here, or of the etcd cluster."""
+    if setup.etcd:
+        from ..rendezvous.etcd import EtcdV3Store
+
+        return EtcdV3Store(list(setup.etcd), prefix="", timeout=timedelta(seconds=120))
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    return TCPStore("127.0.0.1", setup.port, is_master=False)
 
 
 def _nofile(nodes: int) -> tuple[int, int]:

@@ -9,6 +9,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
+
 __all__ = ["CountingStore", "Tally"]
 
 
@@ -50,12 +52,15 @@ class Tally:
         return Tally(dict(self.ops), self.sent, self.received)
 
 
-class CountingStore:
-    """A proxy of a store client (``TCPStore``, or any object with the c10d store's
-    methods) that tallies each call: the operation, the bytes of its arguments and of
-    its answer. One per simulated node; the clients under them may be shared."""
+class CountingStore(dist.Store):  # type: ignore[misc,name-defined]
+    """A c10d ``Store`` in front of a store client (``TCPStore``, ``EtcdV3Store``, any
+    object with the store's methods) that tallies each call: the operation, the bytes
+    of its arguments and of its answer. One per simulated node. Being a ``Store``, it
+    goes under torch's ``PrefixStore`` (every rendezvous wraps its store in one), whose
+    calls reach it with the prefixed keys: counted as the wire carries them."""
 
     def __init__(self, store: Any) -> None:
+        super().__init__()
         self.store = store
         self.tally = Tally()
         self._lock = threading.Lock()
@@ -66,14 +71,42 @@ class CountingStore:
             self.tally.sent += _size(args)
             self.tally.received += _size(answer)
 
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.store, name)
-        if not callable(method):
-            return method
+    def _call(self, op: str, *args: Any) -> Any:
+        answer = getattr(self.store, op)(*args)
+        self._count(op, args, answer)
+        return answer
 
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            answer = method(*args, **kwargs)
-            self._count(name, args + tuple(kwargs.values()), answer)
-            return answer
+    def set(self, key: str, value: Any) -> None:
+        self._call("set", key, value)
 
-        return counted
+    def get(self, key: str) -> bytes:
+        return bytes(self._call("get", key))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call("add", key, amount))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return bytes(self._call("compare_set", key, expected, desired))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", list(keys)))
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        if timeout is None:
+            self._call("wait", list(keys))
+        else:
+            self._call("wait", list(keys), timeout)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [bytes(v) for v in self._call("multi_get", list(keys))]
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._call("multi_set", list(keys), list(values))
+
+    def num_keys(self) -> int:
+        return int(self._call("num_keys"))
+
+    def __getattr__(self, name: str) -> Any:  # the client's own attributes (port, ...)
+        if name == "store":  # not set yet
+            raise AttributeError(name)
+        return getattr(self.store, name)

@@ -1,0 +1,205 @@
+"""steadfast's rendezvous on etcd through its v3 JSON API (``steadfast.rendezvous.etcd``),
+against real etcd members started here (Debian's etcd-server; `make test` installs it):
+the c10d store's semantics, the rendezvous on one member, and a 3-member cluster that
+loses a member (any member: no single point of failure) while nodes join."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from steadfast.rendezvous.etcd import EtcdV3Store
+from steadfast.rendezvous.handler import Settings, SteadfastRendezvousHandler
+
+pytestmark = pytest.mark.timeout(120)
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Cluster:
+    """``size`` etcd members on this machine, each its own process and data directory."""
+
+    def __init__(self, root: Path, size: int) -> None:
+        if shutil.which("etcd") is None:
+            if IN_CI:
+                pytest.fail("etcd is not installed; CI must run the etcd tests")
+            pytest.skip("etcd is not installed (`make test` installs etcd-server)")
+        self.names = [f"m{i}" for i in range(size)]
+        self.client = {n: _free_port() for n in self.names}
+        peer = {n: _free_port() for n in self.names}
+        initial = ",".join(f"{n}=http://127.0.0.1:{peer[n]}" for n in self.names)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        for n in self.names:
+            url = f"http://127.0.0.1:{self.client[n]}"
+            self.procs[n] = subprocess.Popen(
+                ["etcd", "--name", n, "--data-dir", str(root / n),
+                 "--listen-client-urls", url, "--advertise-client-urls", url,
+                 "--listen-peer-urls", f"http://127.0.0.1:{peer[n]}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer[n]}",
+                 "--initial-cluster", initial, "--initial-cluster-state", "new",
+                 "--heartbeat-interval", "50", "--election-timeout", "500"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        deadline = time.monotonic() + 30
+        for n in self.names:
+            while not self._healthy(n):
+                assert time.monotonic() < deadline, f"etcd member {n} did not start"
+                time.sleep(0.1)
+
+    def _healthy(self, name: str) -> bool:
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.client[name]}/health", timeout=1
+            ) as r:
+                return b'"true"' in r.read()
+        except OSError:
+            return False
+
+    def endpoints(self) -> list[str]:
+        return [f"127.0.0.1:{self.client[n]}" for n in self.names]
+
+    def kill(self, name: str) -> None:
+        self.procs[name].kill()
+        self.procs[name].wait()
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def one(tmp_path: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path, 1)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def three(tmp_path: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path, 3)
+    yield cluster
+    cluster.close()
+
+
+def test_it_behaves_as_a_c10d_store(one: Cluster) -> None:
+    store = EtcdV3Store(one.endpoints(), prefix="/t", timeout=datetime.timedelta(seconds=5))
+    store.set("a", b"1")
+    assert store.get("a") == b"1"
+    assert store.add("n", 3) == 3 and store.add("n", -1) == 2
+    assert store.compare_set("a", "1", "2") == b"2"  # matched: written
+    assert store.compare_set("a", "1", "3") == b"2"  # not: the value now
+    assert store.compare_set("new", "", "x") == b"x"  # absent, expected empty: written
+    assert store.compare_set("absent", "y", "z") == b"y"  # absent: the expected back
+    assert store.check(["a", "n"]) and not store.check(["a", "missing"])
+    assert store.multi_get(["a", "n"]) == [b"2", b"2"]
+    with pytest.raises(dist.DistStoreError, match="timeout"):  # type: ignore[attr-defined]
+        store.wait(["later"], datetime.timedelta(seconds=0.3))
+    threading.Timer(0.3, lambda: store.set("later", b"v")).start()
+    assert store.get("later") == b"v"  # a blocking get, woken by the write
+    prefixed = dist.PrefixStore("round/", store)  # type: ignore[attr-defined]
+    prefixed.set("k", "v")
+    assert prefixed.get("k") == b"v" and store.check(["round//k"])
+    # concurrent adds from many threads: each counted once
+    threads = [threading.Thread(target=lambda: store.add("c", 1)) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.add("c", 0) == 20
+    store.close()
+
+
+def nodes(endpoints: list[str], count: int, lo: int, run: str) -> list[SteadfastRendezvousHandler]:
+    return [
+        SteadfastRendezvousHandler(
+            EtcdV3Store(endpoints, prefix="", timeout=datetime.timedelta(seconds=30)),
+            Settings(
+                run, lo, count, join_timeout=60, last_call_timeout=600, local_addr="127.0.0.1"
+            ),
+            node=f"n{i}",
+        )
+        for i in range(count)
+    ]
+
+
+def join(handlers: list[SteadfastRendezvousHandler]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    def run(h: SteadfastRendezvousHandler) -> None:
+        try:
+            info = h.next_rendezvous()
+            out[h.node] = (info.rank, info.world_size)
+        except Exception as exc:  # the test looks at it
+            out[h.node] = exc.with_traceback(None)
+
+    threads = [threading.Thread(target=run, args=(h,)) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_the_rendezvous_forms_and_reforms_after_a_loss_on_etcd(one: Cluster) -> None:
+    handlers = nodes(one.endpoints(), 4, 3, "etcd1")
+    first = join(handlers)
+    assert sorted(v[0] for v in first.values()) == [0, 1, 2, 3], first
+    lost = next(name for name, v in first.items() if v[0] == 2)
+    survivors = [h for h in handlers if h.node != lost]
+    assert survivors[0].expire([[lost]]) == 1
+    second = join(survivors)  # formed without the 600 s last call
+    assert sorted(v[0] for v in second.values()) == [0, 1, 2], second
+    assert {v[1] for v in second.values()} == {3}
+    for h in handlers:
+        h.store.close()
+
+
+def test_losing_any_etcd_member_costs_a_retry_not_the_job(three: Cluster) -> None:
+    """A 3-member cluster; the member every client talks to first is killed between two
+    rounds: the next round forms on the other two (a majority)."""
+    handlers = nodes(three.endpoints(), 3, 2, "etcd3")
+    first = join(handlers)
+    assert sorted(v[0] for v in first.values()) == [0, 1, 2], first
+    three.kill(three.names[0])
+    survivors = handlers[:2]
+    assert survivors[0].expire([[handlers[2].node]]) == 1
+    second = join(survivors)
+    assert sorted(v[0] for v in second.values()) == [0, 1], second
+    for h in handlers:
+        h.store.close()
+
+
+def test_the_simulator_counts_the_same_per_node_figures_on_etcd(three: Cluster) -> None:
+    """The simulator's nodes on a 3-member etcd cluster: the same few operations per
+    node as on a TCPStore (the protocol's figures do not depend on the store)."""
+    from steadfast.sim import simulate_join
+
+    endpoints = tuple(three.endpoints())
+    run = simulate_join(8, "steadfast", keep_alive=1, window=1, processes=0, etcd=endpoints)
+    tcp = simulate_join(8, "steadfast", keep_alive=1, window=1, processes=0)
+    assert run.join.count == tcp.join.count <= 8, (run.join, tcp.join)
