@@ -2,8 +2,9 @@
 :class:`~steadfast.sim.store.CountingStore` over its own real ``TCPStore`` client of one
 ``TCPStore`` server (in this process). The nodes live in ``processes`` worker processes
 (a thread per node in each): one interpreter holding thousands of nodes' threads spends
-more time handing its lock around than the protocol takes (2,048 nodes: 1.5 s of a
-node loss's 1.7 s went to the harness), so the nodes are spread over processes, each
+more time handing its lock around than the protocol takes (a 2,048-node loss: 1.5-1.7 s
+in one process, 2.7 s of CPU mostly in the kernel; 0.48 s over 8), so the nodes are
+spread over processes, each
 thread is started before the clock starts (a real node's agent exists before it joins),
 and ``processes=0`` keeps them in this process (small runs, tests). Two designs side by
 side:
