@@ -3,7 +3,8 @@ training workers, against a real ``TCPStore`` (``steadfast.sim``; the nodes spre
 worker processes), side by side in the same run: torch's dynamic rendezvous (c10d
 backend), steadfast's own, and, with ``--nvrx PYTHON`` (the environment
 ``scripts/nvrx-env.sh`` makes), NVRx's barrier rendezvous from its newest source; with
-``--etcd HOST:PORT,...`` steadfast's also runs on an etcd cluster's v3 API.
+``--etcd HOST:PORT,...`` torch's also runs on an etcd cluster's v2 API (its etcd-v2
+backend) and steadfast's on its v3 API.
 
 Per design and N it prints:
 - machine-independent figures, counted at the store client: operations and bytes per
@@ -79,7 +80,10 @@ def joins(design: str, nodes: list[int], args: argparse.Namespace, **on: Any) ->
 
 def losses(design: str, nodes: list[int], args: argparse.Namespace, **on: Any) -> list[Loss]:
     found: list[Loss] = []
-    print(f"\n{design}: a node lost while a spare waits; the survivors and the spare re-form")
+    where = " on etcd" if on.get("etcd") else ""
+    print(
+        f"\n{design}{where}: a node lost while a spare waits; the survivors and the spare re-form"
+    )
     print(f"{'N':>6} {'last call s':>11} {'loss->round s':>13} {'expire ops':>10} "
           f"{'round ops':>9} {'round KB':>9} {'max KB':>9}")  # fmt: skip
     for n in nodes:
@@ -95,7 +99,7 @@ def losses(design: str, nodes: list[int], args: argparse.Namespace, **on: Any) -
     return found
 
 
-def extrapolate(design: str, runs: list[Run], lost: list[Loss]) -> None:
+def extrapolate(design: str, runs: list[Run], lost: list[Loss], where: str = "") -> None:
     if len(runs) < 2:
         return
     xs = [float(r.nodes) for r in runs]
@@ -112,7 +116,7 @@ def extrapolate(design: str, runs: list[Run], lost: list[Loss]) -> None:
         figures["node lost -> next round, seconds"] = [loss.seconds for loss in lost]
         figures["next round ops per node"] = [float(loss.round.count) for loss in lost]
         figures["next round bytes per node"] = [float(loss.round.bytes) for loss in lost]
-    print(f"\n{design}: fitted y = a * N^b, and extrapolated:")
+    print(f"\n{design}{where}: fitted y = a * N^b, and extrapolated:")
     print(f"{'figure':<48} {'b':>5} " + " ".join(f"{n:>12}" for n in EXTRAPOLATE))
     for name, ys in figures.items():
         if not any(ys):
@@ -125,11 +129,13 @@ def extrapolate(design: str, runs: list[Run], lost: list[Loss]) -> None:
 def rosters(nodes: list[int]) -> None:
     print("\nthe node roster: N rosters enter a round (ring watch), one is killed")
     print(f"{'N':>6} {'enter s':>8} {'enter ops':>9} {'enter KB':>9} {'rank0 KB':>9} "
+          f"{'fence ops':>9} {'fence B':>7} {'bye ops':>7} "
           f"{'detect s':>8} {'loss ops':>8} {'loss KB':>8} {'ring B/node/s':>13}")  # fmt: skip
     for n in nodes:
         r = simulate_roster(n)
         print(f"{n:>6} {r.enter_seconds:>8.2f} {r.enter.count:>9} {r.enter.bytes / 1e3:>9.2f} "
-              f"{r.enter_max.bytes / 1e3:>9.1f} {r.detect_seconds:>8.2f} {r.loss_ops:>8} "
+              f"{r.enter_max.bytes / 1e3:>9.1f} {r.fence.count:>9} {r.fence.bytes:>7} "
+              f"{r.goodbye_ops:>7} {r.detect_seconds:>8.2f} {r.loss_ops:>8} "
               f"{r.loss_bytes / 1e3:>8.2f} {r.ring_bytes_per_node_second:>13.1f}",
               flush=True)  # fmt: skip
 
@@ -154,14 +160,16 @@ def main() -> None:
     ]
     if args.nvrx:
         plan.append(("nvrx", args.nvrx_nodes, {"python": args.nvrx}))
-    if args.etcd:
-        plan.append(("steadfast", args.etcd_nodes, {"etcd": tuple(args.etcd.split(","))}))
+    if args.etcd:  # torch's etcd-v2 (the v2 API: etcd --enable-v2) and steadfast's (v3)
+        on_etcd = {"etcd": tuple(args.etcd.split(","))}
+        plan.append(("torch", args.torch_nodes, on_etcd))
+        plan.append(("steadfast", args.etcd_nodes, on_etcd))
     for design, nodes, on in plan:
         if not nodes:
             continue
         runs = joins(design, nodes, args, **on)
         lost = losses(design, [r.nodes for r in runs], args, **on)
-        extrapolate(design, runs, lost)
+        extrapolate(design, runs, lost, " on etcd" if on.get("etcd") else "")
     if args.roster_nodes:
         rosters(args.roster_nodes)
 

@@ -73,10 +73,14 @@ def test_steadfasts_per_node_store_figures_stay_flat_from_16_to_256_nodes() -> N
 
 @pytest.mark.timeout(120)
 def test_the_node_rosters_round_and_loss_cost_each_node_the_same_at_any_size() -> None:
-    """Real node rosters (ring watch, confirmation in the store): entering a round reads
-    the nodes a roster watches, not every node; a killed node is seen by its watchers
-    and every survivor learns it with the same few reads."""
+    """Real node rosters (ring watch, confirmation in the store, the fence): entering a
+    round reads the nodes a roster watches, not every node; a fence probe costs the same
+    at any size; a goodbye is no loss; a killed node is seen by its watchers and every
+    survivor learns it with the same few reads."""
     small, large = simulate_roster(8), simulate_roster(48)
     assert small.enter.count == large.enter.count <= 5, (small.enter, large.enter)
     assert small.learn.count == large.learn.count <= 6, (small.learn, large.learn)
     assert small.detect_seconds < 5 and large.detect_seconds < 5  # a reset, not a silence
+    assert small.fence.count == large.fence.count <= 3  # a probe: a few small operations
+    assert large.fence.bytes - small.fence.bytes <= 8, (small.fence, large.fence)
+    assert small.goodbye_ops == large.goodbye_ops == 0  # a goodbye is not a loss

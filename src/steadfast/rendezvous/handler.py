@@ -61,7 +61,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from .keys import Keys, decode_members, encode_members, rank_of
+from .keys import Keys, Verdict, encode_members
 
 __all__ = ["BACKEND", "Settings", "SteadfastRendezvousHandler", "create_handler"]
 
@@ -102,67 +102,6 @@ class Settings:
     def stale_after(self) -> float:
         """A joining node whose heartbeat is older than this is left out of the round."""
         return self.keep_alive_interval * self.keep_alive_max_attempt
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """A formed round: its size, the round before's size (``previous``), the seats of
-    that round left vacant (``vacant``, encoded runs) and the newcomers admitted, by
-    ticket (``newcomers``, encoded runs), who fill the vacant seats first, in order."""
-
-    world: int
-    previous: int
-    vacant: str
-    newcomers: str
-    master_addr: str = ""  # node rank 0's address and a free port there: the workers'
-    master_port: int = 0  # store (torch's bootstrap_store_info), with no read more
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {"w": self.world, "p": self.previous, "v": self.vacant, "n": self.newcomers,
-             "a": self.master_addr, "o": self.master_port}
-        )  # fmt: skip
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Verdict:
-        data = json.loads(raw)
-        return cls(int(data["w"]), int(data["p"]), str(data["v"]), str(data["n"]),
-                   str(data.get("a", "")), int(data.get("o", 0)))  # fmt: skip
-
-    def rank(self, ticket: int, seat: int) -> int | None:
-        """The rank of the node that holds ``ticket`` (``seat``: its rank in the round
-        before, -1 for a newcomer); None when it is not admitted."""
-        if seat >= 0:
-            if rank_of(self.vacant, seat) is not None:
-                return None  # judged lost (or its seat given away): it was too late
-            return seat - self._removed_before(seat)
-        filled = rank_of(self.newcomers, ticket)
-        if filled is None:
-            return None
-        seat = self._seat_of_newcomer(filled)
-        return seat - self._removed_before(seat)
-
-    def _seat_of_newcomer(self, index: int) -> int:
-        """Newcomer ``index`` (0-based, by ticket) takes the index-th vacant seat, or a
-        new seat after the round before's once the vacant ones are taken."""
-        position = 0
-        for first, last in decode_members(self.vacant):
-            if index < position + last - first + 1:
-                return first + index - position
-            position += last - first + 1
-        return self.previous + index - position
-
-    def _removed_before(self, seat: int) -> int:
-        """How many vacant seats no newcomer took lie before ``seat`` (the ranks after
-        them close up)."""
-        admitted = sum(last - first + 1 for first, last in decode_members(self.newcomers))
-        position = removed = 0
-        for first, last in decode_members(self.vacant):
-            for s in range(first, last + 1):
-                if position >= admitted and s < seat:
-                    removed += 1
-                position += 1
-        return removed
 
 
 class SteadfastRendezvousHandler(RendezvousHandler):

@@ -1,5 +1,5 @@
-"""The store keys of steadfast's rendezvous (one owner), and the compact encoding of a
-round's members.
+"""The store keys of steadfast's rendezvous (one owner), the compact encoding of a
+round's members, and a round's verdict (:class:`Verdict`).
 
 Every key a node writes is its own or a counter: no value that every node rewrites
 (torch's dynamic rendezvous rewrites one pickled state holding every node). Under the
@@ -28,9 +28,11 @@ job's prefix ``/steadfast/<run_id>/``:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-__all__ = ["Keys", "decode_members", "encode_members", "rank_of"]
+__all__ = ["Keys", "Verdict", "decode_members", "encode_members", "rank_of"]
 
 
 class Keys:
@@ -107,3 +109,64 @@ def rank_of(text: str, ticket: int) -> int | None:
             return position + ticket - first
         position += last - first + 1
     return None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A formed round: its size, the round before's size (``previous``), the seats of
+    that round left vacant (``vacant``, encoded runs) and the newcomers admitted, by
+    ticket (``newcomers``, encoded runs), who fill the vacant seats first, in order."""
+
+    world: int
+    previous: int
+    vacant: str
+    newcomers: str
+    master_addr: str = ""  # node rank 0's address and a free port there: the workers'
+    master_port: int = 0  # store (torch's bootstrap_store_info), with no read more
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"w": self.world, "p": self.previous, "v": self.vacant, "n": self.newcomers,
+             "a": self.master_addr, "o": self.master_port}
+        )  # fmt: skip
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Verdict:
+        data = json.loads(raw)
+        return cls(int(data["w"]), int(data["p"]), str(data["v"]), str(data["n"]),
+                   str(data.get("a", "")), int(data.get("o", 0)))  # fmt: skip
+
+    def rank(self, ticket: int, seat: int) -> int | None:
+        """The rank of the node that holds ``ticket`` (``seat``: its rank in the round
+        before, -1 for a newcomer); None when it is not admitted."""
+        if seat >= 0:
+            if rank_of(self.vacant, seat) is not None:
+                return None  # judged lost (or its seat given away): it was too late
+            return seat - self._removed_before(seat)
+        filled = rank_of(self.newcomers, ticket)
+        if filled is None:
+            return None
+        seat = self._seat_of_newcomer(filled)
+        return seat - self._removed_before(seat)
+
+    def _seat_of_newcomer(self, index: int) -> int:
+        """Newcomer ``index`` (0-based, by ticket) takes the index-th vacant seat, or a
+        new seat after the round before's once the vacant ones are taken."""
+        position = 0
+        for first, last in decode_members(self.vacant):
+            if index < position + last - first + 1:
+                return first + index - position
+            position += last - first + 1
+        return self.previous + index - position
+
+    def _removed_before(self, seat: int) -> int:
+        """How many vacant seats no newcomer took lie before ``seat`` (the ranks after
+        them close up)."""
+        admitted = sum(last - first + 1 for first, last in decode_members(self.newcomers))
+        position = removed = 0
+        for first, last in decode_members(self.vacant):
+            for s in range(first, last + 1):
+                if position >= admitted and s < seat:
+                    removed += 1
+                position += 1
+        return removed

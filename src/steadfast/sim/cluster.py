@@ -33,18 +33,14 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-import threading
 import time
-import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
+from .nodes import DESIGNS, Nodes, Setup, _client, _nofile
 from .store import CountingStore, Tally
 
 __all__ = ["DESIGNS", "Loss", "Run", "simulate_join", "simulate_loss"]
-
-DESIGNS = ("torch", "steadfast", "nvrx")
 
 
 @dataclass
@@ -86,11 +82,6 @@ def _median(tallies: list[Tally]) -> Tally:
     return ranked[len(ranked) // 2]
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def default_processes(nodes: int) -> int:
     """Worker processes for ``nodes`` simulated nodes: about 256 nodes' threads each."""
     return 0 if nodes <= 64 else min(16, (nodes + 255) // 256)
@@ -113,7 +104,7 @@ def simulate_join(
     ``monitor_interval``."""
     procs = default_processes(nodes) if processes is None else processes
     procs = max(procs, 1) if python else procs  # another interpreter: in workers
-    settings = _Setup(design, nodes, nodes, 0.1, keep_alive, join_timeout, etcd=etcd,
+    settings = Setup(design, nodes, nodes, 0.1, keep_alive, join_timeout, etcd=etcd,
                       python=python)  # fmt: skip
     with _Cluster(settings, procs) as cluster:
         joined, worlds, memory = cluster.join(range(nodes))
@@ -162,7 +153,7 @@ def simulate_loss(
     procs = default_processes(nodes + 1) if processes is None else processes
     procs = max(procs, 1) if python else procs  # another interpreter: in workers
     top = nodes + 1 if design == "nvrx" else nodes  # NVRx counts its hot spares in max
-    settings = _Setup(design, nodes + 1, nodes, last_call, 5.0, join_timeout, etcd=etcd,
+    settings = Setup(design, nodes + 1, nodes, last_call, 5.0, join_timeout, etcd=etcd,
                       python=python, max_nodes=top)  # fmt: skip
     with _Cluster(settings, procs) as cluster:
         _, worlds, _ = cluster.join(range(nodes))
@@ -191,223 +182,11 @@ def simulate_loss(
     )
 
 
-@dataclass(frozen=True)
-class _Setup:
-    """What every worker needs to build its nodes."""
-
-    design: str
-    nodes: int
-    min_nodes: int
-    last_call: float
-    keep_alive: float
-    join_timeout: float
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
-    port: int = 0
-    etcd: tuple[str, ...] = ()  # an etcd cluster's client endpoints instead of a TCPStore
-    python: str = ""  # the workers' interpreter (NVRx's environment), else this one
-    max_nodes: int = 0  # the rendezvous' max_nodes (0: every node)
-
-    @property
-    def top(self) -> int:
-        return self.max_nodes or self.nodes
-
-
-class _Nodes:
-    """Some of the simulated nodes (``indices``), in one process: a counted client and
-    a handler each."""
-
-    def __init__(self, setup: _Setup, indices: list[int]) -> None:
-
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as the launcher
-        resource.setrlimit(resource.RLIMIT_NOFILE, _nofile(len(indices)))
-        self.setup, self.indices = setup, indices
-        self.rss0 = _rss()
-        self.counters = {i: CountingStore(_client(setup)) for i in indices}
-        self.handlers = {i: self._handler(i) for i in indices}
-
-    def _handler(self, i: int) -> Any:
-        s, counter = self.setup, self.counters[i]
-        if s.design == "steadfast":
-            from ..rendezvous.handler import Settings, SteadfastRendezvousHandler
-
-            settings = Settings(s.run_id, s.min_nodes, s.top, join_timeout=s.join_timeout,
-                                last_call_timeout=s.last_call, keep_alive_interval=s.keep_alive,
-                                local_addr="127.0.0.1")  # fmt: skip
-            return SteadfastRendezvousHandler(counter, settings, node=f"node{i}")
-        if s.design == "nvrx":
-            return _nvrx_handler(s, i, counter)
-        if s.design != "torch":
-            raise ValueError(f"design: {s.design!r} (expected one of {', '.join(DESIGNS)})")
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-            C10dRendezvousBackend,
-        )
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-            DynamicRendezvousHandler,
-            RendezvousTimeout,
-        )
-
-        timeout = RendezvousTimeout(
-            join=timedelta(seconds=s.join_timeout),
-            last_call=timedelta(seconds=s.last_call),
-            close=timedelta(seconds=5),
-            heartbeat=timedelta(seconds=max(5.0, 3 * s.keep_alive)),
-        )
-        return DynamicRendezvousHandler.from_backend(
-            s.run_id, counter.store, C10dRendezvousBackend(counter, s.run_id),
-            min_nodes=s.min_nodes, max_nodes=s.top, local_addr=f"node{i}",
-            timeout=timeout, keep_alive_interval=max(1, round(s.keep_alive)),
-        )  # fmt: skip
-
-    def prepare(self, which: list[int], expire: tuple[int, Any] | None) -> threading.Event:
-        """A thread per node of ``which`` (here), started and waiting for the returned
-        event: each then joins (the first expiring ``expire``'s node first, if here)."""
-        go = threading.Event()
-        self._results: list[tuple[int, int, float]] = []
-        self._errors: list[BaseException] = []
-
-        def run(i: int) -> None:
-            go.wait()
-            try:
-                if expire is not None and i == expire[0]:
-                    before = self.counters[i].tally.copy()
-                    self._expire(i, expire[1])
-                    self.expire_tally = self.counters[i].tally.minus(before)
-                world = int(self.handlers[i].next_rendezvous().world_size)
-                self._results.append((i, world, time.monotonic()))
-            except BaseException as exc:  # every failure is reported
-                self._errors.append(exc.with_traceback(None))
-
-        previous = threading.stack_size(512 * 1024)
-        try:
-            self._threads = [
-                threading.Thread(target=run, args=(i,), daemon=True)
-                for i in which
-                if i in self.handlers
-            ]
-            for t in self._threads:
-                t.start()
-        finally:
-            threading.stack_size(previous)
-        return go
-
-    def park(self, i: int) -> None:
-        """Node ``i`` joins now, on a thread of its own that the next :meth:`finish`
-        waits for too (a spare: it waits in the rendezvous until a round takes it)."""
-        parked = getattr(self, "_parked", [])
-        self._parked = parked
-        results: list[tuple[int, int, float]] = []
-
-        def run() -> None:
-            try:
-                world = int(self.handlers[i].next_rendezvous().world_size)
-                results.append((i, world, time.monotonic()))
-            except BaseException as exc:  # reported by finish
-                self._parked_errors.append(exc.with_traceback(None))
-
-        self._parked_errors: list[BaseException] = []
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        parked.append((thread, results))
-
-    def finish(self) -> tuple[list[tuple[int, int, float]], int]:
-        """Wait for the prepared joins (and a parked spare's): ``(node, world, when
-        done)`` each, and the resident memory grown since these nodes were made."""
-        for t in self._threads:
-            t.join()
-        for thread, results in getattr(self, "_parked", []):
-            thread.join(self.setup.join_timeout)
-            self._results.extend(results)
-        self._errors.extend(getattr(self, "_parked_errors", []))
-        self._parked = []
-        if self._errors:
-            raise RuntimeError(f"{len(self._errors)} nodes failed to join: {self._errors[0]!r}")
-        return self._results, _rss() - self.rss0
-
-    def _expire(self, i: int, node_id: Any) -> None:
-        from .. import seam
-
-        handler = self.handlers[i]
-        if self.setup.design == "steadfast":
-            handler.expire([node_id])
-        elif self.setup.design == "torch":
-            seam.expire_rendezvous_nodes(handler, [node_id])
-        else:  # NVRx: no expiry; the launcher that sees a failure opens the next round
-            handler._barrier_state.open_rendezvous()  # (its launcher's own call)
-
-    def node_id(self, i: int) -> Any:
-        """Node ``i`` in its rendezvous (for the node that expires it)."""
-        from .. import seam
-
-        handler = self.handlers[i]
-        if self.setup.design == "nvrx":
-            return [f"node{i}"]
-        return handler.node_id() if self.setup.design == "steadfast" else (
-            seam.rendezvous_node_id(handler)
-        )  # fmt: skip
-
-    def lose(self, i: int) -> Any:
-        """Node ``i`` is lost: its keep-alives stop; returns its id."""
-        from .. import seam
-
-        seam.stop_rendezvous_heartbeats(self.handlers[i])
-        return self.node_id(i)
-
-    def monitor(self, window: float, interval: float) -> None:
-        """Each node's agent loop for ``window`` seconds: ``num_nodes_waiting`` every
-        ``interval`` (torch's ``_invoke_run`` while the workers are healthy; NVRx's
-        agent: ``is_next_round_open``)."""
-        end = time.monotonic() + window
-        # NVRx's agent asks whether a peer opened the next round instead
-        ask = "is_next_round_open" if self.setup.design == "nvrx" else "num_nodes_waiting"
-        while (now := time.monotonic()) < end:
-            for handler in self.handlers.values():
-                getattr(handler, ask)()
-            time.sleep(max(0.0, min(interval - (time.monotonic() - now), end - time.monotonic())))
-
-    def tallies(self) -> dict[int, Tally]:
-        return {i: c.tally.copy() for i, c in self.counters.items()}
-
-    def stop(self) -> None:
-        from .. import seam
-
-        for handler in self.handlers.values():
-            with contextlib.suppress(Exception):
-                seam.stop_rendezvous_heartbeats(handler)  # torch's: a timer thread
-        self.handlers, self.counters = {}, {}
-
-
-def serve(inp: Any, out: Any) -> None:
-    """A worker process's loop (``python -m steadfast.sim.worker``): its nodes, built
-    from the first message on ``inp``, then driven by the parent's commands; answers on
-    ``out``."""
-    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
-    setup, indices = inp.recv()
-    nodes = _Nodes(setup, indices)
-    out.send("ready")
-    while True:
-        cmd, args = inp.recv()
-        if cmd == "prepare":
-            go = nodes.prepare(*args)
-            out.send("ready")
-            inp.recv()
-            go.set()
-            try:
-                out.send(("ok", nodes.finish(), getattr(nodes, "expire_tally", None)))
-            except RuntimeError as exc:
-                out.send(("error", str(exc), None))
-        elif cmd == "call":
-            out.send(getattr(nodes, args[0])(*args[1:]))
-        elif cmd == "stop":
-            nodes.stop()
-            out.send("bye")
-            return
-
-
 class _Worker:
     """A worker process (a plain subprocess: no multiprocessing helper process outlives
     it) and the two pipes to it, each carrying pickled messages."""
 
-    def __init__(self, setup: _Setup, indices: list[int]) -> None:
+    def __init__(self, setup: Setup, indices: list[int]) -> None:
         import subprocess
         import sys
         from multiprocessing.connection import Connection
@@ -454,7 +233,7 @@ class _Cluster:
     """One ``TCPStore`` server here and the nodes in ``processes`` workers (0: here),
     a context manager: on exit the workers stop and the store goes."""
 
-    def __init__(self, setup: _Setup, processes: int) -> None:
+    def __init__(self, setup: Setup, processes: int) -> None:
         from dataclasses import replace
 
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
@@ -469,14 +248,14 @@ class _Cluster:
             self.server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    use_libuv=True)  # fmt: skip
             setup = replace(setup, port=self.server.port)
-        elif setup.design != "steadfast":
-            raise ValueError(f"design {setup.design!r} on etcd: steadfast's design only")
+        elif setup.design == "nvrx":
+            raise ValueError("NVRx's rendezvous on etcd: not simulated (its launcher's is c10d)")
         self.setup = setup
         self.expire_tally = Tally()
-        self._local: _Nodes | None = None
+        self._local: Nodes | None = None
         self._workers: list[_Worker] = []
         if processes <= 0:
-            self._local = _Nodes(self.setup, list(range(setup.nodes)))
+            self._local = Nodes(self.setup, list(range(setup.nodes)))
             return
         self._workers = [
             _Worker(self.setup, list(range(p, setup.nodes, processes))) for p in range(processes)
@@ -492,7 +271,7 @@ class _Cluster:
         raise KeyError(i)
 
     def _call(self, i: int | None, name: str, *args: Any) -> list[Any]:
-        """``_Nodes.name(*args)`` on node ``i``'s process, or on every process."""
+        """``Nodes.name(*args)`` on node ``i``'s process, or on every process."""
         if self._local is not None:
             return [getattr(self._local, name)(*args)]
         workers = [self._owner(i)] if i is not None else self._workers
@@ -564,46 +343,6 @@ class _Cluster:
             worker.close()
         self._workers = []
         del self.server
-
-
-def _nvrx_handler(s: _Setup, i: int, counter: Any) -> Any:
-    """NVRx's barrier rendezvous handler for node ``i`` (its ``create_handler``, as its
-    launcher calls it), on the counted store."""
-    import types
-
-    import nvidia_resiliency_ext.fault_tolerance.ft_rendezvous_barrier as barrier  # type: ignore[import-not-found]
-    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
-
-    os.environ["NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE"] = "1"  # N nodes on one machine
-    barrier._install_rdzv_signal_handlers = lambda: {}  # main thread only; nodes are threads
-    barrier._restore_rdzv_signal_handlers = lambda previous: None
-    params = RendezvousParameters(
-        backend="c10d", endpoint=f"127.0.0.1:{s.port}", run_id=s.run_id,
-        min_nodes=s.min_nodes, max_nodes=s.top, local_addr="127.0.0.1",
-        is_store_host=i == 0, join_timeout=str(int(s.join_timeout)),
-        last_call_timeout=str(round(s.last_call)),  # whole seconds: its parser
-    )  # fmt: skip
-    handler = barrier.create_handler(counter, None, params)
-    spec = types.SimpleNamespace(local_world_size=1)
-    handler.set_worker_group(types.SimpleNamespace(spec=spec))  # as its agent does
-    return handler
-
-
-def _client(setup: _Setup) -> Any:
-    """A node's store client: of the TCPStore here, or of the etcd cluster."""
-    if setup.etcd:
-        from ..rendezvous.etcd import EtcdV3Store
-
-        return EtcdV3Store(list(setup.etcd), prefix="", timeout=timedelta(seconds=120))
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-    return TCPStore("127.0.0.1", setup.port, is_master=False)
-
-
-def _nofile(nodes: int) -> tuple[int, int]:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = min(hard, max(soft, 4 * nodes + 256))
-    return want, hard
 
 
 def _proxy_overhead(client: Any, calls: int = 2000) -> tuple[float, float]:

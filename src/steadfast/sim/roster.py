@@ -3,7 +3,9 @@ confirmation of a loss in the store, the fence's socket) in one process, against
 real ``TCPStore``, each roster's store calls counted on a client of its own.
 
 What it measures: the round's entry (each node publishes itself and reads the nodes it
-watches; node rank 0 records the round), then one node killed (its sockets close
+watches; node rank 0 records the round), a fence probe (a rank asks its launcher
+before a save), a goodbye (a node whose workers finished leaves: no loss, no store
+call), then one node killed (its sockets close
 without a goodbye, as a launcher that died): how long its watchers take to see it, the
 store operations and bytes the loss costs the whole job (the watchers confirm it; every
 survivor then learns it, as each launcher does when its workers fail), and the ring's
@@ -11,6 +13,7 @@ own traffic per node (a protocol figure: one byte per watcher per beat)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -31,6 +34,8 @@ class RosterRun:
     enter_seconds: float  # every roster entered the round and watches its successors
     enter: Tally  # per node (median node)
     enter_max: Tally  # the node that moved most (node rank 0, which records the round)
+    fence: Tally  # one fence probe (a rank asks its launcher before a save; median node)
+    goodbye_ops: int  # store operations of the whole job when a node leaves at the end
     detect_seconds: float  # the kill -> the first watcher's confirmed loss
     loss_ops: int  # store operations of the whole job for the loss (confirm + learn)
     loss_bytes: int
@@ -46,8 +51,8 @@ def simulate_roster(nodes: int, interval: float = 0.5, timeout: float = 5.0) -> 
     from ..launcher.nodes.ring import WATCHERS
     from ..rendezvous.handler import _Prefixed
 
-    if nodes < 3:
-        raise ValueError(f"nodes: {nodes} (a loss needs at least 3)")
+    if nodes < 5:
+        raise ValueError(f"nodes: {nodes} (a goodbye and a loss apart need at least 5)")
     ft = FaultToleranceConfig(node_heartbeat_interval=interval, node_heartbeat_timeout=timeout)
     run_id = uuid.uuid4().hex[:8]
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
@@ -67,7 +72,19 @@ def simulate_roster(nodes: int, interval: float = 0.5, timeout: float = 5.0) -> 
             _all(lambda i: made[i].enter_round(stores[i], i, nodes, run_id, None), nodes)
             entered = time.monotonic() - start
             enters = [c.tally.copy() for c in counters]
-            victim, survivors = made[-1], made[:-1]
+            fences = [_fence_probe(made[r], counters[r], timeout) for r in range(min(nodes, 8))]
+            # node 1's workers finished: it says goodbye and goes; not a loss, no store call
+            before = [c.tally.copy() for c in counters]
+            made[1].finish()
+            time.sleep(interval)
+            made[1].close()
+            time.sleep(2 * interval)
+            if any(r.losses() for r in made):
+                raise RuntimeError("a node that said goodbye was taken for lost")
+            goodbye = sum(c.tally.minus(b).count for c, b in zip(counters, before, strict=True))
+            enters_after = [c.tally.copy() for c in counters]
+            victim = made[-1]
+            survivors = [r for i, r in enumerate(made[:-1]) if i != 1]
             watchers = [made[(nodes - 1 - k) % nodes] for k in range(1, WATCHERS + 1)]
             killed = time.monotonic()
             victim.close()  # no goodbye: its watchers see the connections reset
@@ -79,8 +96,9 @@ def simulate_roster(nodes: int, interval: float = 0.5, timeout: float = 5.0) -> 
                 w.settle(timeout)
             confirmed = [c.tally.copy() for c in counters]
             _all(lambda i: survivors[i].wait_for_loss(timeout), len(survivors))
-            learned = [c.tally.minus(b) for c, b in zip(counters[:-1], confirmed[:-1], strict=True)]
-            cost = [c.tally.minus(e) for c, e in zip(counters, enters, strict=True)]
+            kept = [i for i in range(nodes - 1) if i != 1]
+            learned = [counters[i].tally.minus(confirmed[i]) for i in kept]
+            cost = [c.tally.minus(e) for c, e in zip(counters, enters_after, strict=True)]
             lost_seen = [bool(s.losses()) for s in survivors]
             if not all(lost_seen):
                 raise RuntimeError(f"{lost_seen.count(False)} survivors never learnt the loss")
@@ -94,12 +112,36 @@ def simulate_roster(nodes: int, interval: float = 0.5, timeout: float = 5.0) -> 
         enter_seconds=entered,
         enter=_median(enters),
         enter_max=max(enters, key=lambda t: t.bytes),
+        fence=_median(fences),
+        goodbye_ops=goodbye,
         detect_seconds=detected,
         loss_ops=sum(t.count for t in cost),
         loss_bytes=sum(t.bytes for t in cost),
         learn=_median(learned),
         ring_bytes_per_node_second=WATCHERS / interval,
     )
+
+
+def _fence_probe(roster: Any, counter: Any, timeout: float) -> Tally:
+    """A rank of ``roster``'s node asks its launcher's fence before a save (one live
+    probe of the store): what that cost the node's store client."""
+    from .. import fence
+
+    before = counter.tally.copy()
+    saved = {k: os.environ.get(k) for k in roster.env()}
+    os.environ.update(roster.env())
+    try:
+        answer = fence.check(timeout)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    if answer is not None:
+        raise RuntimeError(f"the fence of a node in the round refused: {answer}")
+    spent: Tally = counter.tally.minus(before)
+    return spent
 
 
 def _all(fn: Any, count: int) -> None:

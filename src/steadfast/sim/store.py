@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CountingStore", "Tally"]
+__all__ = ["CountingBackend", "CountingStore", "Tally"]
 
 
 def _size(value: Any) -> int:
@@ -110,3 +110,27 @@ class CountingStore(dist.Store):  # type: ignore[misc,name-defined]
         if name == "store":  # not set yet
             raise AttributeError(name)
         return getattr(self.store, name)
+
+
+class CountingBackend:
+    """A proxy of a torch rendezvous backend (``get_state``/``set_state``: torch's
+    etcd-v2 backend, whose client is python-etcd, not a c10d store) that tallies each
+    call into ``tally`` (the node's :class:`CountingStore`'s): the pickled state's bytes
+    both ways, as for the c10d backend's ``compare_set``/``get``."""
+
+    def __init__(self, backend: Any, counter: CountingStore) -> None:
+        self.backend, self.counter = backend, counter
+
+    @property
+    def name(self) -> str:
+        return str(self.backend.name)
+
+    def get_state(self) -> Any:
+        answer = self.backend.get_state()
+        self.counter._count("get_state", (), answer[0] if answer else None)
+        return answer
+
+    def set_state(self, state: bytes, token: Any = None) -> Any:
+        answer = self.backend.set_state(state, token)
+        self.counter._count("set_state", (state,), answer[0] if answer else None)
+        return answer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from multiprocessing.connection import Connection
 
-from .cluster import serve
+from .nodes import serve
 
 if __name__ == "__main__":
     serve(
