@@ -142,7 +142,7 @@ def rosters(nodes: list[int]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 256, 1024, 2048])
+    ap.add_argument("--nodes", type=int, nargs="*", default=[16, 64, 256, 1024, 2048])
     ap.add_argument("--torch-nodes", type=int, nargs="*", default=[16, 64],
                     help="N for torch's rendezvous (it forms no 256-node round here)")  # fmt: skip
     ap.add_argument("--roster-nodes", type=int, nargs="*", default=[16, 64, 256])

@@ -117,6 +117,11 @@ def test_it_behaves_as_a_c10d_store(one: Cluster) -> None:
     assert store.compare_set("absent", "y", "z") == b"y"  # absent: the expected back
     assert store.check(["a", "n"]) and not store.check(["a", "missing"])
     assert store.multi_get(["a", "n"]) == [b"2", b"2"]
+    # more keys than etcd takes in one transaction (--max-txn-ops, 128 by default)
+    many = [f"many/{i}" for i in range(300)]
+    store.multi_set(many, [str(i) for i in range(300)])
+    assert store.check(many) and not store.check([*many, "missing"])
+    assert store.multi_get(many) == [str(i).encode() for i in range(300)]
     with pytest.raises(dist.DistStoreError, match="timeout"):  # type: ignore[attr-defined]
         store.wait(["later"], datetime.timedelta(seconds=0.3))
     threading.Timer(0.3, lambda: store.set("later", b"v")).start()

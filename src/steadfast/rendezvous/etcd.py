@@ -36,6 +36,15 @@ class EtcdStoreError(RuntimeError):
     """An etcd request that no member answered within the retry window."""
 
 
+#: operations per transaction: etcd refuses more than ``--max-txn-ops`` (128 by
+#: default) in one, so a read of a round's holders goes in parts of this many
+TXN_OPS = 128
+
+
+def _chunks(items: list[Any]) -> list[list[Any]]:
+    return [items[i : i + TXN_OPS] for i in range(0, len(items), TXN_OPS)] or [[]]
+
+
 def _b64(data: bytes | str) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else bytes(data)).decode()
 
@@ -200,33 +209,37 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
         return _unb64(kvs[0].get("value", "")) if kvs else want
 
     def check(self, keys: list[str]) -> bool:
-        """Whether every key exists: one transaction of compares."""
-        compares = [
-            {"key": self._key(k), "target": "VERSION", "result": "GREATER", "version": "0"}
-            for k in keys
-        ]
-        return bool(self._post("/v3/kv/txn", {"compare": compares}).get("succeeded"))
+        """Whether every key exists: a transaction of compares (per :data:`TXN_OPS`)."""
+        for part in _chunks(keys):
+            compares = [
+                {"key": self._key(k), "target": "VERSION", "result": "GREATER", "version": "0"}
+                for k in part
+            ]
+            if not self._post("/v3/kv/txn", {"compare": compares}).get("succeeded"):
+                return False
+        return True
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        """Every key's value in one transaction of reads (waiting for the absent ones)."""
+        """Every key's value, a transaction of reads per :data:`TXN_OPS` keys (waiting
+        for the absent ones)."""
         while True:
-            reads = [{"request_range": {"key": self._key(k)}} for k in keys]
-            answer = self._post("/v3/kv/txn", {"success": reads})
             values: list[bytes | None] = []
-            for response in answer.get("responses") or []:
-                kvs = response.get("response_range", {}).get("kvs") or []
-                values.append(_unb64(kvs[0].get("value", "")) if kvs else None)
+            for part in _chunks(keys):
+                reads = [{"request_range": {"key": self._key(k)}} for k in part]
+                answer = self._post("/v3/kv/txn", {"success": reads})
+                for response in answer.get("responses") or []:
+                    kvs = response.get("response_range", {}).get("kvs") or []
+                    values.append(_unb64(kvs[0].get("value", "")) if kvs else None)
             missing = [k for k, v in zip(keys, values, strict=True) if v is None]
             if not missing:
                 return [v for v in values if v is not None]
             self.wait(missing)
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
-        puts = [
-            {"request_put": {"key": self._key(k), "value": _b64(v)}}
-            for k, v in zip(keys, values, strict=True)
-        ]
-        self._post("/v3/kv/txn", {"success": puts})
+        pairs = list(zip(keys, values, strict=True))
+        for part in _chunks(pairs):
+            puts = [{"request_put": {"key": self._key(k), "value": _b64(v)}} for k, v in part]
+            self._post("/v3/kv/txn", {"success": puts})
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         """Block until every key exists, up to ``timeout`` (the store's by default);
