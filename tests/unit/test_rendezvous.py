@@ -249,3 +249,23 @@ def test_torchs_registry_creates_it_from_torchrun_flags() -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="join_timeout: 'soon'"):
         get_rendezvous_handler(bad)
+
+
+def test_the_store_host_takes_rank_0_in_the_first_round() -> None:
+    """The node that hosts the store (the endpoint's host: the batch host under Slurm)
+    is node rank 0 of the first round, whatever its ticket; the others follow theirs."""
+    server = serve()
+    others = [node(server, f"n{i}", 4, 4, run="host") for i in range(3)]
+    host = node(server, "host", 4, 4, run="host")
+    host.settings = Settings("host", 4, 4, join_timeout=30, last_call_timeout=600,
+                             local_addr="127.0.0.1", first=True)  # fmt: skip
+    results: dict[str, Any] = {}
+    early = threading.Thread(target=lambda: results.update(join(*others)))
+    early.start()  # the others take tickets 1-3 first
+    deadline = time.monotonic() + 10
+    while int(server.add(host.keys.ticket(0), 0)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    results.update(join(host))
+    early.join()
+    assert ranks(results)["host"] == 0
+    assert sorted(ranks(results).values()) == [0, 1, 2, 3]

@@ -83,6 +83,9 @@ class Settings:
     keep_alive_interval: float = 5.0
     keep_alive_max_attempt: int = 3
     local_addr: str | None = None
+    #: this node hosts the store (the endpoint's host): in a round of newcomers (the
+    #: first) it takes rank 0, the others follow their tickets
+    first: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_nodes <= self.max_nodes:
@@ -252,7 +255,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             return False
 
     def _join(self) -> RendezvousInfo:
-        s, k = self.store, self.keys
+        s, k, cfg = self.store, self.keys, self.settings
         deadline = time.monotonic() + self.join_timeout
         previous: int | None = None  # the size of the round before r, where known
         seat = -1
@@ -278,7 +281,8 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             else:
                 ticket = int(s.add(k.ticket(r), 1))
                 host, port = self.settings.local_addr or socket.getfqdn(), _free_port()
-                s.set(k.holder(r, ticket), json.dumps([self.node, seat, time.time(), host, port]))
+                record = [self.node, seat, time.time(), host, port, 0 if cfg.first else 1]
+                s.set(k.holder(r, ticket), json.dumps(record))
                 self._pending = (r, ticket, seat, previous)
             raw = self._await_verdict(r, ticket, seat, previous, deadline)
             self._pending = None
@@ -447,7 +451,9 @@ class SteadfastRendezvousHandler(RendezvousHandler):
         previous = max(seats) + 1 if seats else 0
         previous = max(previous, self._previous_world(r) or 0)
         vacant = [x for x in range(previous) if x not in seats]
-        admitted = sorted(newcomers)[: max(0, cfg.max_nodes - len(seats))]
+        # the store's host first (a holder's last field: 0), then by ticket: runs still
+        admitted = sorted(newcomers, key=lambda t: (int(newcomers[t][5:6] == [0]) ^ 1, t))
+        admitted = admitted[: max(0, cfg.max_nodes - len(seats))]
         verdict = Verdict(
             world=len(seats) + len(admitted),
             previous=previous,
@@ -502,6 +508,22 @@ def _prefixed(prefix: str, store: Any) -> Any:
     return _Prefixed(prefix, store)
 
 
+def _hosts_store(endpoint: str, local_addr: str | None) -> bool:
+    """Whether the rendezvous endpoint's host is this machine (it hosts the store), by
+    name or by address."""
+    host = endpoint.strip().rsplit(":", 1)[0].strip("[]") if ":" in endpoint else endpoint
+    if host in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()):
+        return True
+    if local_addr and host == local_addr:
+        return True
+    try:
+        mine = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+        theirs = {a[4][0] for a in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(mine & theirs)
+
+
 def _seconds(params: RendezvousParameters, name: str, default: float) -> float:
     raw = params.get(name, None)
     if raw is None:
@@ -528,7 +550,9 @@ def create_handler(params: RendezvousParameters) -> SteadfastRendezvousHandler:
     restart = os.environ.get("SLURM_RESTART_COUNT", "").strip()
     if restart and restart != "0":
         run_id = f"{run_id}.requeue{restart}"
+    is_host = params.get_as_bool("is_host")
     settings = Settings(
+        first=_hosts_store(params.endpoint, params.local_addr) if is_host is None else is_host,
         run_id=run_id,
         min_nodes=int(params.min_nodes),
         max_nodes=int(params.max_nodes),
