@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-__all__ = ["BACKEND", "register", "torchrun_handler"]
+from .keys import BACKEND
 
-BACKEND = "steadfast"
+__all__ = ["BACKEND", "register", "torchrun_handler"]
 
 
 def torchrun_handler() -> Any:

@@ -37,7 +37,6 @@ while it joins.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -49,6 +48,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -61,13 +61,12 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from .keys import Keys, Verdict, encode_members
+from .keys import BACKEND, Keys, Verdict, encode_members
 
 __all__ = ["BACKEND", "Settings", "SteadfastRendezvousHandler", "create_handler"]
 
 logger = logging.getLogger(__name__)
 
-BACKEND = "steadfast"
 CLOSED = "closed"
 
 
@@ -108,9 +107,9 @@ class Settings:
 
 
 class SteadfastRendezvousHandler(RendezvousHandler):
-    """A node's side of steadfast's rendezvous over a c10d store (``TCPStore``, or any
-    object with the store's ``set``/``get``/``add``/``check``/``wait``/``compare_set``/
-    ``multi_get``). One per launcher; its calls come from the agent's thread."""
+    """A node's side of steadfast's rendezvous over a c10d ``Store`` (a ``TCPStore``, an
+    :class:`~.etcd.EtcdV3Store`, the simulator's counting store). One per launcher; its
+    calls come from the agent's thread."""
 
     def __init__(self, store: Any, settings: Settings, node: str | None = None) -> None:
         self.store = store
@@ -145,12 +144,8 @@ class SteadfastRendezvousHandler(RendezvousHandler):
         Raises ``RendezvousClosedError`` (the job ended), ``RendezvousTimeoutError`` (no
         round within ``join_timeout``), ``RendezvousGracefulExitError`` (a spare when the
         job ended) or ``RendezvousConnectionError`` (the store did not answer)."""
-        try:
-            return self._join()
-        except RendezvousError:
-            raise
-        except (RuntimeError, OSError, TimeoutError) as exc:  # the store's (DistError...)
-            raise RendezvousConnectionError(f"the rendezvous store did not answer: {exc}") from exc
+        info: RendezvousInfo = self._call(self._join)
+        return info
 
     def is_closed(self) -> bool:
         return bool(self._call(lambda: self.store.check([self.keys.closed])))
@@ -233,10 +228,15 @@ class SteadfastRendezvousHandler(RendezvousHandler):
 
     # ---------------------------------------------------------------------- the protocol
     def _call(self, fn: Any) -> Any:
+        """``fn()``, a store error (c10d's ``DistError``, an etcd member not answering)
+        raised as ``RendezvousConnectionError``; the rendezvous' own errors as they are."""
         try:
             return fn()
         except (RuntimeError, OSError, TimeoutError) as exc:
             raise RendezvousConnectionError(f"the rendezvous store did not answer: {exc}") from exc
+
+    def _closed(self) -> str:
+        return f"the rendezvous {self.settings.run_id!r} is closed"
 
     def _current_round(self) -> int:
         return int(self.store.compare_set(self.keys.round, "", "0"))
@@ -270,7 +270,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             r, _, seat, previous = self._pending
         else:
             if s.check([k.closed]):
-                raise RendezvousClosedError(f"the rendezvous {self.settings.run_id!r} is closed")
+                raise RendezvousClosedError(self._closed())
             r = self._current_round()
         while True:
             if self._pending is not None and self._pending[0] == r:
@@ -287,7 +287,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             raw = self._await_verdict(r, ticket, seat, previous, deadline)
             self._pending = None
             if raw == CLOSED.encode():
-                raise RendezvousClosedError(f"the rendezvous {self.settings.run_id!r} is closed")
+                raise RendezvousClosedError(self._closed())
             verdict = Verdict.from_json(raw)
             rank = verdict.rank(ticket, seat)
             if rank is None:  # a spare of round r, or too late for it
@@ -297,7 +297,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             break
         self._round, self._seat, self._world = r, rank, verdict.world
         self._waiting = (time.monotonic(), 0)
-        store = _prefixed(k.round_store(r), s)
+        store = dist.PrefixStore(k.round_store(r), s)  # type: ignore[attr-defined]
         bootstrap = RendezvousStoreInfo(verdict.master_addr, verdict.master_port)
         return RendezvousInfo(store, rank, verdict.world, bootstrap)
 
@@ -308,7 +308,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
         s, k = self.store, self.keys
         raw = s.get(k.verdict(r))
         if raw == CLOSED.encode():
-            raise RendezvousClosedError(f"the rendezvous {self.settings.run_id!r} is closed")
+            raise RendezvousClosedError(self._closed())
         world = Verdict.from_json(raw).world
         spare = world >= self.settings.max_nodes
         s.add(k.delta(r), 1)
@@ -325,7 +325,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
                     f"this node within join_timeout={self.join_timeout:g} s"
                 )
         if s.check([k.closed]):
-            message = f"the rendezvous {self.settings.run_id!r} is closed"
+            message = self._closed()
             if spare:
                 raise RendezvousGracefulExitError(message + ": the job ended without this spare")
             raise RendezvousClosedError(message)
@@ -452,20 +452,24 @@ class SteadfastRendezvousHandler(RendezvousHandler):
         previous = max(previous, self._previous_world(r) or 0)
         vacant = [x for x in range(previous) if x not in seats]
         # the store's host first (a holder's last field: 0), then by ticket: runs still
-        admitted = sorted(newcomers, key=lambda t: (int(newcomers[t][5:6] == [0]) ^ 1, t))
+        admitted = sorted(newcomers, key=lambda t: (newcomers[t][5:6] != [0], t))
         admitted = admitted[: max(0, cfg.max_nodes - len(seats))]
+        # node rank 0 (its address is the workers' store): seat 0 kept, else the newcomer
+        # that takes it, else the lowest seat kept (the ranks close up before it)
+        if 0 in seats:
+            first = seats[0]
+        elif admitted and (vacant[:1] == [0] or not seats):
+            first = newcomers[admitted[0]]
+        else:
+            first = seats[min(seats)]
         verdict = Verdict(
             world=len(seats) + len(admitted),
             previous=previous,
             vacant=encode_members(vacant),
             newcomers=encode_members(admitted),
+            master_addr=str(first[3]),
+            master_port=int(first[4]),
         )
-        first = seats.get(0) or (
-            newcomers[admitted[0]] if admitted and (vacant[:1] == [0] or not seats) else None
-        )
-        if first is None:  # seat 0 left, no newcomer took it: the lowest seat kept
-            first = seats[min(seats)]
-        verdict = dataclasses.replace(verdict, master_addr=str(first[3]), master_port=int(first[4]))
         s.compare_set(k.verdict(r), "", verdict.to_json())
 
 
@@ -475,37 +479,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return int(sock.getsockname()[1])
-
-
-class _Prefixed:
-    """Keys under a prefix, for a store that is not a c10d ``Store`` (the simulator's
-    counting client); a real store gets torch's ``PrefixStore``."""
-
-    def __init__(self, prefix: str, store: Any) -> None:
-        self.prefix, self.underlying_store = prefix, store
-
-    def set(self, key: str, value: Any) -> None:
-        self.underlying_store.set(self.prefix + key, value)
-
-    def get(self, key: str) -> bytes:
-        return bytes(self.underlying_store.get(self.prefix + key))
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self.underlying_store.add(self.prefix + key, amount))
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self.underlying_store.check([self.prefix + x for x in keys]))
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return [bytes(v) for v in self.underlying_store.multi_get([self.prefix + x for x in keys])]
-
-
-def _prefixed(prefix: str, store: Any) -> Any:
-    import torch.distributed as dist
-
-    if isinstance(store, dist.Store):  # type: ignore[attr-defined]
-        return dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
-    return _Prefixed(prefix, store)
 
 
 def _hosts_store(endpoint: str, local_addr: str | None) -> bool:

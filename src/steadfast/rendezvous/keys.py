@@ -32,7 +32,10 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Keys", "Verdict", "decode_members", "encode_members", "rank_of"]
+__all__ = ["BACKEND", "Keys", "Verdict", "decode_members", "encode_members", "rank_of"]
+
+#: the name torchrun's ``--rdzv-backend`` knows it by
+BACKEND = "steadfast"
 
 
 class Keys:
