@@ -34,7 +34,7 @@ import contextlib
 import os
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .nodes import DESIGNS, Nodes, Setup, _client, _nofile
@@ -55,11 +55,9 @@ class Run:
     join_max: Tally  # the node that sent most
     keep_alive: Tally  # per node per keep-alive interval (median node; ops rounded)
     keep_alive_ops: float  # operations per node per keep-alive interval (median node)
-    intervals: float
     memory_per_node: float  # bytes of resident memory the harness grew by, per node
     overhead_per_op: float  # seconds of the counting proxy's own work per operation
     latency_per_op: float  # seconds of a bare get on this machine's loopback store
-    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +85,13 @@ def default_processes(nodes: int) -> int:
     return 0 if nodes <= 64 else min(16, (nodes + 255) // 256)
 
 
+def _processes(nodes: int, asked: int | None, python: str) -> int:
+    """The worker processes for ``nodes`` nodes: as ``asked``, else the default; at
+    least one when the nodes run in another interpreter (``python``)."""
+    procs = default_processes(nodes) if asked is None else asked
+    return max(procs, 1) if python else procs
+
+
 def simulate_join(
     nodes: int,
     design: str = "steadfast",
@@ -102,8 +107,7 @@ def simulate_join(
     ``TCPStore``, then let the round run for ``window`` seconds: the handlers'
     keep-alives, and every node's agent asking ``num_nodes_waiting`` each
     ``monitor_interval``."""
-    procs = default_processes(nodes) if processes is None else processes
-    procs = max(procs, 1) if python else procs  # another interpreter: in workers
+    procs = _processes(nodes, processes, python)
     settings = Setup(design, nodes, nodes, 0.1, keep_alive, join_timeout, etcd=etcd,
                       python=python)  # fmt: skip
     with _Cluster(settings, procs) as cluster:
@@ -129,7 +133,6 @@ def simulate_join(
         join_max=max(joins, key=lambda t: t.bytes),
         keep_alive=_median(per_interval),
         keep_alive_ops=sorted(q.count for q in quiet)[len(quiet) // 2] * interval / window,
-        intervals=window / interval,
         memory_per_node=memory / nodes,
         overhead_per_op=overhead,
         latency_per_op=latency,
@@ -150,8 +153,7 @@ def simulate_loss(
     survivor reports it as its launcher does when it sees the loss (steadfast's and
     torch's: expire it; NVRx's: open the next round), and every survivor and the spare
     join the next round: the time from the report to the last node in that round."""
-    procs = default_processes(nodes + 1) if processes is None else processes
-    procs = max(procs, 1) if python else procs  # another interpreter: in workers
+    procs = _processes(nodes + 1, processes, python)
     top = nodes + 1 if design == "nvrx" else nodes  # NVRx counts its hot spares in max
     settings = Setup(design, nodes + 1, nodes, last_call, 5.0, join_timeout, etcd=etcd,
                       python=python, max_nodes=top)  # fmt: skip
@@ -294,7 +296,7 @@ class _Cluster:
             start = time.monotonic()
             go.set()
             results, memory = self._local.finish()
-            self.expire_tally = getattr(self._local, "expire_tally", Tally())
+            self.expire_tally = self._local.expire_tally or Tally()
             return max(r[2] for r in results) - start, [r[1] for r in results], memory
         for worker in self._workers:
             worker.send(("prepare", (list(which), target)))

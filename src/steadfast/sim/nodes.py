@@ -11,6 +11,7 @@ import resource
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -66,6 +67,12 @@ class Nodes:
         self.rss0 = _rss()
         self.counters = {i: CountingStore(_client(setup)) for i in indices}
         self.handlers = {i: self._handler(i) for i in indices}
+        self._threads: list[threading.Thread] = []  # prepared joins
+        self._parked: list[threading.Thread] = []  # a spare's join, started already
+        self._results: list[tuple[int, int, float]] = []  # (node, world, when done)
+        self._errors: list[BaseException] = []
+        #: what expiring a lost node cost the node that did it (the last prepared one)
+        self.expire_tally: Tally | None = None
 
     def _handler(self, i: int) -> Any:
         s, counter = self.setup, self.counters[i]
@@ -119,70 +126,47 @@ class Nodes:
             timeout=timeout, keep_alive_interval=max(1, round(s.keep_alive)),
         )  # fmt: skip
 
+    def _join_one(self, i: int) -> None:
+        """Node ``i`` joins; its result (or its error) is kept for :meth:`finish`."""
+        try:
+            world = int(self.handlers[i].next_rendezvous().world_size)
+            self._results.append((i, world, time.monotonic()))
+        except BaseException as exc:  # every failure is reported
+            self._errors.append(exc.with_traceback(None))
+
     def prepare(self, which: list[int], expire: tuple[int, Any] | None) -> threading.Event:
         """A thread per node of ``which`` (here), started and waiting for the returned
         event: each then joins (the first expiring ``expire``'s node first, if here)."""
         go = threading.Event()
-        self._results: list[tuple[int, int, float]] = []
-        self._errors: list[BaseException] = []
 
         def run(i: int) -> None:
             go.wait()
-            try:
-                if expire is not None and i == expire[0]:
-                    before = self.counters[i].tally.copy()
-                    self._expire(i, expire[1])
-                    self.expire_tally = self.counters[i].tally.minus(before)
-                world = int(self.handlers[i].next_rendezvous().world_size)
-                self._results.append((i, world, time.monotonic()))
-            except BaseException as exc:  # every failure is reported
-                self._errors.append(exc.with_traceback(None))
+            if expire is not None and i == expire[0]:
+                before = self.counters[i].tally.copy()
+                self._expire(i, expire[1])
+                self.expire_tally = self.counters[i].tally.minus(before)
+            self._join_one(i)
 
-        previous = threading.stack_size(512 * 1024)
-        try:
-            self._threads = [
-                threading.Thread(target=run, args=(i,), daemon=True)
-                for i in which
-                if i in self.handlers
-            ]
-            for t in self._threads:
-                t.start()
-        finally:
-            threading.stack_size(previous)
+        self._threads.extend(started([(run, i) for i in which if i in self.handlers]))
         return go
 
     def park(self, i: int) -> None:
         """Node ``i`` joins now, on a thread of its own that the next :meth:`finish`
         waits for too (a spare: it waits in the rendezvous until a round takes it)."""
-        parked = getattr(self, "_parked", [])
-        self._parked = parked
-        results: list[tuple[int, int, float]] = []
-
-        def run() -> None:
-            try:
-                world = int(self.handlers[i].next_rendezvous().world_size)
-                results.append((i, world, time.monotonic()))
-            except BaseException as exc:  # reported by finish
-                self._parked_errors.append(exc.with_traceback(None))
-
-        self._parked_errors: list[BaseException] = []
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        parked.append((thread, results))
+        self._parked.extend(started([(self._join_one, i)]))
 
     def finish(self) -> tuple[list[tuple[int, int, float]], int]:
         """Wait for the prepared joins (and a parked spare's): ``(node, world, when
         done)`` each, and the resident memory grown since these nodes were made."""
         for t in self._threads:
             t.join()
-        for thread, results in getattr(self, "_parked", []):
-            thread.join(self.setup.join_timeout)
-            self._results.extend(results)
-        self._errors.extend(getattr(self, "_parked_errors", []))
-        self._parked = []
-        if self._errors:
-            raise RuntimeError(f"{len(self._errors)} nodes failed to join: {self._errors[0]!r}")
-        return self._results, _rss() - self.rss0
+        for t in self._parked:
+            t.join(self.setup.join_timeout)
+        results, errors = self._results, self._errors
+        self._threads, self._parked, self._results, self._errors = [], [], [], []
+        if errors:
+            raise RuntimeError(f"{len(errors)} nodes failed to join: {errors[0]!r}")
+        return results, _rss() - self.rss0
 
     def _expire(self, i: int, node_id: Any) -> None:
         from .. import seam
@@ -237,6 +221,26 @@ class Nodes:
         self.handlers, self.counters = {}, {}
 
 
+@contextlib.contextmanager
+def small_stacks() -> Iterator[None]:
+    """Threads started within get 512 KB stacks: a thousand nodes' threads in one
+    process."""
+    previous = threading.stack_size(512 * 1024)
+    try:
+        yield
+    finally:
+        threading.stack_size(previous)
+
+
+def started(jobs: list[tuple[Any, int]]) -> list[threading.Thread]:
+    """A started daemon thread per ``(function, node)``, each calling ``function(node)``."""
+    with small_stacks():
+        threads = [threading.Thread(target=fn, args=(i,), daemon=True) for fn, i in jobs]
+        for t in threads:
+            t.start()
+    return threads
+
+
 def serve(inp: Any, out: Any) -> None:
     """A worker process's loop (``python -m steadfast.sim.worker``): its nodes, built
     from the first message on ``inp``, then driven by the parent's commands; answers on
@@ -253,7 +257,7 @@ def serve(inp: Any, out: Any) -> None:
             inp.recv()
             go.set()
             try:
-                out.send(("ok", nodes.finish(), getattr(nodes, "expire_tally", None)))
+                out.send(("ok", nodes.finish(), nodes.expire_tally))
             except RuntimeError as exc:
                 out.send(("error", str(exc), None))
         elif cmd == "call":

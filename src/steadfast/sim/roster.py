@@ -14,13 +14,13 @@ own traffic per node (a protocol figure: one byte per watcher per beat)."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from .cluster import _median, clients
+from .nodes import small_stacks, started
 from .store import Tally
 
 __all__ = ["RosterRun", "simulate_roster"]
@@ -49,24 +49,20 @@ def simulate_roster(nodes: int, interval: float = 0.5, timeout: float = 5.0) -> 
     from ..config import FaultToleranceConfig
     from ..launcher.nodes import NodeRoster
     from ..launcher.nodes.ring import WATCHERS
-    from ..rendezvous.handler import _Prefixed
 
     if nodes < 5:
         raise ValueError(f"nodes: {nodes} (a goodbye and a loss apart need at least 5)")
     ft = FaultToleranceConfig(node_heartbeat_interval=interval, node_heartbeat_timeout=timeout)
     run_id = uuid.uuid4().hex[:8]
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    import torch.distributed as dist
 
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)  # type: ignore[attr-defined]
     counters = clients(server.port, nodes)
     try:
         prefix = f"/sim/{run_id}/round0/"
-        stores = [_Prefixed(prefix, counter) for counter in counters]
-        previous = threading.stack_size(512 * 1024)
-        try:
+        stores = [dist.PrefixStore(prefix, counter) for counter in counters]  # type: ignore[attr-defined]
+        with small_stacks():  # each roster's ring and store-call threads
             made = [NodeRoster(ft, host="127.0.0.1", name=f"node{i}") for i in range(nodes)]
-        finally:
-            threading.stack_size(previous)
         try:
             start = time.monotonic()
             _all(lambda i: made[i].enter_round(stores[i], i, nodes, run_id, None), nodes)
@@ -154,14 +150,7 @@ def _all(fn: Any, count: int) -> None:
         except BaseException as exc:  # reported below
             errors.append(exc.with_traceback(None))
 
-    previous = threading.stack_size(512 * 1024)
-    try:
-        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
-        for t in threads:
-            t.start()
-    finally:
-        threading.stack_size(previous)
-    for t in threads:
+    for t in started([(run, i) for i in range(count)]):
         t.join()
     if errors:
         raise RuntimeError(f"{len(errors)} of {count} rosters failed: {errors[0]!r}")
