@@ -376,3 +376,26 @@ def read_events(path: Path) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+
+
+def join_rendezvous(*handlers: Any) -> dict[str, Any]:
+    """Every rendezvous handler's ``next_rendezvous`` at once, each on a thread (as
+    every node's agent calls it): node -> ``(rank, world size)``, or the exception it
+    raised (without its traceback: no frames, and no store clients, kept alive)."""
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def run(h: Any) -> None:
+        try:
+            info = h.next_rendezvous()
+            out[h.node] = (info.rank, info.world_size)
+        except Exception as exc:  # the test looks at it
+            out[h.node] = exc.with_traceback(None)
+
+    threads = [threading.Thread(target=run, args=(h,)) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out

@@ -15,11 +15,11 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch.distributed as dist
 
+from sfharness import join_rendezvous
 from steadfast.rendezvous.etcd import EtcdV3Store
 from steadfast.rendezvous.handler import Settings, SteadfastRendezvousHandler
 
@@ -152,32 +152,14 @@ def nodes(endpoints: list[str], count: int, lo: int, run: str) -> list[Steadfast
     ]
 
 
-def join(handlers: list[SteadfastRendezvousHandler]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-
-    def run(h: SteadfastRendezvousHandler) -> None:
-        try:
-            info = h.next_rendezvous()
-            out[h.node] = (info.rank, info.world_size)
-        except Exception as exc:  # the test looks at it
-            out[h.node] = exc.with_traceback(None)
-
-    threads = [threading.Thread(target=run, args=(h,)) for h in handlers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
-
-
 def test_the_rendezvous_forms_and_reforms_after_a_loss_on_etcd(one: Cluster) -> None:
     handlers = nodes(one.endpoints(), 4, 3, "etcd1")
-    first = join(handlers)
+    first = join_rendezvous(*handlers)
     assert sorted(v[0] for v in first.values()) == [0, 1, 2, 3], first
     lost = next(name for name, v in first.items() if v[0] == 2)
     survivors = [h for h in handlers if h.node != lost]
     assert survivors[0].expire([[lost]]) == 1
-    second = join(survivors)  # formed without the 600 s last call
+    second = join_rendezvous(*survivors)  # formed without the 600 s last call
     assert sorted(v[0] for v in second.values()) == [0, 1, 2], second
     assert {v[1] for v in second.values()} == {3}
     for h in handlers:
@@ -188,12 +170,12 @@ def test_losing_any_etcd_member_costs_a_retry_not_the_job(three: Cluster) -> Non
     """A 3-member cluster; the member every client talks to first is killed between two
     rounds: the next round forms on the other two (a majority)."""
     handlers = nodes(three.endpoints(), 3, 2, "etcd3")
-    first = join(handlers)
+    first = join_rendezvous(*handlers)
     assert sorted(v[0] for v in first.values()) == [0, 1, 2], first
     three.kill(three.names[0])
     survivors = handlers[:2]
     assert survivors[0].expire([[handlers[2].node]]) == 1
-    second = join(survivors)
+    second = join_rendezvous(*survivors)
     assert sorted(v[0] for v in second.values()) == [0, 1], second
     for h in handlers:
         h.store.close()

@@ -21,6 +21,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
+from sfharness import join_rendezvous
 from steadfast.rendezvous import register
 from steadfast.rendezvous.handler import Settings, SteadfastRendezvousHandler, Verdict
 from steadfast.rendezvous.keys import Keys, encode_members, rank_of
@@ -45,25 +46,6 @@ def node(
     return SteadfastRendezvousHandler(
         client, Settings(run, lo, hi, local_addr="127.0.0.1", **settings), node=name
     )
-
-
-def join(*handlers: SteadfastRendezvousHandler) -> dict[str, Any]:
-    """Every handler's next_rendezvous at once: node -> (rank, world) or the exception."""
-    out: dict[str, Any] = {}
-
-    def run(h: SteadfastRendezvousHandler) -> None:
-        try:
-            info = h.next_rendezvous()
-            out[h.node] = (info.rank, info.world_size)
-        except Exception as exc:  # the test looks at it
-            out[h.node] = exc.with_traceback(None)  # no frames (and clients) kept
-
-    threads = [threading.Thread(target=run, args=(h,)) for h in handlers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
 
 
 def ranks(result: dict[str, Any]) -> dict[str, int]:
@@ -100,7 +82,7 @@ def test_nodes_join_with_a_few_operations_each_whatever_their_number() -> None:
     figures = {}
     for n in (4, 16):
         handlers = [node(server, f"n{i}", n, n, run=f"grow{n}") for i in range(n)]
-        result = join(*handlers)
+        result = join_rendezvous(*handlers)
         assert sorted(ranks(result).values()) == list(range(n))
         assert {v[1] for v in result.values()} == {n}
         tallies = [h.store.tally for h in handlers]
@@ -121,12 +103,12 @@ def test_a_lost_node_is_expired_and_the_next_round_forms_without_a_last_call() -
     The survivors keep their ranks, closed up."""
     server = serve()
     handlers = [node(server, f"n{i}", 3, 4) for i in range(4)]
-    first = ranks(join(*handlers))
+    first = ranks(join_rendezvous(*handlers))
     lost = next(name for name, rank in first.items() if rank == 1)
     survivors = [h for h in handlers if h.node != lost]
     assert survivors[0].expire([[lost]]) == 1
     assert survivors[1].expire([[lost]]) == 0  # counted once job-wide
-    second = ranks(join(*survivors))
+    second = ranks(join_rendezvous(*survivors))
     order = sorted(second, key=lambda k: second[k])
     assert order == sorted(second, key=lambda k: first[k])  # the same order, closed up
     assert sorted(second.values()) == [0, 1, 2]
@@ -137,15 +119,15 @@ def test_a_spare_takes_the_lost_nodes_rank() -> None:
     its rank, the survivor keeps its own."""
     server = serve()
     a, b, spare = (node(server, name, 2, 2) for name in ("a", "b", "spare"))
-    first = ranks(join(a, b))
+    first = ranks(join_rendezvous(a, b))
     results: dict[str, Any] = {}
-    waiter = threading.Thread(target=lambda: results.update(join(spare)))
+    waiter = threading.Thread(target=lambda: results.update(join_rendezvous(spare)))
     waiter.start()
     deadline = time.monotonic() + 10
     while not server.check([spare.keys.delta(0)]) and time.monotonic() < deadline:
         time.sleep(0.02)  # the spare counted itself in for the next round
     assert a.expire([["b"]]) == 1
-    results.update(join(a))
+    results.update(join_rendezvous(a))
     waiter.join()
     second = ranks(results)
     assert second == {"a": first["a"], "spare": first["b"]}
@@ -158,15 +140,15 @@ def test_a_late_node_makes_the_members_restart_for_it() -> None:
     server = serve()
     a = node(server, "a", 1, 2, last_call_timeout=0.2, keep_alive_interval=0.2)
     late = node(server, "late", 1, 2, last_call_timeout=0.2, keep_alive_interval=0.2)
-    assert join(a) == {"a": (0, 1)}
+    assert join_rendezvous(a) == {"a": (0, 1)}
     results: dict[str, Any] = {}
-    waiter = threading.Thread(target=lambda: results.update(join(late)))
+    waiter = threading.Thread(target=lambda: results.update(join_rendezvous(late)))
     waiter.start()
     deadline = time.monotonic() + 10
     while a.num_nodes_waiting() == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert a.num_nodes_waiting() == 1
-    results.update(join(a))
+    results.update(join_rendezvous(a))
     waiter.join()
     assert ranks(results) == {"a": 0, "late": 1}
 
@@ -181,7 +163,7 @@ def test_a_node_dying_during_the_join_is_left_out() -> None:
     # its key: a newcomer that took its ticket 100 s ago and never beat since
     server.set(keys.holder(0, 1), json.dumps(["dead", -1, time.time() - 100, "127.0.0.1", 1]))
     a, b = (node(server, n, 2, 3, last_call_timeout=0.3) for n in ("a", "b"))
-    result = join(a, b)
+    result = join_rendezvous(a, b)
     assert sorted(ranks(result).values()) == [0, 1]
     assert {v[1] for v in result.values()} == {2}
 
@@ -189,9 +171,9 @@ def test_a_node_dying_during_the_join_is_left_out() -> None:
 def test_the_end_of_the_job_lets_a_spare_go_and_refuses_new_joins() -> None:
     server = serve()
     a, spare = node(server, "a", 1, 1), node(server, "spare", 1, 1)
-    assert join(a) == {"a": (0, 1)}
+    assert join_rendezvous(a) == {"a": (0, 1)}
     results: dict[str, Any] = {}
-    waiter = threading.Thread(target=lambda: results.update(join(spare)))
+    waiter = threading.Thread(target=lambda: results.update(join_rendezvous(spare)))
     waiter.start()
     deadline = time.monotonic() + 10
     while not server.check([a.keys.delta(0)]) and time.monotonic() < deadline:
@@ -200,13 +182,13 @@ def test_the_end_of_the_job_lets_a_spare_go_and_refuses_new_joins() -> None:
     waiter.join()
     assert isinstance(results["spare"], RendezvousGracefulExitError)
     assert a.is_closed()
-    assert isinstance(join(node(server, "new", 1, 1))["new"], RendezvousClosedError)
+    assert isinstance(join_rendezvous(node(server, "new", 1, 1))["new"], RendezvousClosedError)
 
 
 def test_too_few_nodes_time_out_naming_the_minimum() -> None:
     server = serve()
     alone = node(server, "alone", 2, 2, join_timeout=0.5)
-    result = join(alone)["alone"]
+    result = join_rendezvous(alone)["alone"]
     assert isinstance(result, RendezvousTimeoutError) and "min_nodes=2" in str(result)
 
 
@@ -260,12 +242,12 @@ def test_the_store_host_takes_rank_0_in_the_first_round() -> None:
     host.settings = Settings("host", 4, 4, join_timeout=30, last_call_timeout=600,
                              local_addr="127.0.0.1", first=True)  # fmt: skip
     results: dict[str, Any] = {}
-    early = threading.Thread(target=lambda: results.update(join(*others)))
+    early = threading.Thread(target=lambda: results.update(join_rendezvous(*others)))
     early.start()  # the others take tickets 1-3 first
     deadline = time.monotonic() + 10
     while int(server.add(host.keys.ticket(0), 0)) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    results.update(join(host))
+    results.update(join_rendezvous(host))
     early.join()
     assert ranks(results)["host"] == 0
     assert sorted(ranks(results).values()) == [0, 1, 2, 3]
