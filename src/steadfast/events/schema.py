@@ -50,6 +50,7 @@ class Kind(str, Enum):
     RANK_FAILED = "rank_failed"
     RANK_STOPPED = "rank_stopped"
     RESTART = "restart"
+    FAULT_CULPRIT = "fault_culprit"
     NODE_LOST = "node_lost"
     NODE_JOINED = "node_joined"
     NODE_UNHEALTHY = "node_unhealthy"
@@ -177,6 +178,17 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     (Kind.RANK_STOPPED, "a worker that went down after another rank failed (stopped by the "
      "launcher, or it lost its peer): not a fault of its own", {
         **_WORKER, "first_failed_rank": "the rank whose failure it followed",
+    }),
+    (Kind.FAULT_CULPRIT, "the one culprit of a round's fault, agreed job-wide through the "
+     "rendezvous store (the first confirmed claim wins); every node's launcher writes it "
+     "(host: the node that writes it) once the verdict is sealed", {
+        "fault_id": "the same on every node for one fault (the round's key and run id)",
+        "what": "rank failed, rank hung, node lost", "node": "the culprit's host name",
+        "node_rank": "its node rank in the round", "culprit_rank": "the culprit's global "
+        "rank (null: the node as a whole)", "fault_time": "epoch seconds of the fault "
+        "itself (the exit, the last heartbeat, the last sign of life)",
+        "claims": "claims made for that round", "stopped": "this node's ranks that went "
+        "down after it",
     }),
     (Kind.RESTART, "the launcher restarts the worker group in-job (cause: worker_failure or "
      "membership_change)", {
