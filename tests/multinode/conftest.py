@@ -96,12 +96,20 @@ class Bed:
         assert done.returncode == 0, f"nodes-localhost.sh {' '.join(args)}: {done.stderr}"
 
     def launch(
-        self, node: str, *args: str, script: list[str] | None = None, program: Path = TRAIN
+        self,
+        node: str,
+        *args: str,
+        script: list[str] | None = None,
+        program: Path = TRAIN,
+        own_log: bool = False,
     ) -> Launch:
         """Start ``steadfast launch ARGS PROGRAM SCRIPT`` on ``node`` (ft_train.py by
-        default)."""
+        default). ``own_log``: the node writes an event log of its own
+        (``shared/events-<node>.jsonl``, as on a cluster without a shared log), not the
+        one every node shares; :meth:`events` reads them all."""
         log = self.root / f"{node}-{len(self.launches)}.log"
-        cmd = [*LAUNCH, "--events", str(self.events_path), *args, str(program), *(script or [])]
+        path = self.shared / f"events-{node}.jsonl" if own_log else self.events_path
+        cmd = [*LAUNCH, "--events", str(path), *args, str(program), *(script or [])]
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 ["bash", str(SCRIPT), "run", str(self.root), node, *cmd],
@@ -117,10 +125,12 @@ class Bed:
 
     def events(self, kind: str | None = None, **match: Any) -> list[dict[str, Any]]:
         """The events every launcher and rank wrote so far (of ``kind``, with ``match``)."""
-        try:
-            lines = self.events_path.read_text().splitlines()
-        except FileNotFoundError:
-            return []
+        lines = []
+        for path in sorted(self.shared.glob("events*.jsonl")):
+            try:
+                lines += path.read_text().splitlines()
+            except FileNotFoundError:
+                continue
         found = []
         for line in lines:
             try:

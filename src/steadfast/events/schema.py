@@ -178,6 +178,8 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     (Kind.RANK_STOPPED, "a worker that went down after another rank failed (stopped by the "
      "launcher, or it lost its peer): not a fault of its own", {
         **_WORKER, "first_failed_rank": "the rank whose failure it followed",
+        "culprit_node": "the node of the fault it followed (agreed job-wide)",
+        "fault_id": "that fault's fault_culprit",
     }),
     (Kind.FAULT_CULPRIT, "the one culprit of a round's fault, agreed job-wide through the "
      "rendezvous store (the first confirmed claim wins); every node's launcher writes it "
@@ -187,6 +189,7 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "node_rank": "its node rank in the round", "culprit_rank": "the culprit's global "
         "rank (null: the node as a whole)", "fault_time": "epoch seconds of the fault "
         "itself (the exit, the last heartbeat, the last sign of life)",
+        "detected": "epoch seconds it was detected",
         "claims": "claims made for that round", "stopped": "this node's ranks that went "
         "down after it",
     }),

@@ -9,7 +9,9 @@ On top of torch's behaviour:
 - workers are stopped with SIGTERM, then SIGKILL after ``workers_stop_timeout``, to the
   whole process group of each worker (torch starts each in its own session);
 - every failure and restart is an event (``rank_failed`` for the rank that failed
-  first, ``rank_stopped`` for the ranks that went down after it, ``restart``);
+  first, ``rank_stopped`` for the ranks that went down after it, ``restart``); with
+  more than one node, the first is agreed job-wide (``fault_culprit``, see
+  :mod:`.nodes.culprit`), so every node's log names the same one;
 - the progress guard: when ``max_no_progress_restarts`` consecutive generations ended
   without any rank completing a ``step`` section, the agent stops with
   :class:`NoProgressError` instead of restarting again;
@@ -55,13 +57,17 @@ from ..config import FaultToleranceConfig
 from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
 from .errors import NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
 from .failures import (
+    describe,
+    emit_agreed,
     emit_failures,
+    failure_fields,
     first_failures,
     rerun_exit_code,
     stopped_failures,
     worker_exits,
 )
 from .nodes import Loss, NodeRoster, health_check
+from .nodes.culprit import Verdict, node_claim, rank_claim
 from .rendezvous import Rendezvous
 from .template import Template, take_prestarted
 
@@ -348,16 +354,19 @@ class FTAgent(LocalElasticAgent):
         if result.state == WorkerState.HEALTHY and self.roster is not None:
             lost, isolated = self.roster.losses(), self.roster.isolated()
             if lost or isolated:  # a collective with a dead peer may hang: stop them now
-                cause = self._loss_cause(lost, isolated)
-                for worker in worker_group.workers:
-                    events.emit(
-                        "rank_stopped",
-                        cause=cause,
-                        rank=int(worker.global_rank),
-                        local_rank=int(worker.local_rank),
-                    )
                 self.watcher.unwatch()
                 self._stop_workers(worker_group)
+                stops = {
+                    int(w.global_rank): {"local_rank": int(w.local_rank)}
+                    for w in worker_group.workers
+                }
+                verdict = self._agree_loss(lost) if not isolated else None
+                if verdict is not None:
+                    emit_agreed(stops, verdict, self.roster.name)
+                else:
+                    cause = self._loss_cause(lost, isolated)
+                    for rank, fields in stops.items():
+                        events.emit("rank_stopped", cause=cause, rank=rank, **fields)
                 return RunResult(state=WorkerState.FAILED, failures=stopped_failures(worker_group))
         if result.state == WorkerState.SUCCEEDED and self.roster is not None:
             self.roster.finish()  # its launcher leaving now is not a lost node
@@ -382,11 +391,14 @@ class FTAgent(LocalElasticAgent):
         """``rank_failed`` for the rank(s) that failed first, ``rank_stopped`` for the
         ranks that went down after them: torch's agent reports every worker of a failed
         group as failed, the survivors it stopped (and those that ended on their own
-        when a collective lost its peer) included, but the fault is counted once. This
-        is per node: each node's agent names the first exit among its own workers.
+        when a collective lost its peer) included, but the fault is counted once. With more
+        than one node the culprit is agreed job-wide first (:mod:`.nodes.culprit`): the
+        ranks of a node whose workers only followed another node's fault are all
+        ``rank_stopped``, pointing to it, and every node writes ``fault_culprit``.
 
         The order is the watcher's (a pidfd per worker, ms resolution); without pidfds,
         torch's failure timestamps (1 s resolution) decide, and ties count as failed."""
+        seen = time.time()
         if self.roster is not None:
             # a rank that lost its peer exits as fast as the peer's node is seen lost:
             # give the roster a moment to tell which it was
@@ -394,7 +406,12 @@ class FTAgent(LocalElasticAgent):
             lost = self.roster.wait_for_loss(grace)
             isolated = self.roster.isolated()
             if lost or isolated:
-                emit_failures(failures, {}, loss=self._loss_cause(lost, isolated))
+                verdict = self._agree_loss(lost) if not isolated else None
+                if verdict is not None:
+                    stops = {int(r): failure_fields(f) for r, f in failures.items()}
+                    emit_agreed(stops, verdict, self.roster.name)
+                else:
+                    emit_failures(failures, {}, loss=self._loss_cause(lost, isolated))
                 return
         exits = self.watcher.exit_times()
         deadline = time.monotonic() + 0.5  # the watcher thread records an exit within ms
@@ -403,7 +420,36 @@ class FTAgent(LocalElasticAgent):
                 break
             time.sleep(0.005)
             exits = self.watcher.exit_times()
+        if self.roster is not None:  # one culprit for the job, not one per node
+            now_wall, now_mono = time.time(), time.monotonic()
+            claim = rank_claim(
+                self.roster.name,
+                int(self.get_worker_group().group_rank or 0),
+                failures,
+                {k: now_wall - (now_mono - t) for k, t in exits.items()},
+                self.watcher.hung(),
+                first_failures(failures, exits),
+                detected=seen,
+            )
+            verdict = self.roster.agree_culprit(claim)
+            if verdict is not None:
+                stops = {int(r): failure_fields(f) for r, f in failures.items()}
+                emit_agreed(stops, verdict, self.roster.name)
+                return
         emit_failures(failures, exits)
+
+    def _agree_loss(self, lost: list[Loss]) -> Verdict | None:
+        """The round's culprit where this node saw nodes lost: its claim is the earliest
+        of them (a node lost takes its ranks down with it)."""
+        if self.roster is None or not lost:
+            return None
+        claims = [
+            node_claim(loss.peer.host, loss.peer.rank, loss.cause, loss.latency) for loss in lost
+        ]
+        best = claims[0]
+        for claim in claims[1:]:
+            best = claim if claim.beats(best) else best
+        return self.roster.agree_culprit(best, absent=len(lost))
 
     @staticmethod
     def _loss_cause(lost: list[Loss], isolated: str | None) -> str:
@@ -436,11 +482,23 @@ class FTAgent(LocalElasticAgent):
             self._expire_lost()
         if not failed:  # a membership change (a node joined): not a fault
             self.restarts += 1
+            reason = "nodes waiting to join"
+            roster = self.roster
+            if roster is not None and roster.fault_claimed():
+                # a node whose workers failed rejoined first: its fault's consequence
+                verdict = roster.agree_culprit(None)
+                if verdict is not None:
+                    stops = {
+                        int(w.global_rank): {"local_rank": int(w.local_rank)}
+                        for w in worker_group.workers
+                    }
+                    emit_agreed(stops, verdict, roster.name)
+                    reason = f"a node rejoined after {describe(verdict.culprit)}"
             events.emit(
                 "restart",
                 cause="membership_change",
                 restart_count=self.restarts,
-                reason="nodes waiting to join",
+                reason=reason,
                 remaining_restarts=seam.agent_remaining_restarts(self),
             )
             super()._restart_workers(worker_group)

@@ -13,14 +13,19 @@ from torch.distributed.elastic.agent.server.api import WorkerGroup
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from .. import events
+from ..events import Kind
 from ..rerun.machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
 )
 from ..signals import signal_name
+from .nodes.culprit import Claim, Verdict
 
 __all__ = [
+    "describe",
+    "emit_agreed",
     "emit_failures",
+    "failure_fields",
     "first_failures",
     "rerun_exit_code",
     "stopped_failures",
@@ -70,6 +75,63 @@ def stopped_failures(worker_group: WorkerGroup) -> dict[int, ProcessFailure]:
         )
         for w in worker_group.workers
     }
+
+
+def failure_fields(failure: Any) -> dict[str, Any]:
+    """The worker fields of a ``rank_failed`` / ``rank_stopped`` for torch's failure."""
+    code = int(failure.exitcode)
+    return dict(
+        exit_code=code,
+        signal=signal_name(-code) if code < 0 else None,
+        local_rank=int(failure.local_rank),
+        worker_pid=int(failure.pid),
+    )
+
+
+def describe(culprit: Claim) -> str:
+    """The culprit in words, for the causes of the stops that followed it."""
+    if culprit.rank is None:
+        return f"the loss of {culprit.node} ({culprit.cause})"
+    verb = "hung" if culprit.what == "rank hung" else "failed"
+    return f"rank {culprit.rank} on {culprit.node} {verb} ({culprit.cause})"
+
+
+def emit_agreed(stops: Mapping[int, dict[str, Any]], verdict: Verdict, node: str) -> None:
+    """Report a round's fault as agreed job-wide: ``rank_failed`` for the culprit where
+    it is one of this node's ranks, ``rank_stopped`` pointing to it for every other rank
+    of ``stops`` (this node's ranks that went down, by global rank, with their worker
+    fields), then ``fault_culprit``: so each node's own log names the one culprit."""
+    c = verdict.culprit
+    own = c.rank if c.node == node and c.rank is not None and c.rank in stops else None
+    after = describe(c)
+    stopped = []
+    for rank, fields in sorted(stops.items()):
+        if rank == own:
+            events.emit(Kind.RANK_FAILED, cause=c.cause, rank=int(rank), **fields)
+            continue
+        stopped.append(int(rank))
+        events.emit(
+            Kind.RANK_STOPPED,
+            cause=f"after {after}",
+            rank=int(rank),
+            first_failed_rank=c.rank,
+            culprit_node=c.node,
+            fault_id=verdict.fault_id,
+            **fields,
+        )
+    events.emit(
+        Kind.FAULT_CULPRIT,
+        cause=c.cause,
+        fault_id=verdict.fault_id,
+        what=c.what,
+        node=c.node,
+        node_rank=c.node_rank,
+        culprit_rank=c.rank,
+        fault_time=round(c.time, 6),
+        detected=round(c.detected, 6),
+        claims=verdict.claims,
+        stopped=stopped,
+    )
 
 
 def emit_failures(

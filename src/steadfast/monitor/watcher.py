@@ -177,6 +177,8 @@ class Watcher:
         self._started = 0.0
         self._handled: set[int] = set()
         self._exits: dict[int, float] = {}  # local rank -> monotonic time it exited
+        # local rank -> (what timed out, epoch time of its last sign of life)
+        self._hung: dict[int, tuple[str, float]] = {}
         # pidfd -> (local rank, generation), the watcher thread's
         self._pidfds: dict[int, tuple[int, int]] = {}
         self._ending: list[_Ending] = []  # hung ranks being terminated (the thread's)
@@ -233,6 +235,7 @@ class Watcher:
             self._started = time.monotonic()
             self._handled = set()
             self._exits = {}
+            self._hung = {}
         self._kick()
 
     def unwatch(self) -> None:
@@ -248,6 +251,12 @@ class Watcher:
         the kernel has no pidfds."""
         with self._lock:
             return dict(self._exits)
+
+    def hung(self) -> dict[int, tuple[str, float]]:
+        """The ranks of the current generation found hung: ``local_rank -> (what timed
+        out, the epoch time of its last sign of life)``."""
+        with self._lock:
+            return dict(self._hung)
 
     def progress(self) -> int:
         """Progress of the current generation: ``step`` sections completed, or for a
@@ -350,6 +359,8 @@ class Watcher:
             self._handled.add(hang.local_rank)
         if not _running(pid):  # it exited (the agent will see it): not a hang to act on
             return
+        with self._lock:
+            self._hung[hang.local_rank] = (hang.what, time.time() - hang.elapsed)
         rank = self.global_rank(hang.local_rank)
         logger.error(
             "rank %d (local %d, pid %d) hung: %s for %.2fs (timeout %.2fs); terminating it",

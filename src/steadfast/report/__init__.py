@@ -143,6 +143,11 @@ def _faults_seen(view: LauncherView) -> list[str]:
         f"  faults seen by the launchers ({len(view.faults)}):",
         "    (latency: the fault -> its detection; next gen.: the detection -> the next",
         "    generation running; cost: both)",
+        *(
+            ["    one culprit per fault, agreed by the nodes: every other rank stopped after it"]
+            if any(f.agreed for f in view.faults)
+            else []
+        ),
         f"    {'what':<14} {'node':<8} {'rank':>4}  {'cause':<24} {'latency':>9} "
         f"{'next gen.':>9} {'cost':>9}  replaced by",
     ]

@@ -35,6 +35,9 @@ FAULT_KINDS: dict[str, str] = {
     ev.Kind.NODE_ISOLATED: "node cut off",
 }
 
+#: the signs of a round's fault that its agreed culprit stands for
+_FOLDED = {ev.Kind.NODE_LOST, ev.Kind.RANK_FAILED, ev.Kind.RANK_HUNG, ev.Kind.NODE_ISOLATED}
+
 
 @dataclass
 class Generation:
@@ -61,6 +64,7 @@ class ObservedFault:
     detection_latency: float | None  # from the fault (its last sign of life) to then
     next_generation: float | None = None  # detection -> the next generation running
     replaced_by: list[str] = field(default_factory=list)  # nodes that joined in its place
+    agreed: int = 0  # claims the nodes made for it, where they agreed on it (fault_culprit)
 
     @property
     def cost(self) -> float | None:
@@ -170,13 +174,46 @@ def _exit_time(evs: list[ev.Event], host: str | None, pid: object) -> float | No
     return None
 
 
+def _culprits(evs: list[ev.Event]) -> list[ObservedFault]:
+    """One fault per ``fault_culprit`` (each node writes its copy: the first counts)."""
+    seen: dict[object, ObservedFault] = {}
+    for e in evs:
+        if e.kind != ev.Kind.FAULT_CULPRIT or e.get("fault_id") in seen:
+            continue
+        detected = float(e.get("detected") or e.time)
+        began = e.get("fault_time")
+        rank = e.get("culprit_rank")
+        seen[e.get("fault_id")] = ObservedFault(
+            what=str(e.get("what") or "fault"),
+            cause=str(e.cause or "-"),
+            node=None if e.get("node") is None else str(e.get("node")),
+            rank=None if rank is None else int(rank),
+            time=detected,
+            detection_latency=None if began is None else max(0.0, detected - float(began)),
+            agreed=int(e.get("claims") or 0),
+        )
+    return list(seen.values())
+
+
+def _round_of(t: float, gens: list[Generation]) -> int:
+    """The generation running at ``t`` (0: before the first)."""
+    return max((g.index for g in gens if g.start <= t), default=0)
+
+
 def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
-    out = []
+    """Every fault the launchers saw: where the nodes agreed on a culprit
+    (``fault_culprit``), that one fault for its generation, every other sign of it
+    (the peers' exits, the hangs seen on other nodes, the loss's own event) folded in;
+    elsewhere (one node, an older log) each detection event."""
+    out = _culprits(evs)
+    agreed = {_round_of(f.began, gens) for f in out}
     hung: set[tuple[object, object]] = set()  # (node, rank) found hung this generation
     for e in evs:
         if e.kind == ev.Kind.WORKERS_STARTED:
             hung.clear()
         if e.kind not in FAULT_KINDS:
+            continue
+        if e.kind in _FOLDED and _round_of(e.time, gens) in agreed:
             continue
         if e.kind == ev.Kind.RANK_HUNG:
             hung.add((e.get("host"), e.rank))
@@ -203,6 +240,7 @@ def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
                 detection_latency=None if latency is None else float(latency),
             )
         )
+    out.sort(key=lambda f: f.time)
     for f in out:
         later = [g for g in gens if g.start > f.time]
         if later:

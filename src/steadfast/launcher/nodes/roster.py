@@ -30,6 +30,7 @@ from .confirm import (
     record_leaving,
     recorded_losses,
 )
+from .culprit import CLAIM_WINDOW, Claim, Verdict, agree
 from .fence import Fence
 from .ring import WATCHERS, Ring
 from .round import Loss, Peer, PeerBook, Round, RoundKeys
@@ -260,6 +261,43 @@ class NodeRoster:
             time.sleep(pause)
             pause = min(pause * 2, 0.25)
         return []
+
+    def agree_culprit(self, mine: Claim | None, absent: int = 0) -> Verdict | None:
+        """The one culprit of the round's fault, agreed job-wide (see :mod:`.culprit`):
+        ``mine`` is this node's claim (None: its workers went down for another node's
+        fault); ``absent`` nodes of the round will not take part (lost). None when this
+        node holds no round, no node claimed anything, or the store did not answer: the
+        agent then reports its own view."""
+        with self._lock:
+            current = self._round
+        if current is None:
+            return None
+        expected = max(1, current.nodes - absent)
+        try:
+            verdict: Verdict | None = self._calls.call(
+                lambda: agree(current, mine, expected, CLAIM_WINDOW),
+                CLAIM_WINDOW + self.timeout,
+            )
+        except Exception as exc:  # the store gone with a lost node, say
+            logger.warning("could not agree on the fault's culprit: %s", exc)
+            return None
+        return verdict
+
+    def fault_claimed(self) -> bool:
+        """Whether a node claimed a fault in the running round (a restart for a
+        membership change may then be that fault's consequence)."""
+        with self._lock:
+            current = self._round
+        if current is None:
+            return False
+        try:
+            return bool(
+                self._calls.call(
+                    lambda: current.store.check([current.keys.fault_claim]), self.timeout
+                )
+            )
+        except Exception:
+            return False
 
     def losses(self) -> list[Loss]:
         """The round's confirmed losses so far."""

@@ -50,7 +50,9 @@ class RoundKeys:
       every node's key) (:meth:`lost_how`, :meth:`lost`, :attr:`lost_count`,
       :meth:`lost_seq`);
     - ``exit/<R>``, ``exit/count`` and ``exit/all``: the exit barrier (:meth:`exit`,
-      :attr:`exit_count`, :attr:`exit_all`).
+      :attr:`exit_count`, :attr:`exit_all`);
+    - ``fault/claim``, ``fault/claims``, ``fault/count`` and ``fault/verdict``: the
+      round's fault's one culprit (:mod:`.culprit`).
 
     In the job's store, across rounds: ``steadfast/<run id>/round``, the job's current
     round's token (JSON, :attr:`record`: every fence probe reads it, so it stays a few
@@ -69,6 +71,10 @@ class RoundKeys:
         self.lost_count = f"{self.prefix}lost_count"
         self.exit_count = f"{self.prefix}exit/count"
         self.exit_all = f"{self.prefix}exit/all"
+        self.fault_claim = f"{self.prefix}fault/claim"
+        self.fault_claims = f"{self.prefix}fault/claims"
+        self.fault_count = f"{self.prefix}fault/count"
+        self.fault_verdict = f"{self.prefix}fault/verdict"
 
     def node(self, rank: int) -> str:
         """Where node ``rank`` publishes itself."""
