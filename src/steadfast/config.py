@@ -172,6 +172,20 @@ class FaultToleranceConfig:
         node_health_check_dir: A directory (the checkpoint directory) that must be
             writable, with ``node_min_free_gb`` free, before the node joins.
         node_min_free_gb: Free space ``node_health_check_dir`` needs, in GiB.
+        learn_timeouts: Learn hang timeouts online (steadfast's default; ``false`` opts
+            out): each section's, the time out of sections' and the heartbeat's, from
+            the intervals the ranks report, wherever the config leaves them at their
+            defaults. Until a timeout has ``learned_timeout_min_samples`` intervals the
+            defaults apply (an unnamed section: ``rank_heartbeat_timeout``); then it is
+            ``learned_timeout_margin`` x the longest interval seen (the first of each
+            process left out: a warm-up), never below ``learned_timeout_floor``, never
+            above the default. Kept across in-job restarts by the launcher and across
+            job restarts in ``learned_timeouts.json`` beside the event log. See
+            docs/learned-timeouts.md for why, and the worst case.
+        learned_timeout_margin: A learned timeout is this many times the longest
+            interval seen.
+        learned_timeout_floor: The least a learned timeout can be (seconds).
+        learned_timeout_min_samples: Intervals seen before a learned timeout applies.
     """
 
     workload_check_interval: float = 5.0
@@ -193,6 +207,10 @@ class FaultToleranceConfig:
     node_health_check: str | None = None
     node_health_check_dir: str | None = None
     node_min_free_gb: float = 1.0
+    learn_timeouts: bool = True
+    learned_timeout_margin: float = 3.0
+    learned_timeout_floor: float = 5.0
+    learned_timeout_min_samples: int = 8
 
     def __post_init__(self) -> None:
         self.validate()
@@ -245,15 +263,22 @@ class FaultToleranceConfig:
         self.workers_stop_timeout = float(
             require_number(p + "workers_stop_timeout", self.workers_stop_timeout, minimum=0)
         )
-        if not isinstance(self.worker_template, bool):
-            if str(self.worker_template).lower() in ("true", "1", "yes"):
-                self.worker_template = True
-            elif str(self.worker_template).lower() in ("false", "0", "no"):
-                self.worker_template = False
-            else:
-                raise ConfigError(
-                    f"{p}worker_template: expected true or false, got {self.worker_template!r}"
-                )
+        self.worker_template = _bool(p + "worker_template", self.worker_template)
+        self.learn_timeouts = _bool(p + "learn_timeouts", self.learn_timeouts)
+        self.learned_timeout_margin = float(
+            require_number(p + "learned_timeout_margin", self.learned_timeout_margin, minimum=1)
+        )
+        self.learned_timeout_floor = float(
+            require_number(
+                p + "learned_timeout_floor", self.learned_timeout_floor, exclusive_minimum=0
+            )
+        )
+        self.learned_timeout_min_samples = require_number(
+            p + "learned_timeout_min_samples",
+            self.learned_timeout_min_samples,
+            minimum=1,
+            integer=True,
+        )
         self.num_job_retries_on_failure = require_number(
             p + "num_job_retries_on_failure",
             self.num_job_retries_on_failure,
@@ -398,6 +423,17 @@ class FaultToleranceConfig:
         out["rank_termination_signal"] = self.rank_termination_signal.name
         out["rank_section_timeouts"] = dict(self.rank_section_timeouts)
         return out
+
+
+def _bool(field: str, value: Any) -> bool:
+    """A yes/no field from a bool or its usual spellings."""
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes"):
+        return True
+    if str(value).lower() in ("false", "0", "no"):
+        return False
+    raise ConfigError(f"{field}: expected true or false, got {value!r}")
 
 
 _LOG_LEVELS = {

@@ -171,7 +171,8 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     # monitoring / launcher
     (Kind.RANK_HUNG, "a rank overstayed a timeout and is terminated (cause: what timed out)", {
         "section": "the section, or what timed out", "elapsed": "seconds since it began",
-        "timeout": "the timeout", "local_rank": _WORKER["local_rank"],
+        "timeout": "the timeout", "learned": "whether the timeout was learned (not "
+        "configured)", "local_rank": _WORKER["local_rank"],
         "worker_pid": _WORKER["worker_pid"],
     }),
     (Kind.RANK_FAILED, "a worker failed: the first of its group to go down", dict(_WORKER)),

@@ -41,6 +41,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -53,8 +54,9 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from .. import events, seam
 from ..checkpoint.memory import MEMORY_DIR_ENV, MemoryDir
-from ..config import FaultToleranceConfig
+from ..config import ConfigError, FaultToleranceConfig
 from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
+from ..monitor.learned import LEARNED_FILE, Learned, learn_bits
 from .errors import NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
 from .failures import (
     describe,
@@ -133,6 +135,9 @@ class FTAgent(LocalElasticAgent):
         os.environ[MEMORY_DIR_ENV] = str(self.memory_dir.path)
         self.watcher = Watcher(self.table, ft, global_rank=self._global_rank)
         self.watcher.start()
+        # learned hang timeouts, kept beside the event log across job restarts
+        self.learned = Learned(_learned_path() if ft.learn_timeouts else None)
+        self._hangs_seen = 0
         self.no_progress_restarts = 0
         self.restarts = 0
         self._client_seen = False
@@ -284,6 +289,8 @@ class FTAgent(LocalElasticAgent):
                 ft.initial_rank_heartbeat_timeout,
                 ft.rank_heartbeat_timeout,
                 ft.rank_out_of_section_timeout,
+                learn=learn_bits(ft),
+                learned=self.learned.kinds,
             )
         if self.template is not None:
             from .template import template_start_processes
@@ -328,6 +335,7 @@ class FTAgent(LocalElasticAgent):
             return
         started, pids, _ = self._generation
         self._generation = None
+        self._keep_learned()
         now_wall, now_mono = time.time(), time.monotonic()
         exits_at = {k: now_wall - (now_mono - t) for k, t in self.watcher.exit_times().items()}
         stopped_at = now_wall if cause == "stopped" else None  # no longer watched
@@ -340,6 +348,23 @@ class FTAgent(LocalElasticAgent):
             exits=exits,
             seconds=round(last - started, 6),
         )
+
+    def _keep_learned(self) -> None:
+        """A generation ended: take in what its ranks learned (and, for a hang caught by
+        a learned timeout, at least how long the interval ran: a long operation never
+        seen before is taken for a hang once, not at every restart), and keep it."""
+        if not self.ft.learn_timeouts:
+            return
+        for row in range(self.table.rows):
+            self.learned.merge(self.table.snapshot(row))
+        hangs, self._hangs_seen = self.watcher.hangs[self._hangs_seen :], len(self.watcher.hangs)
+        for hang in hangs:
+            if hang.learned:
+                self.learned.overran(hang.what, hang.elapsed)
+        try:
+            self.learned.save()
+        except (OSError, ConfigError) as exc:  # learning goes on in memory
+            logger.warning("could not keep the learned timeouts: %s", exc)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         running = self._generation is not None
@@ -526,6 +551,14 @@ class FTAgent(LocalElasticAgent):
             remaining_restarts=seam.agent_remaining_restarts(self),
         )
         super()._restart_workers(worker_group)
+
+
+def _learned_path() -> Path | None:
+    """Where the learned timeouts are kept: beside the run's event log (none without)."""
+    log = os.environ.get(events.EVENTS_ENV)
+    if not log or log == events.EVENTS_OFF:
+        return None
+    return Path(log).parent / LEARNED_FILE
 
 
 def _nodes(hosts: Iterable[str]) -> str:

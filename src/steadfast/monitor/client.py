@@ -108,6 +108,12 @@ class RankMonitorClient:
         self._max_hb = 0.0
         self._max_section: dict[str, float] = {}
         self._max_oos = 0.0
+        # learned timeouts (monitor/learned.py): the first interval of each kind in this
+        # process is a warm-up, not learned; nor a heartbeat interval a section ran in
+        self._hb_warm = False
+        self._oos_warm = False
+        self._section_since_hb = False
+        self._ran: set[str] = set()
         # calculated timeouts (absent: not calculated; the configured value applies)
         self._calc: dict[str, Any] = {"rank_section_timeouts": {}}
 
@@ -164,10 +170,17 @@ class RankMonitorClient:
         now = time.monotonic()
         last = self._last_hb
         if last:
-            if now - last > self._max_hb:
-                self._max_hb = now - last
+            took = now - last
+            if took > self._max_hb:
+                self._max_hb = took
+            if self._hb_warm and not self._section_since_hb:
+                if took > s[t.LEARNED_HB]:
+                    s[t.LEARNED_HB] = took
+                s[t.LEARNED_HB + 1] += 1
+            self._hb_warm = True
         elif now - self._attached > self._max_first_hb:
             self._max_first_hb = now - self._attached
+        self._section_since_hb = bool(self._open)
         self._last_hb = now
         s[t.LAST_HB] = now
         s[t.HEARTBEATS] += 1
@@ -186,10 +199,20 @@ class RankMonitorClient:
         index = self._index.get(section)
         if index is None:
             index = self._register(section)
-        if not self._open and now - self._oos_since > self._max_oos:
-            self._max_oos = now - self._oos_since
+        outside = 0.0
+        if not self._open:
+            outside = now - self._oos_since
+            if outside > self._max_oos:
+                self._max_oos = outside
         self._open[section] = now
+        self._section_since_hb = True
         s[t.SEQ] += 1  # this rank is its row's only writer: even on entry
+        if outside and self._first_step_seen:  # out of section is watched from here on
+            if self._oos_warm:
+                if outside > s[t.LEARNED_OOS]:
+                    s[t.LEARNED_OOS] = outside
+                s[t.LEARNED_OOS + 1] += 1
+            self._oos_warm = True
         s[t.OPENED + index] = now
         s[t.OPEN] += 1
         s[t.SEQ] += 1
@@ -204,9 +227,16 @@ class RankMonitorClient:
         if took > self._max_section.get(section, 0.0):
             self._max_section[section] = took
         s = self._slots
+        index = self._index[section]
         s[t.SEQ] += 1  # this rank is its row's only writer: even on entry
-        s[t.OPENED + self._index[section]] = 0.0
+        s[t.OPENED + index] = 0.0
         s[t.OPEN] -= 1
+        if section in self._ran:
+            if took > s[t.LEARNED_MAX + index]:
+                s[t.LEARNED_MAX + index] = took
+            s[t.LEARNED_N + index] += 1
+        else:
+            self._ran.add(section)
         if section == "step":
             self._first_step_seen = True
             s[t.STEPS] += 1
@@ -337,6 +367,13 @@ class RankMonitorClient:
             ):
                 if calc.get(key) is not None:
                     s[slot] = float(calc[key])
+            # a calculated timeout is the user's: it is not replaced by a learned one
+            learn = int(s[t.LEARN])
+            if calc.get("rank_heartbeat_timeout") is not None:
+                learn &= ~t.LEARN_HB
+            if calc.get("rank_out_of_section_timeout") is not None:
+                learn &= ~t.LEARN_OOS
+            s[t.LEARN] = float(learn)
         for name, value in calc["rank_section_timeouts"].items():
             index = self._index.get(name)
             if index is None:

@@ -49,6 +49,7 @@ PID = 1  # the rank's pid once attached (0 = not yet)
 ATTACHED = 2  # monotonic time of init_workload_monitoring
 LAST_HB = 3  # monotonic time of the last heartbeat (0 = none yet)
 OPEN = 4  # how many sections are open now (sections may nest or overlap, as in NVRx)
+LEARN = 5  # which timeouts may be learned: a bit mask of LEARN_* (the launcher sets it)
 OOS_START = 6  # monotonic time the rank left its last open section (0: before the first step)
 STEPS = 7  # completed "step" sections
 HB_INITIAL_TIMEOUT = 8
@@ -60,7 +61,14 @@ HEARTBEATS = 13  # heartbeats sent
 TIMEOUTS = 16  # TIMEOUTS + i: the timeout of section i (inf = none)
 MAX_SECTIONS = 32
 OPENED = TIMEOUTS + MAX_SECTIONS  # OPENED + i: when section i was opened (0 = closed)
-SLOTS = OPENED + MAX_SECTIONS
+# learned timeouts (monitor/learned.py): the longest interval seen and how many were seen,
+# for the heartbeat, the time out of sections and each section; the launcher preloads
+# them from its earlier generations, the rank adds to them
+LEARNED_HB = OPENED + MAX_SECTIONS  # longest heartbeat interval, then the count (+1)
+LEARNED_OOS = LEARNED_HB + 2  # longest time out of sections, then the count (+1)
+LEARNED_MAX = LEARNED_OOS + 2  # LEARNED_MAX + i: the longest run of section i
+LEARNED_N = LEARNED_MAX + MAX_SECTIONS  # LEARNED_N + i: runs of section i seen
+SLOTS = LEARNED_N + MAX_SECTIONS
 NAME_BYTES = 48
 ROW_BYTES = 4096  # slots + names, one page per row: no false sharing between ranks
 _NAMES_OFFSET = SLOTS * 8
@@ -105,6 +113,10 @@ def _remove_orphans(base: Path) -> None:
                 fifo.unlink()
 
 
+#: LEARN bits: the heartbeat's timeout, the time out of sections', the sections' (those
+#: the config names no timeout for)
+LEARN_HB, LEARN_OOS, LEARN_SECTIONS = 1, 2, 4
+
 _MAX_SPINS = 10_000  # a live writer finishes in well under a microsecond
 
 
@@ -129,6 +141,11 @@ class RowSnapshot:
     out_of_section_timeout: float
     section_timeouts: dict[str, float]
     closed: bool
+    #: LEARN bits, and the learned state: (longest interval, intervals seen)
+    learn: int = 0
+    learned_heartbeat: tuple[float, int] = (0.0, 0)
+    learned_out_of_section: tuple[float, int] = (0.0, 0)
+    learned_sections: dict[str, tuple[float, int]] | None = None
 
 
 class HeartbeatTable:
@@ -257,8 +274,12 @@ class HeartbeatTable:
         initial_hb: float | None,
         hb: float | None,
         oos: float | None,
+        learn: int = 0,
+        learned: Mapping[str, tuple[float, int]] | None = None,
     ) -> None:
-        """Empty ``row`` for a new worker, with the configured timeouts (launcher)."""
+        """Empty ``row`` for a new worker, with the configured timeouts (launcher);
+        ``learn``: the LEARN bits; ``learned``: what earlier generations learned, as
+        ``(longest, count)`` under ``heartbeat``, ``out_of_section`` and ``section:<name>``."""
         with self.writing(row) as s:
             for i in range(1, SLOTS):
                 s[i] = 0.0
@@ -271,6 +292,22 @@ class HeartbeatTable:
             self._view[base : base + MAX_SECTIONS * NAME_BYTES] = bytes(MAX_SECTIONS * NAME_BYTES)
             for name, timeout in config_timeouts.items():
                 self._add_name(row, name, timeout)
+            s[LEARN] = float(learn)
+            for key, (longest, count) in (learned or {}).items():
+                if key == "heartbeat":
+                    s[LEARNED_HB], s[LEARNED_HB + 1] = longest, count
+                elif key == "out_of_section":
+                    s[LEARNED_OOS], s[LEARNED_OOS + 1] = longest, count
+                elif key.startswith("section:"):
+                    name = key.removeprefix("section:")
+                    names = self._names(row)
+                    if name in names:
+                        index = names.index(name)
+                    elif len(names) < MAX_SECTIONS:
+                        index = self._add_name(row, name, None)
+                    else:
+                        continue
+                    s[LEARNED_MAX + index], s[LEARNED_N + index] = longest, count
 
     def _add_name(self, row: int, name: str, timeout: float | None) -> int:
         s = self._slots[row]
@@ -293,6 +330,9 @@ class HeartbeatTable:
 
     def names(self, row: int) -> list[str]:
         """The section names of ``row``, by index."""
+        return self._names(row)
+
+    def _names(self, row: int) -> list[str]:
         out = []
         for i in range(int(self._slots[row][NAMES])):
             base = row * ROW_BYTES + _NAMES_OFFSET + i * NAME_BYTES
@@ -331,4 +371,11 @@ class HeartbeatTable:
             out_of_section_timeout=values[OOS_TIMEOUT],
             section_timeouts={n: values[TIMEOUTS + i] for i, n in enumerate(names)},
             closed=bool(values[CLOSED]),
+            learn=int(values[LEARN]),
+            learned_heartbeat=(values[LEARNED_HB], int(values[LEARNED_HB + 1])),
+            learned_out_of_section=(values[LEARNED_OOS], int(values[LEARNED_OOS + 1])),
+            learned_sections={
+                n: (values[LEARNED_MAX + i], int(values[LEARNED_N + i]))
+                for i, n in enumerate(names)
+            },
         )

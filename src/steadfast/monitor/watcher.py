@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from .. import events
 from ..config import FaultToleranceConfig
 from .client import STACK_DUMP_SIGNAL
+from .learned import effective
 from .table import HeartbeatTable, RowSnapshot
 
 __all__ = ["Hang", "Watcher", "next_deadline", "shortest_timeout"]
@@ -73,6 +74,7 @@ class Hang:
     what: str
     elapsed: float
     timeout: float
+    learned: bool = False  # the timeout was learned (monitor/learned.py), not configured
 
 
 def next_deadline(
@@ -288,14 +290,15 @@ class Watcher:
             for local, pid in pids.items():
                 if local in handled or local >= self.table.rows:
                     continue
-                snap = self.table.snapshot(local)
+                snap, learned = effective(self.table.snapshot(local), self.cfg)
                 if snap.closed:
                     continue
                 deadline, what, since, timeout = next_deadline(
                     snap, started, self.cfg.num_warmup_iterations
                 )
                 if deadline <= now:
-                    self._detect(Hang(local, what, now - since, timeout), pid, snap.pid == pid)
+                    hang = Hang(local, what, now - since, timeout, what in learned)
+                    self._detect(hang, pid, snap.pid == pid)
                     continue
                 # a deadline that starts after this read ends no sooner than this
                 soonest = min(soonest, deadline, now + shortest_timeout(snap))
@@ -363,13 +366,14 @@ class Watcher:
             self._hung[hang.local_rank] = (hang.what, time.time() - hang.elapsed)
         rank = self.global_rank(hang.local_rank)
         logger.error(
-            "rank %d (local %d, pid %d) hung: %s for %.2fs (timeout %.2fs); terminating it",
+            "rank %d (local %d, pid %d) hung: %s for %.2fs (timeout %.2fs%s); terminating it",
             rank,
             hang.local_rank,
             pid,
             hang.what,
             hang.elapsed,
             hang.timeout,
+            ", learned" if hang.learned else "",
         )
         events.emit(
             "rank_hung",
@@ -379,6 +383,7 @@ class Watcher:
             section=hang.what.removeprefix("section:"),
             elapsed=round(hang.elapsed, 4),
             timeout=hang.timeout,
+            learned=hang.learned,
             worker_pid=pid,
         )
         self.hangs.append(hang)
