@@ -1,8 +1,10 @@
 """The timeline picture: one lane per rank, time on the x axis, showing steps, faults,
 detections, restarts and checkpoints (matplotlib, an optional dependency:
-``pip install steadfast[report]``). A run whose script reports no steps gets one lane
-per node instead, from its launchers' events: each generation of workers, the launcher's
-start and end, a lost node, a spare joining and each restart."""
+``pip install steadfast[report]``). A run whose workers ran on several nodes gets a lane
+per worker seat, grouped by node, laid out by :mod:`.timeline_nodes`: each worker's life
+per generation, its steps and saves, the lost nodes, spares and requeues across every
+lane, and each fault's culprit highlighted. A one-node run whose script reports no steps
+gets one lane per node instead, from its launchers' events."""
 
 from __future__ import annotations
 
@@ -13,6 +15,14 @@ from typing import Any
 from .. import events as ev
 from .goodput import DETECTION_KINDS
 from .launchers import as_list
+from .timeline_nodes import (
+    CULPRIT,
+    MARK_COLOURS,
+    OUTCOME_COLOURS,
+    NodeLayout,
+    is_multinode,
+    node_layout,
+)
 
 __all__ = ["plot_timeline"]
 
@@ -34,6 +44,8 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
         raise ImportError("the timeline needs matplotlib: pip install 'steadfast[report]'") from exc
     if not events:
         raise ValueError("no events to draw")
+    if is_multinode(events):
+        return _plot_multinode(plt, node_layout(events), Path(path), title)
     if not any(e.kind == ev.Kind.STEP_DONE for e in events) and any(
         e.kind == ev.Kind.WORKERS_STARTED for e in events
     ):
@@ -110,7 +122,7 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
         plt.close(fig)
 
 
-_OUTCOME_COLOURS = {"succeeded": "tab:blue", "stopped": "tab:gray", "failed": "tab:red"}
+_NODE_OUTCOME_COLOURS = {"succeeded": "tab:blue", "stopped": "tab:gray", "failed": "tab:red"}
 
 
 def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path:
@@ -152,7 +164,7 @@ def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path
                 ]
                 end = max(exits) if exits else x
                 open_bars.pop(key, None)
-                colour = _OUTCOME_COLOURS.get(str(e.cause), "tab:gray")
+                colour = _NODE_OUTCOME_COLOURS.get(str(e.cause), "tab:gray")
                 ax.broken_barh(
                     [(started[key], end - started[key])], (y - 0.3, 0.6), facecolors=colour,
                     alpha=0.6,
@@ -217,6 +229,119 @@ def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path
         fig.tight_layout()
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110)
+        return out
+    finally:
+        plt.close(fig)
+
+
+_OUTCOME_NAMES = {
+    "succeeded": "worker ran, ended well",
+    "after fault": "worker went down after the fault (not its own)",
+    "stopped": "worker stopped, no fault (a preemption, a new round)",
+    "failed": "worker failed (no culprit named)",
+    "lost": "worker lost with its node",
+    "running": "worker: no end recorded",
+}
+
+_MARK_NAMES = {
+    "node lost": "node lost (its detection)",
+    "node joined": "node joined",
+    "requeue": "requeue, or the job started again",
+}
+
+
+def _pale(colour: str, alpha: float) -> tuple[float, float, float]:
+    """``colour`` at ``alpha`` over white, as an opaque colour."""
+    from matplotlib.colors import to_rgb
+
+    r, g, b = to_rgb(colour)
+    return (1 - alpha + alpha * r, 1 - alpha + alpha * g, 1 - alpha + alpha * b)
+
+
+def _plot_multinode(plt: Any, layout: NodeLayout, out: Path, title: str) -> Path:
+    """Draw ``layout`` (see :mod:`.timeline_nodes`): a band per node, a lane per seat."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    lanes = layout.lanes
+    rows = max((m.tier for m in layout.marks), default=-1) + 1
+    low, high = min(lane.y for lane in lanes), max(lane.y for lane in lanes)
+    top = high + 0.55 + 0.42 * rows
+    height = 1.9 + 0.36 * (top - low + 1)
+    fig, ax = plt.subplots(figsize=(12, height))
+    try:
+        steps = any(lane.steps for lane in lanes)
+        for i, g in enumerate(layout.groups):
+            bottom, upper = g.span
+            if i % 2 == 0:
+                ax.axhspan(bottom - 0.5, upper + 0.5, color="0.93", zorder=0)
+            ax.annotate(g.node, (0, (bottom + upper) / 2), xycoords=("axes fraction", "data"),
+                        xytext=(-14 - 5.5 * max(len(x.label) for x in g.lanes), 0),
+                        textcoords="offset points", ha="right", va="center", fontsize=10,
+                        fontweight="bold")  # fmt: skip
+            for lane in g.lanes:
+                for start, end in g.launchers:
+                    ax.plot([start, end], [lane.y, lane.y], color="0.35", lw=0.8, zorder=1)
+                    ax.plot(start, lane.y, ">", color="0.2", markersize=4, zorder=1)
+        for lane in lanes:
+            for s in lane.segments:
+                colour = CULPRIT if s.culprit else OUTCOME_COLOURS.get(s.outcome, "tab:gray")
+                # solid (the launcher's line must not show through), light under steps
+                face = _pale(colour, 0.9 if s.culprit else (0.3 if steps else 0.55))
+                edge = "black" if s.culprit else "white"  # white: two generations apart
+                ax.broken_barh([(s.start, s.end - s.start)], (lane.y - 0.32, 0.64), zorder=2,
+                               facecolors=face, edgecolor=edge, linewidth=1)  # fmt: skip
+                if len(lane.ranks) > 1:  # renumbered: say which rank ran here then
+                    ax.text(s.start + 0.01 * layout.end, lane.y, f"r{s.rank}", fontsize=6,
+                            va="center", zorder=4)  # fmt: skip
+            ax.broken_barh(lane.steps, (lane.y - 0.18, 0.36), facecolors="tab:blue", zorder=3)
+            ax.broken_barh(lane.saves, (lane.y - 0.36, 0.72), facecolors="tab:green", zorder=3)
+            for x, what in lane.injected:
+                ax.plot(x, lane.y + 0.4, "X", color="red", markersize=9, zorder=5)
+                ax.annotate(what, (x, lane.y + 0.45), fontsize=7, color="red", zorder=5)
+        for m in layout.marks:
+            colour = MARK_COLOURS[m.what]
+            ax.axvline(m.time, color=colour, linestyle="--", linewidth=1.1, zorder=4)
+            ax.text(m.time, high + 0.55 + 0.42 * m.tier, m.label, color=colour, fontsize=7,
+                    va="center", ha="left", zorder=6,
+                    bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none"})  # fmt: skip
+        for c in layout.culprits:
+            ys = [lane.y for lane in c.lanes] or [high]
+            y = (min(ys) + max(ys)) / 2
+            ax.plot(c.time, y, "*", color="yellow", markeredgecolor="black", markersize=13,
+                    zorder=6)  # fmt: skip
+            late = c.time > 0.6 * layout.end  # put the label where there is room
+            ax.annotate("culprit: " + c.label, (c.time, y), xytext=(-9 if late else 9, 0),
+                        textcoords="offset points", ha="right" if late else "left",
+                        va="center", fontsize=8, color=CULPRIT, fontweight="bold", zorder=7,
+                        bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": CULPRIT,
+                              "alpha": 0.9})  # fmt: skip
+        ax.set_yticks([lane.y for lane in lanes], [lane.label for lane in lanes], fontsize=8)
+        ax.set_ylim(low - 0.7, top + 0.3)
+        ax.set_xlim(-0.01 * layout.end, layout.end * 1.01)
+        ax.set_xlabel("seconds since the first launcher started")
+        ax.set_title(title or "steadfast run timeline", fontsize=10)
+        used = {s.outcome for lane in lanes for s in lane.segments if not s.culprit}
+        handles: list[Any] = [
+            Patch(color=_pale(OUTCOME_COLOURS[o], 0.3 if steps else 0.55), label=_OUTCOME_NAMES[o])
+            for o in OUTCOME_COLOURS
+            if o in used
+        ]
+        if layout.culprits:
+            handles.append(Patch(facecolor=CULPRIT, edgecolor="black", label="a fault's culprit"))
+        if steps:
+            handles.append(Patch(color="tab:blue", label="step"))
+        if any(lane.saves for lane in lanes):
+            handles.append(Patch(color="tab:green", label="checkpoint save"))
+        handles.append(Line2D([], [], color="0.35", marker=">", markersize=4, label="launcher"))
+        for what in dict.fromkeys(m.what for m in layout.marks):
+            handles.append(Line2D([], [], color=MARK_COLOURS[what], linestyle="--",
+                                  label=_MARK_NAMES[what]))  # fmt: skip
+        below = -0.5 / (height - 1.2)  # under the axis' label, however tall the axes
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, below), ncol=4,
+                  fontsize=8, frameon=False)  # fmt: skip
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110, bbox_inches="tight")
         return out
     finally:
         plt.close(fig)
