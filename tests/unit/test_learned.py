@@ -119,6 +119,27 @@ def test_a_slow_drift_is_followed_a_sudden_3x_step_is_not():
     assert 3.1 * longest > learned_timeout(longest, count, CFG, 2700.0)
 
 
+def test_a_restarted_process_runs_each_kind_once_under_the_default(row, monkeypatch):
+    """What earlier generations learned is preloaded (ready), but a new process warms up
+    again (compilation, caches): its first step runs under the default, the next under
+    the learned timeout."""
+    row.reset(0, {}, 3600.0, 2700.0, None, learn=7, learned={"section:step": (0.25, 40)})
+    clock = _Clock(monkeypatch)
+    ft = RankMonitorClient()
+    ft.init_workload_monitoring()
+    ft.start_section("step")
+    clock.now += 60.0  # a first step that compiles
+    snap, learned = effective(row.snapshot(0), CFG)
+    assert snap.section_timeouts["step"] == 2700.0 and not learned
+    ft.end_section("step")
+    ft.start_section("step")
+    snap, learned = effective(row.snapshot(0), CFG)
+    assert snap.section_timeouts["step"] == 5.0 and learned == {"section:step"}
+    assert snap.learned_sections["step"] == (0.25, 40)  # the warm-up is not learned
+    ft.end_section("step")
+    ft.shutdown_workload_monitoring()
+
+
 def test_the_launcher_keeps_what_was_learned_across_restarts(row, tmp_path: Path):
     path = tmp_path / "learned_timeouts.json"
     row.reset(

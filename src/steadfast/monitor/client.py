@@ -177,6 +177,8 @@ class RankMonitorClient:
                 if took > s[t.LEARNED_HB]:
                     s[t.LEARNED_HB] = took
                 s[t.LEARNED_HB + 1] += 1
+            elif not self._hb_warm:  # once per process: from now on the learned applies
+                s[t.WARM_KINDS] = float(int(s[t.WARM_KINDS]) | 1)
             self._hb_warm = True
         elif now - self._attached > self._max_first_hb:
             self._max_first_hb = now - self._attached
@@ -212,6 +214,8 @@ class RankMonitorClient:
                 if outside > s[t.LEARNED_OOS]:
                     s[t.LEARNED_OOS] = outside
                 s[t.LEARNED_OOS + 1] += 1
+            else:  # once per process
+                s[t.WARM_KINDS] = float(int(s[t.WARM_KINDS]) | 2)
             self._oos_warm = True
         s[t.OPENED + index] = now
         s[t.OPEN] += 1
@@ -235,8 +239,9 @@ class RankMonitorClient:
             if took > s[t.LEARNED_MAX + index]:
                 s[t.LEARNED_MAX + index] = took
             s[t.LEARNED_N + index] += 1
-        else:
+        else:  # its first run in this process: a warm-up, from now on the learned applies
             self._ran.add(section)
+            s[t.WARM_SECTIONS] = float(int(s[t.WARM_SECTIONS]) | 1 << index)
         if section == "step":
             self._first_step_seen = True
             s[t.STEPS] += 1

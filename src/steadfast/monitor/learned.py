@@ -10,8 +10,10 @@ sections, and the longest interval between heartbeats sent while no section was 
 a process is left out: a warm-up (compilation, cache fills) that the next ones do not
 repeat.
 
-What applies (:func:`effective`, in the launcher's watcher): where the config leaves a
-timeout at its default (the heartbeat's at NVRx's 45 minutes, no timeout out of sections,
+What applies (:func:`effective`, in the launcher's watcher): once the process has run a
+kind once (its warm-up, under the default: a restarted generation compiles again, even
+with what earlier ones learned preloaded), and where the config leaves a timeout at its
+default (the heartbeat's at NVRx's 45 minutes, no timeout out of sections,
 a section the config names no timeout for), a kind with at least
 ``learned_timeout_min_samples`` intervals seen gets ``learned_timeout_margin`` x the
 longest of them, never below ``learned_timeout_floor`` and never above the default (an
@@ -94,12 +96,12 @@ def effective(snap: RowSnapshot, cfg: FaultToleranceConfig) -> tuple[RowSnapshot
     changes: dict[str, object] = {}
     default = cfg.rank_heartbeat_timeout
     fallback = math.inf if default is None else float(default)
-    if snap.learn & LEARN_HB and not snap.open_sections:
+    if snap.learn & LEARN_HB and snap.warm_kinds & 1 and not snap.open_sections:
         value = learned_timeout(*snap.learned_heartbeat, cfg, snap.heartbeat_timeout)
         if value is not None:
             changes["heartbeat_timeout"] = value
             learned.add("heartbeat")
-    if snap.learn & LEARN_OOS:
+    if snap.learn & LEARN_OOS and snap.warm_kinds & 2:
         value = learned_timeout(*snap.learned_out_of_section, cfg, snap.out_of_section_timeout)
         if value is not None:
             changes["out_of_section_timeout"] = value
@@ -110,7 +112,9 @@ def effective(snap: RowSnapshot, cfg: FaultToleranceConfig) -> tuple[RowSnapshot
             if math.isfinite(timeout) or name == "warmup":
                 continue  # the config's, or calculated: the user's
             state = (snap.learned_sections or {}).get(name, (0.0, 0))
-            value = learned_timeout(*state, cfg, fallback)
+            value = None
+            if name in snap.warm_sections:  # its first run in this process: the default
+                value = learned_timeout(*state, cfg, fallback)
             if value is not None:
                 learned.add(f"section:{name}")
             sections[name] = fallback if value is None else value

@@ -58,6 +58,10 @@ OOS_TIMEOUT = 10
 NAMES = 11  # number of section names in the row
 CLOSED = 12  # 1 once shutdown_workload_monitoring ran
 HEARTBEATS = 13  # heartbeats sent
+# the kinds this process has run once (warmed up): bit i for section i; WARM_KINDS: 1 the
+# heartbeat, 2 the time out of sections (a learned timeout applies only once warmed up)
+WARM_SECTIONS = 14
+WARM_KINDS = 15
 TIMEOUTS = 16  # TIMEOUTS + i: the timeout of section i (inf = none)
 MAX_SECTIONS = 32
 OPENED = TIMEOUTS + MAX_SECTIONS  # OPENED + i: when section i was opened (0 = closed)
@@ -146,6 +150,9 @@ class RowSnapshot:
     learned_heartbeat: tuple[float, int] = (0.0, 0)
     learned_out_of_section: tuple[float, int] = (0.0, 0)
     learned_sections: dict[str, tuple[float, int]] | None = None
+    #: sections this process ran once, and WARM_KINDS bits
+    warm_sections: frozenset[str] = frozenset()
+    warm_kinds: int = 0
 
 
 class HeartbeatTable:
@@ -378,4 +385,8 @@ class HeartbeatTable:
                 n: (values[LEARNED_MAX + i], int(values[LEARNED_N + i]))
                 for i, n in enumerate(names)
             },
+            warm_sections=frozenset(
+                n for i, n in enumerate(names) if int(values[WARM_SECTIONS]) >> i & 1
+            ),
+            warm_kinds=int(values[WARM_KINDS]),
         )
