@@ -111,7 +111,7 @@ def test_a_node_that_never_counts_holds_the_verdict_up_only_for_the_window(serve
     assert time.monotonic() - began < 10.0  # the verdict was sealed: no 30 s window
     assert late is not None and (late.culprit.node, late.culprit.rank) == ("node1", 1)
     passer = agree(rounds[2], None, 3, window=30.0)
-    assert passer is not None and passer.culprit == first.culprit and passer.claims == 2
+    assert passer is not None and passer.culprit == first.culprit and passer.claims == 1
 
 
 def test_no_claim_no_verdict(server):
@@ -123,3 +123,23 @@ def test_claims_round_trip_through_the_store_format():
     c = _claim("node2", 0, 12.5, 1)
     assert Claim.loads(c.dumps()) == c
     assert c.beats(_claim("node2", 1, 12.5, 1))  # a fixed order when all else is equal
+
+
+def test_a_rank_aborted_for_a_lost_peer_weighs_as_an_exit_code():
+    """NCCL's watchdog ends a rank whose collective lost its peer with SIGABRT: that is
+    no sign of being the culprit (a SIGKILL or a SIGSEGV is); an exception's exit that
+    came first then wins over it."""
+    from types import SimpleNamespace
+
+    from steadfast.launcher.nodes.culprit import rank_claim
+
+    def claim(code: int, t: float, node: str) -> Claim:
+        failures = {0: SimpleNamespace(local_rank=0, exitcode=code)}
+        made = rank_claim(node, 0, failures, {0: t}, {}, {0})
+        assert made is not None
+        return made
+
+    aborted, raised = claim(-6, 10.2, "node1"), claim(1, 10.0, "node2")
+    assert aborted.weight == raised.weight == 0 and raised.beats(aborted)
+    assert claim(-9, 10.3, "node3").beats(raised)  # a rank killed outright
+    assert claim(-11, 10.3, "node3").weight == 1 and claim(-15, 9.0, "node3").weight == 0

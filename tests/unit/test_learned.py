@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from steadfast.config import ConfigError, FaultToleranceConfig
+from steadfast.config import FaultToleranceConfig
 from steadfast.monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, RankMonitorClient
 from steadfast.monitor.learned import Learned, effective, learn_bits, learned_timeout
 from steadfast.monitor.table import LEARN_HB, LEARN_OOS, LEARN_SECTIONS
@@ -64,13 +64,21 @@ def test_nothing_is_learned_until_ready_then_3x_the_longest_not_below_the_floor(
     ft.end_section("step")
     ft.start_section("checkpointing")
     snap, learned = effective(row.snapshot(0), CFG)
-    assert snap.section_timeouts["checkpointing"] == 2700.0 and learned >= {"out_of_section"}
+    assert snap.section_timeouts["checkpointing"] == math.inf and learned >= {"out_of_section"}
     ft.end_section("checkpointing")
+    # right after a section closed, the interval since the last heartbeat is the
+    # section's, timed by it: the heartbeat's learned timeout waits for a heartbeat
+    clock.now += 60.0
+    snap, learned = effective(row.snapshot(0), CFG)
+    assert "heartbeat" not in learned and snap.heartbeat_timeout == 2700.0
+    ft.send_heartbeat()
+    assert "heartbeat" in effective(row.snapshot(0), CFG)[1]
     ft.shutdown_workload_monitoring()
 
 
 def test_a_timeout_the_user_set_or_calculated_is_not_learned(row, monkeypatch):
     assert learn_bits(FaultToleranceConfig(learn_timeouts=False)) == 0
+    assert not learn_bits(FaultToleranceConfig(rank_heartbeat_timeout=None)) & LEARN_HB
     assert learn_bits(FaultToleranceConfig(rank_heartbeat_timeout=30.0)) == (
         LEARN_SECTIONS | LEARN_OOS
     )
@@ -130,7 +138,7 @@ def test_a_restarted_process_runs_each_kind_once_under_the_default(row, monkeypa
     ft.start_section("step")
     clock.now += 60.0  # a first step that compiles
     snap, learned = effective(row.snapshot(0), CFG)
-    assert snap.section_timeouts["step"] == 2700.0 and not learned
+    assert snap.section_timeouts["step"] == math.inf and not learned
     ft.end_section("step")
     ft.start_section("step")
     snap, learned = effective(row.snapshot(0), CFG)
@@ -148,12 +156,12 @@ def test_the_launcher_keeps_what_was_learned_across_restarts(row, tmp_path: Path
     )  # fmt: skip
     snap = row.snapshot(0)
     assert snap.learned_heartbeat == (0.3, 20) and snap.learned_sections == {"step": (0.25, 40)}
-    kept = Learned(path)
+    kept = Learned(path, "job-7")
     kept.merge(snap)
-    kept.overran("section:step", 5.5)  # a hang caught by it: at least that long from now on
-    kept.save()
-    again = Learned(path)
-    assert again.kinds == {"heartbeat": (0.3, 20), "section:step": (5.5, 40)}
-    path.write_text('{"heartbeat": {"longest": "x"}}')
-    with pytest.raises(ConfigError, match=r"learned_timeouts\.json"):
-        Learned(path)
+    kept.overran("section:step", 5.5)  # a hang caught by it: back on the default until
+    kept.save()  # seen 8 times again, and at least that long from then on
+    again = Learned(path, "job-7")
+    assert again.kinds == {"heartbeat": (0.3, 20), "section:step": (5.5, 0)}
+    assert Learned(path, "another-job").kinds == {}  # another run's: not used
+    path.write_text('{"run_id": "job-7", "kinds": {"heartbeat": {"longest": "x"}}}')
+    assert Learned(path, "job-7").kinds == {}  # a bad file: a warning, learning anew

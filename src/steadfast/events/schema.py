@@ -175,7 +175,9 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "configured)", "local_rank": _WORKER["local_rank"],
         "worker_pid": _WORKER["worker_pid"],
     }),
-    (Kind.RANK_FAILED, "a worker failed: the first of its group to go down", dict(_WORKER)),
+    (Kind.RANK_FAILED, "a worker failed: the first of its group to go down", {
+        **_WORKER, "fault_id": "its fault_culprit, where the nodes agreed on it",
+    }),
     (Kind.RANK_STOPPED, "a worker that went down after another rank failed (stopped by the "
      "launcher, or it lost its peer): not a fault of its own", {
         **_WORKER, "first_failed_rank": "the rank whose failure it followed",
@@ -192,7 +194,8 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "itself (the exit, the last heartbeat, the last sign of life)",
         "detected": "epoch seconds it was detected",
         "claims": "claims made for that round", "stopped": "this node's ranks that went "
-        "down after it",
+        "down after it", "generation": "the writing node's round count, as its "
+        "workers_started says",
     }),
     (Kind.RESTART, "the launcher restarts the worker group in-job (cause: worker_failure or "
      "membership_change)", {

@@ -136,7 +136,9 @@ class FTAgent(LocalElasticAgent):
         self.watcher = Watcher(self.table, ft, global_rank=self._global_rank)
         self.watcher.start()
         # learned hang timeouts, kept beside the event log across job restarts
-        self.learned = Learned(_learned_path() if ft.learn_timeouts else None)
+        self.learned = Learned(
+            _learned_path() if ft.learn_timeouts else None, str(spec.rdzv_handler.get_run_id())
+        )
         self._hangs_seen = 0
         self.no_progress_restarts = 0
         self.restarts = 0
@@ -387,7 +389,7 @@ class FTAgent(LocalElasticAgent):
                 }
                 verdict = self._agree_loss(lost) if not isolated else None
                 if verdict is not None:
-                    emit_agreed(stops, verdict, self.roster.name)
+                    emit_agreed(stops, verdict, self.roster.name, self.rounds)
                 else:
                     cause = self._loss_cause(lost, isolated)
                     for rank, fields in stops.items():
@@ -434,7 +436,7 @@ class FTAgent(LocalElasticAgent):
                 verdict = self._agree_loss(lost) if not isolated else None
                 if verdict is not None:
                     stops = {int(r): failure_fields(f) for r, f in failures.items()}
-                    emit_agreed(stops, verdict, self.roster.name)
+                    emit_agreed(stops, verdict, self.roster.name, self.rounds)
                 else:
                     emit_failures(failures, {}, loss=self._loss_cause(lost, isolated))
                 return
@@ -455,11 +457,12 @@ class FTAgent(LocalElasticAgent):
                 self.watcher.hung(),
                 first_failures(failures, exits),
                 detected=seen,
+                global_rank=self._global_rank,
             )
             verdict = self.roster.agree_culprit(claim)
             if verdict is not None:
                 stops = {int(r): failure_fields(f) for r, f in failures.items()}
-                emit_agreed(stops, verdict, self.roster.name)
+                emit_agreed(stops, verdict, self.roster.name, self.rounds)
                 return
         emit_failures(failures, exits)
 
@@ -517,7 +520,7 @@ class FTAgent(LocalElasticAgent):
                         int(w.global_rank): {"local_rank": int(w.local_rank)}
                         for w in worker_group.workers
                     }
-                    emit_agreed(stops, verdict, roster.name)
+                    emit_agreed(stops, verdict, roster.name, self.rounds)
                     reason = f"a node rejoined after {describe(verdict.culprit)}"
             events.emit(
                 "restart",

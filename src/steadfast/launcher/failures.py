@@ -96,7 +96,9 @@ def describe(culprit: Claim) -> str:
     return f"rank {culprit.rank} on {culprit.node} {verb} ({culprit.cause})"
 
 
-def emit_agreed(stops: Mapping[int, dict[str, Any]], verdict: Verdict, node: str) -> None:
+def emit_agreed(
+    stops: Mapping[int, dict[str, Any]], verdict: Verdict, node: str, generation: int
+) -> None:
     """Report a round's fault as agreed job-wide: ``rank_failed`` for the culprit where
     it is one of this node's ranks, ``rank_stopped`` pointing to it for every other rank
     of ``stops`` (this node's ranks that went down, by global rank, with their worker
@@ -107,7 +109,13 @@ def emit_agreed(stops: Mapping[int, dict[str, Any]], verdict: Verdict, node: str
     stopped = []
     for rank, fields in sorted(stops.items()):
         if rank == own:
-            events.emit(Kind.RANK_FAILED, cause=c.cause, rank=int(rank), **fields)
+            events.emit(
+                Kind.RANK_FAILED,
+                cause=c.cause,
+                rank=int(rank),
+                fault_id=verdict.fault_id,
+                **fields,
+            )
             continue
         stopped.append(int(rank))
         events.emit(
@@ -131,6 +139,7 @@ def emit_agreed(stops: Mapping[int, dict[str, Any]], verdict: Verdict, node: str
         detected=round(c.detected, 6),
         claims=verdict.claims,
         stopped=stopped,
+        generation=generation,
     )
 
 

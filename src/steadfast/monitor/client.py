@@ -183,6 +183,7 @@ class RankMonitorClient:
         elif now - self._attached > self._max_first_hb:
             self._max_first_hb = now - self._attached
         self._section_since_hb = bool(self._open)
+        s[t.HB_SECTIONS] = 1.0 if self._open else 0.0
         self._last_hb = now
         s[t.LAST_HB] = now
         s[t.HEARTBEATS] += 1
@@ -209,6 +210,7 @@ class RankMonitorClient:
         self._open[section] = now
         self._section_since_hb = True
         s[t.SEQ] += 1  # this rank is its row's only writer: even on entry
+        s[t.HB_SECTIONS] = 1.0
         if outside and self._first_step_seen:  # out of section is watched from here on
             if self._oos_warm:
                 if outside > s[t.LEARNED_OOS]:

@@ -43,6 +43,7 @@ until they have been seen.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import tempfile
@@ -60,16 +61,17 @@ LEARNED_FILE = "learned_timeouts.json"
 
 _DEFAULTS = FaultToleranceConfig.__dataclass_fields__
 
+logger = logging.getLogger(__name__)
+
 
 def learn_bits(cfg: FaultToleranceConfig) -> int:
     """The table's LEARN bits for ``cfg``: which timeouts may be learned (those the
     config leaves at their defaults)."""
     if not cfg.learn_timeouts:
         return 0
-    bits = LEARN_SECTIONS  # a section the config names no timeout for
-    default_hb = _DEFAULTS["rank_heartbeat_timeout"].default
-    if cfg.rank_heartbeat_timeout is None or cfg.rank_heartbeat_timeout == default_hb:
-        bits |= LEARN_HB
+    bits = LEARN_SECTIONS  # a section the config does not name
+    if cfg.rank_heartbeat_timeout == _DEFAULTS["rank_heartbeat_timeout"].default:
+        bits |= LEARN_HB  # (null, no heartbeat timeout, is the user's choice)
     if cfg.rank_out_of_section_timeout is None:
         bits |= LEARN_OOS
     return bits
@@ -94,9 +96,10 @@ def effective(snap: RowSnapshot, cfg: FaultToleranceConfig) -> tuple[RowSnapshot
         return snap, set()
     learned: set[str] = set()
     changes: dict[str, object] = {}
-    default = cfg.rank_heartbeat_timeout
-    fallback = math.inf if default is None else float(default)
-    if snap.learn & LEARN_HB and snap.warm_kinds & 1 and not snap.open_sections:
+    # the heartbeat's: between heartbeats with no section in them (a section's own
+    # timeout times the interval it ran in), once this process sent two
+    quiet = not snap.open_sections and not snap.section_since_heartbeat
+    if snap.learn & LEARN_HB and snap.warm_kinds & 1 and quiet:
         value = learned_timeout(*snap.learned_heartbeat, cfg, snap.heartbeat_timeout)
         if value is not None:
             changes["heartbeat_timeout"] = value
@@ -109,15 +112,15 @@ def effective(snap: RowSnapshot, cfg: FaultToleranceConfig) -> tuple[RowSnapshot
     if snap.learn & LEARN_SECTIONS:
         sections = dict(snap.section_timeouts)
         for name, timeout in snap.section_timeouts.items():
-            if math.isfinite(timeout) or name == "warmup":
-                continue  # the config's, or calculated: the user's
+            if math.isfinite(timeout) or name in cfg.rank_section_timeouts or name == "warmup":
+                continue  # the config's (a null too), or calculated: the user's
+            if name not in snap.warm_sections:  # its first run in this process: the default
+                continue
             state = (snap.learned_sections or {}).get(name, (0.0, 0))
-            value = None
-            if name in snap.warm_sections:  # its first run in this process: the default
-                value = learned_timeout(*state, cfg, fallback)
+            value = learned_timeout(*state, cfg, math.inf)
             if value is not None:
                 learned.add(f"section:{name}")
-            sections[name] = fallback if value is None else value
+                sections[name] = value
         changes["section_timeouts"] = sections
     return replace(snap, **changes), learned  # type: ignore[arg-type]
 
@@ -126,13 +129,20 @@ class Learned:
     """What a node's ranks learned, merged over its rows and generations (the launcher's):
     ``(longest, count)`` under ``heartbeat``, ``out_of_section``, ``section:<name>``."""
 
-    def __init__(self, path: Path | None = None) -> None:
+    def __init__(self, path: Path | None = None, run_id: str = "") -> None:
         """``path``: the file that keeps it across job restarts (None: kept in memory
-        only); read now where it exists."""
+        only), read now where it holds what this run (``run_id``: the rendezvous' run
+        id, the same for every node and across a Slurm requeue) learned; another run's,
+        or a file that is not one (a warning names it), is not used."""
         self.path = path
+        self.run_id = run_id
         self.kinds: dict[str, tuple[float, int]] = {}
+        self._reset: set[str] = set()  # kinds a learned timeout cut: counted anew
         if path is not None and path.exists():
-            self.kinds = _read(path)
+            try:
+                self.kinds = _read(path, run_id)
+            except ConfigError as exc:
+                logger.warning("%s; learning from scratch", exc)
 
     def merge(self, snap: RowSnapshot) -> None:
         """Take in what a row learned: the longest of each kind, the most intervals."""
@@ -146,10 +156,14 @@ class Learned:
 
     def overran(self, what: str, elapsed: float) -> None:
         """A rank was taken for hung by the learned timeout of ``what`` after
-        ``elapsed`` seconds: that kind's longest is at least that from now on."""
+        ``elapsed`` seconds: that kind goes back to its default until it has been seen
+        ``learned_timeout_min_samples`` times again (an operation longer than any seen
+        before then completes under the default and is learned: a false hang happens
+        once), and its longest is at least ``elapsed`` from now on."""
         if what in ("heartbeat", "out_of_section") or what.startswith("section:"):
             old = self.kinds.get(what, (0.0, 0))
-            self.kinds[what] = (max(old[0], elapsed), old[1])
+            self.kinds[what] = (max(old[0], elapsed), 0)
+            self._reset.add(what)
 
     def save(self) -> None:
         """Write it to :attr:`path` (atomically: a reader sees the old file or the new),
@@ -159,12 +173,14 @@ class Learned:
         merged = dict(self.kinds)
         if self.path.exists():
             try:
-                for key, (longest, count) in _read(self.path).items():
+                for key, (longest, count) in _read(self.path, self.run_id).items():
                     old = merged.get(key, (0.0, 0))
-                    merged[key] = (max(old[0], longest), max(old[1], count))
+                    keep = old[1] if key in self._reset else max(old[1], count)
+                    merged[key] = (max(old[0], longest), keep)
             except ConfigError:
                 pass  # ours replaces a file that went bad
-        body = json.dumps({k: {"longest": v[0], "count": v[1]} for k, v in merged.items()})
+        kinds = {k: {"longest": v[0], "count": v[1]} for k, v in merged.items()}
+        body = json.dumps({"run_id": self.run_id, "kinds": kinds})
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
         try:
             with os.fdopen(fd, "w") as fh:
@@ -175,16 +191,19 @@ class Learned:
             raise
 
 
-def _read(path: Path) -> dict[str, tuple[float, int]]:
-    """The learned state in ``path``; a file that is not one is a ConfigError naming it."""
+def _read(path: Path, run_id: str) -> dict[str, tuple[float, int]]:
+    """What run ``run_id`` learned, from ``path`` (empty: another run's); a file that is
+    not one is a ConfigError naming it."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: not a learned-timeouts file ({exc})") from exc
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{path}: expected a JSON object of kinds, got {type(raw).__name__}")
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("kinds"), Mapping):
+        raise ConfigError(f"{path}: expected a JSON object with 'run_id' and 'kinds'")
+    if raw.get("run_id") != run_id:
+        return {}
     out: dict[str, tuple[float, int]] = {}
-    for key, value in raw.items():
+    for key, value in raw["kinds"].items():
         ok = isinstance(value, Mapping) and isinstance(value.get("longest"), (int, float))
         if not ok or not isinstance(value.get("count"), int):
             raise ConfigError(f"{path}: {key!r}: expected {{'longest': seconds, 'count': n}}")

@@ -72,7 +72,10 @@ LEARNED_HB = OPENED + MAX_SECTIONS  # longest heartbeat interval, then the count
 LEARNED_OOS = LEARNED_HB + 2  # longest time out of sections, then the count (+1)
 LEARNED_MAX = LEARNED_OOS + 2  # LEARNED_MAX + i: the longest run of section i
 LEARNED_N = LEARNED_MAX + MAX_SECTIONS  # LEARNED_N + i: runs of section i seen
-SLOTS = LEARNED_N + MAX_SECTIONS
+HB_SECTIONS = LEARNED_N + MAX_SECTIONS  # 1: a section ran since the last heartbeat
+SLOTS = HB_SECTIONS + 1
+#: section slots a preload of learned names leaves free for the rank's own new sections
+_PRELOAD_FREE = 8
 NAME_BYTES = 48
 ROW_BYTES = 4096  # slots + names, one page per row: no false sharing between ranks
 _NAMES_OFFSET = SLOTS * 8
@@ -153,6 +156,8 @@ class RowSnapshot:
     #: sections this process ran once, and WARM_KINDS bits
     warm_sections: frozenset[str] = frozenset()
     warm_kinds: int = 0
+    #: a section ran since the last heartbeat (its interval is the section's to time)
+    section_since_heartbeat: bool = False
 
 
 class HeartbeatTable:
@@ -310,7 +315,7 @@ class HeartbeatTable:
                     names = self._names(row)
                     if name in names:
                         index = names.index(name)
-                    elif len(names) < MAX_SECTIONS:
+                    elif len(names) < MAX_SECTIONS - _PRELOAD_FREE:
                         index = self._add_name(row, name, None)
                     else:
                         continue
@@ -389,4 +394,5 @@ class HeartbeatTable:
                 n for i, n in enumerate(names) if int(values[WARM_SECTIONS]) >> i & 1
             ),
             warm_kinds=int(values[WARM_KINDS]),
+            section_since_heartbeat=bool(values[HB_SECTIONS]),
         )

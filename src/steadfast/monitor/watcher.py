@@ -302,6 +302,8 @@ class Watcher:
                     continue
                 # a deadline that starts after this read ends no sooner than this
                 soonest = min(soonest, deadline, now + shortest_timeout(snap))
+                if snap.learn:  # a learned timeout may become ready before the next read
+                    soonest = min(soonest, now + self.cfg.learned_timeout_floor)
             soonest = min(soonest, self._terminate(time.monotonic()))
             self._sleep(soonest - time.monotonic() + 0.0005)
 

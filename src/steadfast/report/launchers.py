@@ -35,9 +35,6 @@ FAULT_KINDS: dict[str, str] = {
     ev.Kind.NODE_ISOLATED: "node cut off",
 }
 
-#: the signs of a round's fault that its agreed culprit stands for
-_FOLDED = {ev.Kind.NODE_LOST, ev.Kind.RANK_FAILED, ev.Kind.RANK_HUNG, ev.Kind.NODE_ISOLATED}
-
 
 @dataclass
 class Generation:
@@ -195,25 +192,62 @@ def _culprits(evs: list[ev.Event]) -> list[ObservedFault]:
     return list(seen.values())
 
 
-def _round_of(t: float, gens: list[Generation]) -> int:
-    """The generation running at ``t`` (0: before the first)."""
-    return max((g.index for g in gens if g.start <= t), default=0)
+def _folded(evs: list[ev.Event]) -> set[int]:
+    """The events (by ``id``) that an agreed culprit stands for: the signs of its fault
+    on each node that wrote a ``fault_culprit`` for it (its ``rank_failed``, its hangs,
+    its ``node_isolated``, within that node's generation), and the ``node_lost`` of the
+    culprit node. A sign on a node that did not take part in the agreement stays a fault
+    of its own."""
+    starts: dict[tuple[object, object], list[tuple[int, float]]] = {}
+    for e in evs:  # each launcher's generations (a launcher started again counts anew)
+        if e.kind == ev.Kind.WORKERS_STARTED:
+            key = (e.get("host"), e.get("pid"))
+            starts.setdefault(key, []).append((int(e.get("generation") or 0), e.time))
+
+    def window(key: tuple[object, object], generation: int) -> tuple[float, float] | None:
+        gens = starts.get(key, [])
+        for i, (g, began) in enumerate(gens):
+            if g == generation:
+                return began, gens[i + 1][1] if i + 1 < len(gens) else float("inf")
+        return None
+
+    spans: dict[tuple[object, object], list[tuple[float, float]]] = {}
+    lost: list[tuple[str, float, float]] = []  # (node, from, to) of lost-node culprits
+    for e in evs:
+        if e.kind != ev.Kind.FAULT_CULPRIT:
+            continue
+        key = (e.get("host"), e.get("pid"))
+        span = window(key, int(e.get("generation") or 0))
+        if span is None:
+            continue
+        spans.setdefault(key, []).append(span)
+        if e.get("culprit_rank") is None:
+            lost.append((str(e.get("node")), *span))
+    out = set()
+    for e in evs:
+        if e.kind in (ev.Kind.RANK_FAILED, ev.Kind.RANK_HUNG, ev.Kind.NODE_ISOLATED):
+            within = spans.get((e.get("host"), e.get("pid")), [])
+            if e.get("fault_id") or any(a <= e.time < b for a, b in within):
+                out.add(id(e))
+        elif e.kind == ev.Kind.NODE_LOST and any(
+            n == e.get("node") and a <= e.time < b for n, a, b in lost
+        ):
+            out.add(id(e))
+    return out
 
 
 def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
     """Every fault the launchers saw: where the nodes agreed on a culprit
-    (``fault_culprit``), that one fault for its generation, every other sign of it
-    (the peers' exits, the hangs seen on other nodes, the loss's own event) folded in;
+    (``fault_culprit``), that one fault, every other sign of it (the peers' exits, the
+    hangs seen on other nodes, the loss's own event) folded in (:func:`_folded`);
     elsewhere (one node, an older log) each detection event."""
     out = _culprits(evs)
-    agreed = {_round_of(f.began, gens) for f in out}
+    folded = _folded(evs)
     hung: set[tuple[object, object]] = set()  # (node, rank) found hung this generation
     for e in evs:
         if e.kind == ev.Kind.WORKERS_STARTED:
             hung.clear()
-        if e.kind not in FAULT_KINDS:
-            continue
-        if e.kind in _FOLDED and _round_of(e.time, gens) in agreed:
+        if e.kind not in FAULT_KINDS or id(e) in folded:
             continue
         if e.kind == ev.Kind.RANK_HUNG:
             hung.add((e.get("host"), e.rank))

@@ -16,26 +16,37 @@ and the time of the fault itself), and the claims meet in the round's store:
   O(1) store operations per node.
 - ``fault/count`` counts the nodes that took part (a node with nothing to claim, whose
   workers were stopped for the others' fault, counts too); ``fault/verdict`` is written
-  once, with compare-and-set, by the first node that finds every node counted or its
-  :data:`CLAIM_WINDOW` over: the first confirmed claim wins, and every node, whenever it
-  asks, gets that same verdict.
+  once, with compare-and-set (the best claim and the number of claims, as one value), by
+  the node that completes the count, or by a node whose :data:`CLAIM_WINDOW` passed
+  first: the first confirmed claim wins, and every node, whenever it asks, gets that same
+  verdict. About 8 store operations per node (a wait for the verdict is one blocking
+  call on a connection of its own), whatever the job's size.
 
-The window bounds how long a claimant waits for nodes that never count (a node lost
-with the fault, a node whose workers went on running). Every node that saw a failure of
-its own detects it within the agent's monitor interval and the roster's 1 s loss grace
-of the others, so claims arrive well inside 2 s of each other; a claim that comes after
-the verdict is sealed reads it instead.
+The window bounds how long a claimant waits for nodes that never count: a node lost
+with the fault (the survivors leave out the losses they know of), a node whose workers
+went on running (blocked in a collective under NCCL, until their own timeout ends them:
+the next round cannot form before such a node leaves its generation anyway, so the
+window costs nothing there), a node whose workers had finished. Nodes whose workers all
+fail (gloo: every peer's collective fails at once) detect it within the agent's monitor
+interval and the roster's 1 s loss grace of each other, and complete the count without
+waiting; a claim that comes after the verdict is sealed reads it instead.
+
+A hang in a collective blocks every rank at about the same moment: the claims of hung
+ranks then differ by less than the nodes' clock skew, and the earliest is the culprit
+only within that precision.
 
 The calls here block on the store: the roster runs them on its store thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from typing import Any
 
 from .round import Round
@@ -47,6 +58,18 @@ CLAIM_WINDOW = 2.0
 
 #: How strongly a claim says "this is where the fault began" (see :meth:`Claim.beats`).
 WEIGHT = {"node lost": 2, "rank hung": 1, "rank killed": 1, "rank failed": 0}
+
+#: The signals that end a rank of their own accord (the kernel's, an operator's kill):
+#: a rank that lost its peer ends with an exit code, or with SIGABRT (NCCL's watchdog
+#: and error handling abort the process), and one the launcher stopped with SIGTERM;
+#: those weigh as an exit code.
+_OWN_SIGNALS = {
+    int(signal.SIGKILL),
+    int(signal.SIGSEGV),
+    int(signal.SIGBUS),
+    int(signal.SIGILL),
+    int(signal.SIGFPE),
+}
 
 
 @dataclass(frozen=True)
@@ -100,24 +123,25 @@ def rank_claim(
     hung: Mapping[int, tuple[str, float]],
     first: set[int],
     detected: float | None = None,
+    global_rank: Callable[[int], int] | None = None,
 ) -> Claim | None:
     """This node's claim for a failed generation: a rank the watcher found hung (the
     earliest last sign of life), else the first rank to go down (``first``, from the
     watcher's exit order). ``failures``: torch's by global rank; ``exits``: exit times
     by local rank (epoch); ``hung``: local rank -> (what timed out, its last sign of
-    life, epoch); ``detected``: when the agent saw the failure (default: now)."""
+    life, epoch); ``detected``: when the agent saw the failure (default: now);
+    ``global_rank``: a local rank's global rank (default: from ``failures``)."""
     now = time.time() if detected is None else detected
-    by_local = {int(f.local_rank): r for r, f in failures.items()}
+    by_local = {int(f.local_rank): int(r) for r, f in failures.items()}
     if hung:
         local, (what, since) = min(hung.items(), key=lambda kv: kv[1][1])
-        return Claim(
-            "rank hung", node, node_rank, by_local.get(local), what, since, now, WEIGHT["rank hung"]
-        )
+        rank = global_rank(local) if global_rank is not None else by_local.get(local, local)
+        return Claim("rank hung", node, node_rank, rank, what, since, now, WEIGHT["rank hung"])
     if not first:
         return None
     rank = min(first, key=lambda r: (exits.get(int(failures[r].local_rank), now), r))
     code = int(failures[rank].exitcode)
-    killed = code < 0 and code != -signal.SIGTERM
+    killed = -code in _OWN_SIGNALS
     try:
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
     except ValueError:
@@ -157,28 +181,44 @@ def _offer(store: Any, key: str, mine: Claim) -> None:
         expected = now
 
 
+def _seal(store: Any, keys: Any) -> bytes | None:
+    """Write the verdict once: the best claim and the claims made so far, as one value
+    (the first node to seal it wins; every node reads that one). None: no claim."""
+    if not store.check([keys.fault_claim]):
+        return None
+    best = store.get(keys.fault_claim)
+    best = best.decode() if isinstance(best, bytes) else str(best)
+    claims = int(store.add(keys.fault_claims, 0))
+    value = json.dumps({"claim": json.loads(best), "claims": claims}, sort_keys=True)
+    sealed = store.compare_set(keys.fault_verdict, "", value)
+    return sealed if isinstance(sealed, bytes) else str(sealed).encode()
+
+
 def agree(current: Round, mine: Claim | None, expected: int, window: float) -> Verdict | None:
     """The round's one culprit: offer ``mine`` (None: this node has nothing to claim but
-    takes part), count this node in, wait until ``expected`` nodes are counted, or a
-    verdict is sealed, or ``window`` passes, then seal the best claim as the verdict
-    (the first node to seal it wins). None when no node claimed anything."""
-    store, keys = current.store, current.keys
+    takes part), count this node in; the node that completes the count of ``expected``
+    seals the verdict at once, the others wait for it (one blocking wait on a connection
+    of their own) up to ``window`` and seal it themselves if it has not come. About 8
+    store operations per node. None when no node claimed anything."""
+    keys = current.keys
+    try:
+        store = current.store.clone()  # the wait below must not hold the roster's client
+    except (RuntimeError, NotImplementedError, AttributeError):
+        store = current.store  # etcd's: each call is a request of its own already
     if mine is not None:
         _offer(store, keys.fault_claim, mine)
         store.add(keys.fault_claims, 1)
     counted = int(store.add(keys.fault_count, 1))
-    deadline = time.monotonic() + window
-    pause = 0.005
-    while counted < expected and time.monotonic() < deadline:
-        if store.check([keys.fault_verdict]):
-            break
-        time.sleep(pause)
-        pause = min(2 * pause, 0.1)
-        counted = int(store.add(keys.fault_count, 0))
-    if not store.check([keys.fault_claim]):
+    sealed = None
+    if counted < expected and not store.check([keys.fault_verdict]):
+        # the window passed (a node that never counts): this node seals it below
+        with contextlib.suppress(Exception):
+            store.wait([keys.fault_verdict], timedelta(seconds=window))
+    if store.check([keys.fault_verdict]):
+        sealed = store.get(keys.fault_verdict)
+    else:
+        sealed = _seal(store, keys)
+    if sealed is None:
         return None
-    best = store.get(keys.fault_claim)
-    sealed = store.compare_set(keys.fault_verdict, "", best)
-    claims = int(store.add(keys.fault_claims, 0))
-    token = current.token
-    return Verdict(Claim.loads(sealed), f"{keys.record}/{token}", claims)
+    verdict = json.loads(sealed)
+    return Verdict(Claim(**verdict["claim"]), f"{keys.record}/{current.token}", verdict["claims"])

@@ -108,6 +108,7 @@ class NodeRoster:
         self._pending: set[int] = set()  # node ranks seen gone, not yet confirmed
         self._calls = StoreCalls()  # fence probes, round bookkeeping
         self._confirms = StoreCalls()  # loss confirmations: never queued behind probes
+        self._culprits = StoreCalls()  # a fault's agreement: never queued behind either
         self._deadlines = Deadlines()  # of store calls: close cancels them
         self._ring = Ring(self.interval, self.timeout, self._lost)
         self.port = self._ring.port
@@ -274,7 +275,7 @@ class NodeRoster:
             return None
         expected = max(1, current.nodes - absent)
         try:
-            verdict: Verdict | None = self._calls.call(
+            verdict: Verdict | None = self._culprits.call(
                 lambda: agree(current, mine, expected, CLAIM_WINDOW),
                 CLAIM_WINDOW + self.timeout,
             )
@@ -353,6 +354,7 @@ class NodeRoster:
         self._deadlines.close()  # a deadline still waiting: the roster is gone
         self._calls.close()
         self._confirms.close(wait=1.0)
+        self._culprits.close(wait=1.0)
         self._fence.close()
         with self._lock:
             self._round = None  # and the round's store connection with it
