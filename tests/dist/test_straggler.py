@@ -1,4 +1,5 @@
-"""Straggler detection on real 2-rank gloo runs: uniform ranks, a rank slowed 1.5x, and
+"""Straggler detection on real 2-rank gloo runs: uniform ranks (a report every 0.25 s, and
+one at every step), a rank slowed 2x reported at the scoring window's bound, and
 stop_if_detected stopping both ranks after the same step with a checkpoint."""
 
 from __future__ import annotations
@@ -6,14 +7,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from sfharness import run_ranks
+from steadfast.straggler.detector import FIRST_REPORT_CALLS, WINDOW_SAMPLES, WINDOW_SECONDS
 
 STEP_SECONDS = 0.006
 SLOW_FROM = 10  # the first report is made at call 10: every later sample is slow
+EVERY_STEP = 1e-9  # a report_time_interval that makes a report at every step
 
 
 def _run(rank: int, world: int, workdir: Path, steps: int, slow: bool, stop: bool, ckpt: str,
-         interval: float = 0.05):  # fmt: skip
+         interval: float = 0.05, seconds: float = STEP_SECONDS, factor: float = 1.5,
+         slow_from: int = SLOW_FROM):  # fmt: skip
     import time
 
     import torch
@@ -26,11 +32,11 @@ def _run(rank: int, world: int, workdir: Path, steps: int, slow: bool, stop: boo
         enabled=True, report_time_interval=interval, stop_if_detected=stop
     )
     manager = StragglerDetectionManager(cfg)
-    fault = SlowFault(factor=1.5, rank=1, start_step=SLOW_FROM if slow else 10**9)
+    fault = SlowFault(factor=factor, rank=1, start_step=slow_from if slow else 10**9)
 
     def train_step(step: int) -> None:
         with fault.step(step):  # the slow rank's step itself takes longer
-            time.sleep(STEP_SECONDS)
+            time.sleep(seconds)
 
     compute = manager.wrap_train_step(train_step)
     x = torch.ones(1)
@@ -55,29 +61,56 @@ def _run(rank: int, world: int, workdir: Path, steps: int, slow: bool, stop: boo
     ], stopped
 
 
-def test_uniform_ranks_have_no_straggler(tmp_path: Path, event_log: Path):
-    # medians over ~35 steps per report: a burst of scheduler delay on this shared 2-core
-    # machine (which over 8 steps made a healthy rank score 0.63 once) does not move them
-    results = run_ranks(_run, tmp_path, args=(220, False, False, "", 0.25))
+@pytest.mark.parametrize("interval", [0.25, EVERY_STEP], ids=["every-0.25s", "every-step"])
+def test_uniform_ranks_have_no_straggler(tmp_path: Path, event_log: Path, interval: float):
+    # a report every 0.25 s scores the ~35 steps since the last one; a report at every
+    # step the scoring window's floor, 0.25 s of steps here: either way a burst of
+    # scheduler delay on this shared 2-core machine (which over 8 steps made a healthy
+    # rank score 0.63 once) does not move a median
+    results = run_ranks(_run, tmp_path, args=(220, False, False, "", interval))
     reports, _ = results[0]
-    assert len(reports) >= 4
+    assert len(reports) >= (200 if interval == EVERY_STEP else 4)
     for rel, ind, found, _ in reports:
         assert found == {"relative": [], "individual": []}, (rel, ind)
     assert [json.loads(x)["kind"] for x in event_log.read_text().splitlines()].count(
         "straggler_detected") == 0  # fmt: skip
 
 
-def test_slowed_rank_is_flagged_in_the_first_report_after(tmp_path: Path, event_log: Path):
-    results = run_ranks(_run, tmp_path, args=(60, True, False, ""))
-    for reports, _ in results:  # every rank computes the same verdict
-        first_after = next(r for r in reports if r[3] >= SLOW_FROM)
-        rel, ind, found, _ = first_after
-        assert found["relative"] == [1] and found["individual"] == [1], (rel, ind)
-        assert rel[1] < 0.7 and ind[1] < 0.7 and rel[0] == 1.0
+#: A step long enough that the window's floor is its samples: 3 steps span 0.3 s, more
+#: than WINDOW_SECONDS, so the window is WINDOW_SAMPLES steps.
+WINDOW_STEP = 0.1
+WINDOW_SLOW_FROM = FIRST_REPORT_CALLS + WINDOW_SAMPLES  # reports at every step by then
+
+
+def test_a_rank_slowed_2x_is_reported_at_the_windows_bound(tmp_path: Path, event_log: Path):
+    assert WINDOW_SAMPLES * WINDOW_STEP > WINDOW_SECONDS
+    # a report at every step: the verdict is the first report whose window of 3 has a
+    # majority of slow samples, the one at the end of the 2nd slow step; none before
+    # (one slow sample is not a verdict), none later
+    bound = WINDOW_SLOW_FROM + 1
+    steps = bound + 3
+    results = run_ranks(
+        _run, tmp_path,
+        args=(steps, True, False, "", EVERY_STEP, WINDOW_STEP, 2.0, WINDOW_SLOW_FROM),
+    )  # fmt: skip
+    verdicts = []
+    for reports, _ in results:  # every rank computes the same verdicts
+        assert [step for *_, step in reports] == list(range(FIRST_REPORT_CALLS - 1, steps))
+        flagged = [(step, found, rel, ind) for rel, ind, found, step in reports
+                   if found["relative"] or found["individual"]]  # fmt: skip
+        step, found, rel, ind = flagged[0]
+        assert step == bound, flagged
+        assert found == {"relative": [1], "individual": [1]}, (rel, ind)
+        assert rel[0] == 1.0 and rel[1] < 0.7 and ind[1] < 0.7
+        assert all(f[1] == found for f in flagged)  # then on every report while slow
+        verdicts.append([f[0] for f in flagged])
+    assert verdicts[0] == verdicts[1] == list(range(bound, steps))
     events = [json.loads(x) for x in event_log.read_text().splitlines()]
     detected = [e for e in events if e["kind"] == "straggler_detected"]
-    assert detected and detected[0]["ranks"] == [1] and detected[0]["rank"] == 0
-    assert any(e["kind"] == "fault_injected" and e["fault"] == "slow_rank" for e in events)
+    assert detected[0]["ranks"] == [1] and detected[0]["rank"] == 0
+    assert detected[0]["step"] == bound
+    (fault,) = [e for e in events if e["kind"] == "fault_injected"]
+    assert fault["fault"] == "slow_rank" and fault["step"] == WINDOW_SLOW_FROM
 
 
 def test_stop_if_detected_stops_every_rank_after_the_same_step(tmp_path: Path):

@@ -17,6 +17,41 @@ that same data every rank computes the same scores, the same verdict, and the sa
 at which the next report is due (from the slowest rank's call rate), so no rank ever
 waits in a report collective that another rank skipped, and a ``stop_if_detected``
 verdict needs no further broadcast.
+
+Scoring window: a report scores each section on the samples made since the previous
+report, reaching back before it until there are at least ``window_samples``
+(:data:`WINDOW_SAMPLES`, 3) spanning at least ``window_seconds`` (:data:`WINDOW_SECONDS`,
+0.25 s). With NVRx's long intervals (minutes) this floor never binds and a report is
+NVRx's median over its interval. With a short ``report_time_interval`` (a report every
+step or few) the window is the floor: the recent samples, not a period that began before
+a slowdown and mixes the steps before it with the slow ones.
+
+The floor is the least window whose median needs the slowdown to hold, measured on a
+shared 2-core machine (``bench/bench_straggler_verdict.py``: healthy 6 ms steps beside 3
+busy processes, a report at every step):
+
+- samples: a single sample is often a hiccup (a scheduler delay, a GC pause): a window
+  of 1 flagged a healthy rank in about 1 report of 30, and the median of 2 (their mean)
+  moves with one bad sample. The median of 3 is slow only once 2 of the 3 are: the
+  slowdown has repeated;
+- seconds: hiccups come in bursts, so windows of 3 and 5 samples (about 20 and 35 ms)
+  still flagged up to 1 report in 100, 10 samples (70 ms) none; 0.25 s is several times
+  the longest burst, and short against the steps of the demo's pace.
+
+So with a report at every step, pace ``p`` (seconds per step) and a rank slowed
+``f``-fold, the earliest verdict is the report at the end of the 2nd slow step,
+``2 * f * p`` after the slowdown began, as long as those 3 samples span the seconds
+(``p * (1 + 2 * f) >= window_seconds``); with shorter steps the window is
+``window_seconds`` long and the verdict comes once more than half of it is slow,
+``f / (1 + f) * window_seconds`` after. At the demo's pace (``p`` = 0.34 s, ``f`` = 2):
+1.36 s; a window of 5 would need 3 slow steps, 2.04 s, over the 2 s the demo is held to.
+With a report every ``n >= 3`` steps the window is those ``n`` steps, and a verdict can
+take up to ``1.5 * n`` slow steps (a report whose window is not yet half slow waits for
+the next one). Each report costs one ``all_gather_object`` of small per-rank summaries
+(two gloo collectives, sizes then bytes): 2-4 ms for 2 ranks here, about 1 % of a step at
+the demo's pace.
+``window_samples=1, window_seconds=0`` score only the samples since the previous report
+(the design before issue 30).
 """
 
 from __future__ import annotations
@@ -43,17 +78,25 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: Calls before the first report: enough samples for a median, few enough to report early.
 FIRST_REPORT_CALLS = 10
+#: The scoring window's floor in samples: the least whose median needs 2 slow samples.
+WINDOW_SAMPLES = 3
+#: The scoring window's floor in seconds: longer than a burst of hiccups (module docstring).
+WINDOW_SECONDS = 0.25
+
+#: One profiled call: (start, duration) in perf_counter ns, and its CUDA events or None.
+_Sample = tuple[int, int, Any]
 
 
 class _Section:
-    """Samples of one section on this rank since the last report."""
+    """Samples of one section on this rank: those made since the last report, after the
+    ``kept`` ones before it that the last report's window reached back to."""
 
-    __slots__ = ("calls", "cpu_ns", "cuda_events")
+    __slots__ = ("calls", "kept", "samples")
 
     def __init__(self) -> None:
         self.calls = 0
-        self.cpu_ns: list[int] = []
-        self.cuda_events: list[tuple[Any, Any]] = []
+        self.samples: list[_Sample] = []
+        self.kept = 0
 
 
 class _Timing:
@@ -81,10 +124,10 @@ class _Timing:
     def __exit__(self, *exc: object) -> None:
         if self._start < 0:
             return
-        self._section.cpu_ns.append(time.perf_counter_ns() - self._start)
+        took = time.perf_counter_ns() - self._start
         if self._events is not None:
             self._events[1].record()
-            self._section.cuda_events.append(self._events)
+        self._section.samples.append((self._start, took, self._events))
 
 
 @dataclass(frozen=True)
@@ -138,7 +181,9 @@ class Detector:
 
     Args:
         report_time_interval: Seconds between reports made by
-            :meth:`generate_report_if_interval_elapsed`.
+            :meth:`generate_report_if_interval_elapsed` (one ``all_gather`` each): a
+            slowed rank waits for the next report, so a short one (a step or a few)
+            gives a verdict within the scoring window's floor (module docstring).
         profiling_interval: Profile every n-th call of each section (1 = every call).
         calc_relative: Compute relative scores.
         calc_individual: Compute individual scores.
@@ -147,6 +192,8 @@ class Detector:
         gather_on_rank0: None (steadfast's): every rank gets every rank's scores (so all
             reach the same verdict); True: rank 0 gets them all and the other ranks None;
             False: each rank its own (NVRx's two modes).
+        window_samples: The scoring window's floor in samples (module docstring).
+        window_seconds: The scoring window's floor in seconds (module docstring).
     """
 
     #: NVRx's class-level API: whether ``Detector.initialize`` made the class's detector
@@ -162,8 +209,15 @@ class Detector:
         group: Any = None,
         node_name: str | None = None,
         gather_on_rank0: bool | None = None,
+        *,
+        window_samples: int = WINDOW_SAMPLES,
+        window_seconds: float = WINDOW_SECONDS,
     ) -> None:
         self.gather_on_rank0 = gather_on_rank0
+        self.window_samples: int = require_number(
+            "window_samples", window_samples, minimum=1, integer=True
+        )
+        self.window_seconds = float(require_number("window_seconds", window_seconds, minimum=0))
         self.original_callables: dict[CallableId, Any] = {}
         self._elapsed = False  # whether the last interval check made a report
         self.report_time_interval = float(
@@ -304,9 +358,6 @@ class Detector:
         self._next_report = self._calls + per_interval
         self._last_report_time = time.monotonic()
         self._last_report_calls = self._calls
-        for section in self._sections.values():
-            section.cpu_ns.clear()
-            section.cuda_events.clear()
         report.generate_report_elapsed_time = time.monotonic() - start
         return self._for_this_rank(report)
 
@@ -332,18 +383,25 @@ class Detector:
         return report
 
     def _medians(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        if any(section.cuda_events for section in self._sections.values()):
+        """Each section's median over its scoring window; the samples older than the
+        window are dropped (the next window never reaches further back)."""
+        windows: dict[str, list[_Sample]] = {}
+        for name, section in self._sections.items():
+            samples = section.samples
+            n = _window(samples, len(samples) - section.kept, self.window_samples,
+                        self.window_seconds)  # fmt: skip
+            if n:
+                del samples[:-n]
+                windows[name] = samples
+            section.kept = len(samples)
+        if any(events is not None for w in windows.values() for _, _, events in w):
             import torch
 
             torch.cuda.synchronize()  # device time: one synchronisation per report
-        for name, section in self._sections.items():
-            if section.cuda_events:
-                times = [s.elapsed_time(e) / 1e3 for s, e in section.cuda_events]
-            else:
-                times = [ns / 1e9 for ns in section.cpu_ns]
-            if times:
-                out[name] = statistics.median(times)
+        out: dict[str, float] = {}
+        for name, window in windows.items():
+            times = [ev[0].elapsed_time(ev[1]) / 1e3 for _, _, ev in window if ev is not None]
+            out[name] = statistics.median(times or [took / 1e9 for _, took, _ in window])
         return out
 
     def _score(self, shares: list[dict[str, Any]]) -> Report:
@@ -366,6 +424,21 @@ class Detector:
             scores, self._best["\0total"] = individual_scores(totals, self._best.get("\0total", {}))
             report.gpu_individual_perf_scores = scores
         return report
+
+
+def _window(samples: Sequence[_Sample], fresh: int, least: int, seconds: float) -> int:
+    """How many of the newest ``samples`` a report scores: the ``fresh`` ones (made since
+    the last report) and, before them, as many more as make ``least`` samples spanning
+    ``seconds`` (from the oldest's start to the newest's end), as far as there are; 0
+    when none is fresh (the section did not run since: it is left out, as before)."""
+    if fresh <= 0 or not samples:
+        return 0
+    n = min(len(samples), max(fresh, least))
+    end = samples[-1][0] + samples[-1][1]
+    span = int(seconds * 1e9)
+    while n < len(samples) and end - samples[-n][0] < span:
+        n += 1
+    return n
 
 
 def _cuda_available() -> bool:

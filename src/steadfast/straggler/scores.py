@@ -1,7 +1,8 @@
 """Performance scores (NVRx's definitions; DESIGN.md "Reference behaviour").
 
-A rank's score for a section is ``reference / median time of the section on that rank``,
-in (0, 1], 1 being the best:
+A rank's score for a section is ``reference / median time of the section on that rank``
+(over a report's scoring window: the samples since the previous report, at least 3 of
+them spanning 0.25 s, :mod:`.detector`), in (0, 1], 1 being the best:
 
 - *relative*: the reference is the minimum over ranks of their medians, so the fastest
   rank scores 1 and a rank twice as slow scores 0.5;
