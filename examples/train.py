@@ -12,7 +12,8 @@ What it uses:
   or resumed run continues bit-exact (the data of a step depends only on seed, step, rank).
 - ``NaNDetector(action="skip")``: every rank skips a step whose loss is NaN on any rank;
   after ``max_consecutive`` such steps every rank rolls back to the latest checkpoint.
-- ``StragglerDetectionManager``: the forward pass is timed; a slowed rank is reported.
+- ``StragglerDetectionManager``: the forward pass (with ``--step-sleep``, the compute it
+  stands for) is timed; a slowed rank is reported.
 - ``ShutdownHandler(agree=True)``: a SIGTERM to one rank (a preemption) makes every rank
   save and exit 0 after the same step.
 - events: ``job_start`` (with the process start time) and ``step_done`` for the goodput
@@ -25,7 +26,7 @@ Faults: ``--fault KIND:RANK:STEP[:LENGTH]``, repeatable, with the names of
 ``nan_burst``, ``slow_rank``, ``sigterm``), injected by ``steadfast.faults.fail_at``:
 each fires once per run, remembered in ``--fault-dir``, so the re-run of a step after a
 restart or a rollback is clean. A NaN burst is LENGTH NaN losses in a row; a slow rank
-is LENGTH steps ``--slow-seconds`` slower.
+is LENGTH forwards ``--slow-seconds`` slower.
 """
 
 from __future__ import annotations
@@ -55,11 +56,16 @@ def parse_args() -> argparse.Namespace:
         "--memory-every", type=int, default=0, help="memory-tier snapshots (0: disk only)"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (pace)")
+    p.add_argument(
+        "--step-sleep", type=float, default=0.0, help="seconds per step (pace), in the forward"
+    )
     p.add_argument("--out", type=Path, default=None, help="where rank 0 writes final params")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     p.add_argument("--calc-timeouts-at", type=int, default=15, help="-1: keep the configured")
-    p.add_argument("--straggler-interval", type=float, default=2.0, help="seconds per report")
+    p.add_argument(
+        "--straggler-interval", type=float, default=2.0,
+        help="seconds per straggler report (0: no straggler detection)",
+    )  # fmt: skip
     p.add_argument(
         "--fault", action="append", default=[], metavar="KIND:RANK:STEP[:LENGTH]",
         help="a fault to inject once (repeatable), e.g. rank_killed:1:40, nan_burst:1:23:3",
@@ -137,14 +143,19 @@ def main() -> int:
     stop.register()
     stragglers = StragglerDetectionManager(
         NVRxStragglerDetectionConfig(
-            enabled=True, report_time_interval=args.straggler_interval, enable_logging=True
+            enabled=args.straggler_interval > 0,
+            report_time_interval=args.straggler_interval or 1.0,
+            enable_logging=True,
         )
     )
 
     def forward(x: torch.Tensor, slow: float) -> torch.Tensor:
         out: torch.Tensor = model(x)  # no collective in the forward: it times this rank
-        if slow:
-            time.sleep(slow)  # a slowed GPU
+        if args.step_sleep or slow:
+            # the demo's pace stands for the model's compute, so it is timed with it:
+            # the tiny model alone takes under a millisecond, whose noise (a scheduler
+            # delay doubles it) a short scoring window would report as a straggler
+            time.sleep(args.step_sleep + slow)  # slow: a slowed GPU
         return out
 
     timed_forward = stragglers.wrap_train_step(forward)
@@ -181,8 +192,6 @@ def main() -> int:
         loss.backward()
         if detector.check_loss(loss, step):  # every rank gets the same answer
             opt.step()
-        if args.step_sleep:
-            time.sleep(args.step_sleep)  # the demo's pace: stands for more compute
         ft.end_section("step")
         events.emit(
             "step_done", step=step, seconds=round(time.monotonic() - began, 6), loss=loss.item()

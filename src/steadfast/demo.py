@@ -26,6 +26,7 @@ from typing import Any
 
 from . import events
 from .faults import FaultKind
+from .straggler.detector import FIRST_REPORT_CALLS
 
 __all__ = ["FAULTS", "add_arguments", "run_demo"]
 
@@ -41,6 +42,10 @@ FAULTS = tuple(_KINDS)
 #: Rough fixed cost of a demo's run outside its paced steps (start-ups, restarts), used to
 #: turn --duration into a pace.
 _OVERHEAD_S = 22.0
+#: Seconds between straggler reports in the paced run: short, so that a slowed rank is
+#: reported within 2 s; each report is one all_gather of small summaries (2-4 ms for 2
+#: gloo ranks here, bench/bench_straggler_verdict.py), about 1 % of a demo step.
+STRAGGLER_INTERVAL = 0.5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -116,13 +121,19 @@ class _Plan:
     def script_args(self, rank: int) -> list[str]:
         """The training script's flags: pace, and a ``--fault`` spec per injected fault
         on ``rank`` (the SIGTERM comes from the demo itself, as a scheduler's would)."""
-        interval = max(1.0, 8 * self.pace)  # between straggler reports
-        slow_steps = max(5, math.ceil(2.5 * interval / (3 * self.pace)))  # >= 2 reports
+        # the slowed rank's forward (its compute: the pace) takes twice as long; with a
+        # straggler report every STRAGGLER_INTERVAL s (every step at the full demo's pace)
+        # it is reported at the end of its 2nd slow step (the scoring window's floor,
+        # steadfast.straggler.detector): 4 x pace after it began. It stays slow for 2
+        # steps and 2 report intervals, and at least until the first report of a process
+        # (restarted just before the slowdown, say) at its FIRST_REPORT_CALLS-th step
+        slow = 2 * self.pace
+        slow_steps = max(FIRST_REPORT_CALLS, 2 + math.ceil(2 * STRAGGLER_INTERVAL / slow))
         length = {"nan": 3, "slow": slow_steps}
         out = [
             "--step-sleep", str(self.pace),
-            "--slow-seconds", str(round(2 * self.pace, 4)),
-            "--straggler-interval", str(interval),
+            "--slow-seconds", str(round(self.pace, 4)),
+            "--straggler-interval", str(STRAGGLER_INTERVAL),
         ]  # fmt: skip
         for fault, step in self.at.items():
             if fault != "sigterm":
@@ -302,9 +313,13 @@ def run_demo(ns: argparse.Namespace) -> int:
     say("1/3 fault-free reference (unpaced)")
     ref_env = dict(env, STEADFAST_EVENTS=str(work / "reference" / "events.jsonl"))
     ref_log = work / "reference" / "launcher.log"
+    # no straggler detection in the unpaced reference: its forward, under a millisecond
+    # on a CPU, is mostly the noise of a shared machine (its first report, over 10 such
+    # samples, flagged a healthy rank once in two runs)
     ref = _launch(ns.nproc, script, [*common, "--ckpt-dir", str(work / "reference" / "ckpt"),
                                      "--out", str(work / "reference" / "final.pt"),
-                                     "--calc-timeouts-at", "-1"], ref_env, ref_log)  # fmt: skip
+                                     "--calc-timeouts-at", "-1", "--straggler-interval", "0"],
+                  ref_env, ref_log)  # fmt: skip
     if ref.wait() != 0:
         say(f"reference run failed (exit {ref.returncode}); see {ref_log}")
         return 1
