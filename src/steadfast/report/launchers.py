@@ -227,7 +227,8 @@ def _folded(evs: list[ev.Event]) -> set[int]:
     for e in evs:
         if e.kind in (ev.Kind.RANK_FAILED, ev.Kind.RANK_HUNG, ev.Kind.NODE_ISOLATED):
             within = spans.get((e.get("host"), e.get("pid")), [])
-            if e.get("fault_id") or any(a <= e.time < b for a, b in within):
+            agreed = e.kind == ev.Kind.RANK_FAILED and e.get("fault_id")
+            if agreed or any(a <= e.time < b for a, b in within):
                 out.add(id(e))
         elif e.kind == ev.Kind.NODE_LOST and any(
             n == e.get("node") and a <= e.time < b for n, a, b in lost
