@@ -50,22 +50,23 @@ def test_a_lost_node_is_expired_and_the_survivors_and_the_spare_form_the_next_ro
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_steadfasts_per_node_store_figures_stay_flat_from_16_to_256_nodes() -> None:
-    """The issue's scale test: steadfast's rendezvous with 16 and 256 simulated nodes
-    (the 256 in a worker process), each on its own real store client. Per node, the
+def test_steadfasts_per_node_store_figures_stay_flat_from_16_to_128_nodes() -> None:
+    """The issue's scale test: steadfast's rendezvous with 16 and 128 simulated nodes
+    (the 128 in a worker process), each on its own real store client (2,048: the
+    bench, bench/bench_control_plane.py). Per node, the
     join, the round running and the next round after a loss cost the same operations,
     and bytes that differ only by the digits of longer numbers; only the node that
     decides a round reads every holder (O(N) bytes, once per round)."""
     small = simulate_join(16, "steadfast", keep_alive=1, window=3, processes=0)
-    large = simulate_join(256, "steadfast", keep_alive=1, window=3, processes=1)
+    large = simulate_join(128, "steadfast", keep_alive=1, window=3, processes=1)
     assert large.join.count == small.join.count <= 8, (small.join, large.join)
     assert large.join.bytes - small.join.bytes <= 16, (small.join, large.join)
     assert large.keep_alive_ops == small.keep_alive_ops <= 1  # one counter read
     assert large.keep_alive.bytes - small.keep_alive.bytes <= 4
-    assert large.join_max.bytes > 8 * small.join_max.bytes  # the decider's one read
+    assert large.join_max.bytes > 4 * small.join_max.bytes  # the decider's one read
     small_loss = simulate_loss(16, "steadfast", processes=0)
-    large_loss = simulate_loss(256, "steadfast", processes=1)
-    assert (small_loss.world, large_loss.world) == (16, 256)  # the spare took its place
+    large_loss = simulate_loss(128, "steadfast", processes=1)
+    assert (small_loss.world, large_loss.world) == (16, 128)  # the spare took its place
     assert large_loss.round.count == small_loss.round.count <= 6
     assert large_loss.round.bytes - small_loss.round.bytes <= 16
     assert large_loss.expire.count == small_loss.expire.count  # marking a loss: O(1)

@@ -172,7 +172,9 @@ def _exit_time(evs: list[ev.Event], host: str | None, pid: object) -> float | No
 
 
 def _culprits(evs: list[ev.Event]) -> list[ObservedFault]:
-    """One fault per ``fault_culprit`` (each node writes its copy: the first counts)."""
+    """One fault per ``fault_culprit`` (each node writes its copy: the first counts). A
+    lost node's detection is its ``node_lost`` (the launcher that confirmed it, with the
+    latency its ring measured), where the log has it; the claim's otherwise."""
     seen: dict[object, ObservedFault] = {}
     for e in evs:
         if e.kind != ev.Kind.FAULT_CULPRIT or e.get("fault_id") in seen:
@@ -180,6 +182,18 @@ def _culprits(evs: list[ev.Event]) -> list[ObservedFault]:
         detected = float(e.get("detected") or e.time)
         began = e.get("fault_time")
         rank = e.get("culprit_rank")
+        if rank is None:
+            confirmed = [
+                x
+                for x in evs
+                if x.kind == ev.Kind.NODE_LOST
+                and x.get("node") == e.get("node")
+                and x.time <= e.time
+                and x.get("latency") is not None
+            ]
+            if confirmed:
+                detected = confirmed[-1].time
+                began = detected - float(confirmed[-1].get("latency"))
         seen[e.get("fault_id")] = ObservedFault(
             what=str(e.get("what") or "fault"),
             cause=str(e.cause or "-"),
