@@ -181,6 +181,7 @@ def _culprits(evs: list[ev.Event]) -> list[ObservedFault]:
             continue
         detected = float(e.get("detected") or e.time)
         began = e.get("fault_time")
+        latency = None if began is None else max(0.0, detected - float(began))
         rank = e.get("culprit_rank")
         if rank is None:
             confirmed = [
@@ -191,16 +192,16 @@ def _culprits(evs: list[ev.Event]) -> list[ObservedFault]:
                 and x.time <= e.time
                 and x.get("latency") is not None
             ]
-            if confirmed:
+            if confirmed:  # the figure as measured, not recomputed from epoch times
                 detected = confirmed[-1].time
-                began = detected - float(confirmed[-1].get("latency"))
+                latency = float(confirmed[-1].get("latency"))
         seen[e.get("fault_id")] = ObservedFault(
             what=str(e.get("what") or "fault"),
             cause=str(e.cause or "-"),
             node=None if e.get("node") is None else str(e.get("node")),
             rank=None if rank is None else int(rank),
             time=detected,
-            detection_latency=None if began is None else max(0.0, detected - float(began)),
+            detection_latency=latency,
             agreed=int(e.get("claims") or 0),
         )
     return list(seen.values())
