@@ -312,6 +312,9 @@ def test_the_exit_barrier_stops_waiting_for_a_node_another_launcher_found_lost(
             t.join(60)
         assert results == {0: ["node4"], 1: ["node4"], 2: ["node4"]}
         assert "did not finish within" not in caplog.text  # left for the loss, not the timeout
+        # the confirming launcher reports the loss once its store write is answered: the
+        # barrier may read the write first
+        wait_for(lambda: bool(kinds(event_log, "node_lost")), timeout=10, what="node_lost")
         (lost,) = kinds(event_log, "node_lost")
         assert lost["node"] == "node4"
     finally:
