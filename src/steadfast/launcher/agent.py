@@ -338,8 +338,8 @@ class FTAgent(LocalElasticAgent):
         started, pids, _ = self._generation
         self._generation = None
         self._keep_learned()
-        now_wall, now_mono = time.time(), time.monotonic()
-        exits_at = {k: now_wall - (now_mono - t) for k, t in self.watcher.exit_times().items()}
+        now_wall = time.time()
+        exits_at = _wall_times(self.watcher.exit_times())
         stopped_at = now_wall if cause == "stopped" else None  # no longer watched
         exits = worker_exits(worker_group, pids, failures or {}, exits_at, stopped_at)
         last = max((float(t) for t in exits_at.values()), default=now_wall)
@@ -383,10 +383,7 @@ class FTAgent(LocalElasticAgent):
             if lost or isolated:  # a collective with a dead peer may hang: stop them now
                 self.watcher.unwatch()
                 self._stop_workers(worker_group)
-                stops = {
-                    int(w.global_rank): {"local_rank": int(w.local_rank)}
-                    for w in worker_group.workers
-                }
+                stops = _worker_stops(worker_group)
                 verdict = self._agree_loss(lost) if not isolated else None
                 if verdict is not None:
                     emit_agreed(stops, verdict, self.roster.name, self.rounds)
@@ -448,12 +445,11 @@ class FTAgent(LocalElasticAgent):
             time.sleep(0.005)
             exits = self.watcher.exit_times()
         if self.roster is not None:  # one culprit for the job, not one per node
-            now_wall, now_mono = time.time(), time.monotonic()
             claim = rank_claim(
                 self.roster.name,
                 int(self.get_worker_group().group_rank or 0),
                 failures,
-                {k: now_wall - (now_mono - t) for k, t in exits.items()},
+                _wall_times(exits),
                 self.watcher.hung(),
                 first_failures(failures, exits),
                 detected=seen,
@@ -516,11 +512,7 @@ class FTAgent(LocalElasticAgent):
                 # a node whose workers failed rejoined first: its fault's consequence
                 verdict = roster.agree_culprit(None)
                 if verdict is not None:
-                    stops = {
-                        int(w.global_rank): {"local_rank": int(w.local_rank)}
-                        for w in worker_group.workers
-                    }
-                    emit_agreed(stops, verdict, roster.name, self.rounds)
+                    emit_agreed(_worker_stops(worker_group), verdict, roster.name, self.rounds)
                     reason = f"a node rejoined after {describe(verdict.culprit)}"
             events.emit(
                 "restart",
@@ -554,6 +546,18 @@ class FTAgent(LocalElasticAgent):
             remaining_restarts=seam.agent_remaining_restarts(self),
         )
         super()._restart_workers(worker_group)
+
+
+def _worker_stops(worker_group: WorkerGroup) -> dict[int, dict[str, Any]]:
+    """The group's workers as stops (global rank -> their fields) for a fault's events,
+    where the launcher stopped them itself (no exit code of their own)."""
+    return {int(w.global_rank): {"local_rank": int(w.local_rank)} for w in worker_group.workers}
+
+
+def _wall_times(times: Mapping[int, float]) -> dict[int, float]:
+    """``time.monotonic()`` values (the watcher's) as epoch seconds."""
+    now_wall, now_mono = time.time(), time.monotonic()
+    return {k: now_wall - (now_mono - t) for k, t in times.items()}
 
 
 def _learned_path() -> Path | None:

@@ -19,7 +19,7 @@ from ..rerun.machine import (
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
 )
 from ..signals import signal_name
-from .nodes.culprit import Claim, Verdict
+from .nodes.culprit import Claim, Verdict, exit_cause
 
 __all__ = [
     "describe",
@@ -153,19 +153,12 @@ def emit_failures(
     first = first_failures(failures, exits) if loss is None else set()
     culprit = min(first) if first else None
     for rank, failure in sorted(failures.items()):
-        code = int(failure.exitcode)
-        name = signal_name(-code) if code < 0 else None
-        fields: dict[str, Any] = dict(
-            exit_code=code,
-            signal=name,
-            local_rank=int(failure.local_rank),
-            worker_pid=int(failure.pid),
-        )
+        fields = failure_fields(failure)
         if loss is not None:
             events.emit("rank_stopped", cause=loss, rank=int(rank), **fields)
         elif rank in first:
-            how = f"signal {name}" if name else f"exit {code}"
-            events.emit("rank_failed", cause=how, rank=int(rank), **fields)
+            cause = exit_cause(int(failure.exitcode))
+            events.emit("rank_failed", cause=cause, rank=int(rank), **fields)
         else:
             events.emit(
                 "rank_stopped",

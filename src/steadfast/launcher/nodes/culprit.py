@@ -49,9 +49,10 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+from ...signals import signal_name
 from .round import Round
 
-__all__ = ["CLAIM_WINDOW", "Claim", "Verdict", "agree", "node_claim", "rank_claim"]
+__all__ = ["CLAIM_WINDOW", "Claim", "Verdict", "agree", "exit_cause", "node_claim", "rank_claim"]
 
 #: The longest a node waits for the other nodes' claims before sealing the verdict.
 CLAIM_WINDOW = 2.0
@@ -141,22 +142,22 @@ def rank_claim(
         return None
     rank = min(first, key=lambda r: (exits.get(int(failures[r].local_rank), now), r))
     code = int(failures[rank].exitcode)
-    killed = -code in _OWN_SIGNALS
-    try:
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
-    except ValueError:
-        how = f"signal {-code}"
-    what = "rank killed" if killed else "rank failed"
+    what = "rank killed" if -code in _OWN_SIGNALS else "rank failed"
     return Claim(
         "rank failed",
         node,
         node_rank,
         int(rank),
-        how,
+        exit_cause(code),
         exits.get(int(failures[rank].local_rank), now),
         now,
         WEIGHT[what],
     )
+
+
+def exit_cause(code: int) -> str:
+    """How a worker ended, as events say it: ``signal SIGKILL``, ``exit 1``."""
+    return f"signal {signal_name(-code)}" if code < 0 else f"exit {code}"
 
 
 def node_claim(node: str, node_rank: int | None, cause: str, latency: float | None) -> Claim:
