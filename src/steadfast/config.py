@@ -176,11 +176,12 @@ class FaultToleranceConfig:
             out): each section's, the time out of sections' and the heartbeat's, from
             the intervals the ranks report, wherever the config leaves them at their
             defaults. Until a timeout has ``learned_timeout_min_samples`` intervals the
-            defaults apply (an unnamed section: ``rank_heartbeat_timeout``); then it is
+            defaults apply (an unnamed section: none); then it is
             ``learned_timeout_margin`` x the longest interval seen (the first of each
-            process left out: a warm-up), never below ``learned_timeout_floor``, never
-            above the default. Kept across in-job restarts by the launcher and across
-            job restarts in ``learned_timeouts.json`` beside the event log. See
+            process left out: a warm-up), never below ``learned_timeout_floor`` (the
+            heartbeat's never above its default). Kept across in-job restarts by the
+            launcher and across job restarts in ``learned_timeouts.json`` beside the
+            event log. See
             docs/learned-timeouts.md for why, and the worst case.
         learned_timeout_margin: A learned timeout is this many times the longest
             interval seen.

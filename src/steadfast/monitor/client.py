@@ -29,7 +29,7 @@ from typing import Any
 
 from ..config import ConfigError, FaultToleranceConfig
 from . import table as t
-from .timeouts import HeartbeatTimeouts, SectionTimeouts, merge
+from .timeouts import HeartbeatTimeouts, SectionTimeouts, merge, write_json
 from .timeouts import current as current_section_timeouts
 
 __all__ = [
@@ -497,13 +497,7 @@ def _positive(field: str, value: Any) -> float:
 
 def save_ft_state(client: RankMonitorClient, path: str | os.PathLike[str]) -> None:
     """Write ``client.state_dict()`` to ``path`` (``ft_state.json``) atomically."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(client.state_dict(), fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
+    write_json(path, client.state_dict())
 
 
 def load_ft_state(client: RankMonitorClient, path: str | os.PathLike[str]) -> bool:

@@ -14,12 +14,12 @@ What applies (:func:`effective`, in the launcher's watcher): once the process ha
 kind once (its warm-up, under the default: a restarted generation compiles again, even
 with what earlier ones learned preloaded), and where the config leaves a timeout at its
 default (the heartbeat's at NVRx's 45 minutes, no timeout out of sections,
-a section the config names no timeout for), a kind with at least
+a section the config does not name), a kind with at least
 ``learned_timeout_min_samples`` intervals seen gets ``learned_timeout_margin`` x the
-longest of them, never below ``learned_timeout_floor`` and never above the default (an
-unnamed section's default is ``rank_heartbeat_timeout``). Until then the defaults apply.
-A timeout the config sets, or one calculated with ``calculate_and_set_*_timeouts``,
-is the user's and is not replaced.
+longest of them, never below ``learned_timeout_floor`` (the heartbeat's never above its
+default; a section has none). Until then the defaults apply (an unnamed section: no
+timeout, as in NVRx). A timeout the config sets (a null, a named section), or one
+calculated with ``calculate_and_set_*_timeouts``, is the user's and is not replaced.
 
 Why the longest interval and not a lower quantile: the operations a learned timeout
 gets wrong are the rare long ones (a checkpoint every 2,000 steps is 0.05 % of the
@@ -29,15 +29,16 @@ false hang). The robustness is in what is left out (the warm-up) and in the marg
 Kept across restarts: the launcher merges every row's learned state when a generation
 ends (the longest of each kind, the most intervals seen), preloads the next generation's
 rows with it (the ranks go on adding), and writes it to ``learned_timeouts.json`` beside
-the run's event log, which a launcher of the same run reads at its start (a Slurm
-requeue, a job started again): learning is done once per job, not once per restart.
+the run's event log, which a launcher of the same run (the rendezvous' run id) reads at
+its start (a Slurm requeue, a job started again): learning is done once per job, not
+once per restart.
 
 The worst case (docs/learned-timeouts.md): an operation longer than the timeout in force
 that the job never ran before it became ready (a first evaluation pass 50x a step when
 the longest interval seen is a step) is taken for a hang, once: the rank is restarted,
-and the interval it overran is learned as at least what it reached. Wrapping such
-operations in a section of their own (NVRx's section API) keeps them on the defaults
-until they have been seen.
+and that kind is back on its default until seen ``learned_timeout_min_samples`` times
+again (:meth:`Learned.overran`). Wrapping such operations in a section of their own
+(NVRx's section API) keeps them on the defaults until they have been seen.
 """
 
 from __future__ import annotations
@@ -45,14 +46,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 from ..config import ConfigError, FaultToleranceConfig
 from .table import LEARN_HB, LEARN_OOS, LEARN_SECTIONS, RowSnapshot
+from .timeouts import write_json
 
 __all__ = ["LEARNED_FILE", "Learned", "effective", "learn_bits", "learned_timeout"]
 
@@ -149,10 +149,8 @@ class Learned:
         found = {"heartbeat": snap.learned_heartbeat, "out_of_section": snap.learned_out_of_section}
         found.update({f"section:{n}": v for n, v in (snap.learned_sections or {}).items()})
         for key, (longest, count) in found.items():
-            if count <= 0:
-                continue
-            old = self.kinds.get(key, (0.0, 0))
-            self.kinds[key] = (max(old[0], longest), max(old[1], count))
+            if count > 0:
+                _keep(self.kinds, key, longest, count)
 
     def overran(self, what: str, elapsed: float) -> None:
         """A rank was taken for hung by the learned timeout of ``what`` after
@@ -174,21 +172,18 @@ class Learned:
         if self.path.exists():
             try:
                 for key, (longest, count) in _read(self.path, self.run_id).items():
-                    old = merged.get(key, (0.0, 0))
-                    keep = old[1] if key in self._reset else max(old[1], count)
-                    merged[key] = (max(old[0], longest), keep)
+                    _keep(merged, key, longest, 0 if key in self._reset else count)
             except ConfigError:
                 pass  # ours replaces a file that went bad
         kinds = {k: {"longest": v[0], "count": v[1]} for k, v in merged.items()}
-        body = json.dumps({"run_id": self.run_id, "kinds": kinds})
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(body)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_json(self.path, {"run_id": self.run_id, "kinds": kinds})
+
+
+def _keep(kinds: dict[str, tuple[float, int]], key: str, longest: float, count: int) -> None:
+    """Merge ``(longest, count)`` into ``kinds[key]``: the longest of both, the most
+    intervals seen."""
+    old = kinds.get(key, (0.0, 0))
+    kinds[key] = (max(old[0], longest), max(old[1], count))
 
 
 def _read(path: Path, run_id: str) -> dict[str, tuple[float, int]]:

@@ -13,10 +13,15 @@ that follows a slowly changing job without being thrown by one outlier).
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-__all__ = ["HeartbeatTimeouts", "SectionTimeouts", "merge"]
+__all__ = ["HeartbeatTimeouts", "SectionTimeouts", "merge", "write_json"]
 
 
 def merge(new: float, current: float | None) -> float:
@@ -80,3 +85,21 @@ def current(
         calculated_sections=set(calculated),
         is_out_of_section_calculated=calculated_oos is not None,
     )
+
+
+def write_json(path: str | os.PathLike[str], value: Any) -> None:
+    """Write ``value`` as JSON to ``path`` durably and atomically (a unique temporary
+    file beside it, synced, renamed over it): a reader, or a launcher started after a
+    crash, sees the old file or the new one, never a part. How timeouts are kept:
+    ``ft_state.json``, ``learned_timeouts.json``."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(value, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
