@@ -145,7 +145,7 @@ def _faults_seen(view: LauncherView) -> list[str]:
         "    generation running; cost: both)",
         *(
             ["    one culprit per fault, agreed by the nodes: every other rank stopped after it"]
-            if any(f.agreed for f in view.faults)
+            if any(f.fault_id for f in view.faults)
             else []
         ),
         f"    {'what':<14} {'node':<8} {'rank':>4}  {'cause':<24} {'latency':>9} "

@@ -61,7 +61,7 @@ class ObservedFault:
     detection_latency: float | None  # from the fault (its last sign of life) to then
     next_generation: float | None = None  # detection -> the next generation running
     replaced_by: list[str] = field(default_factory=list)  # nodes that joined in its place
-    agreed: int = 0  # claims the nodes made for it, where they agreed on it (fault_culprit)
+    fault_id: str | None = None  # the nodes' agreed verdict it is (fault_culprit), if any
 
     @property
     def cost(self) -> float | None:
@@ -202,7 +202,7 @@ def _culprits(evs: list[ev.Event]) -> list[ObservedFault]:
             rank=None if rank is None else int(rank),
             time=detected,
             detection_latency=latency,
-            agreed=int(e.get("claims") or 0),
+            fault_id=str(e.get("fault_id")),
         )
     return list(seen.values())
 

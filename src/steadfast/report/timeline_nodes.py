@@ -171,12 +171,16 @@ def node_layout(events: list[ev.Event]) -> NodeLayout:
     view = launcher_view(events)
     firsts = _generation_starts(kinds, view.generations if view is not None else [])
     lanes = _lanes(kinds, t0, end, firsts)
-    culprits = _verdicts(kinds, t0, lanes, firsts)
-    judged = {c.generation for c in culprits}
-    for f in _first_faults(view.faults if view is not None else [], firsts, judged):
+    faults = view.faults if view is not None else []
+    # the nodes' verdicts (the report's reading of fault_culprit: one per fault_id), then
+    # for each generation without one, the first fault the launchers saw in it
+    verdicts = [f for f in faults if f.fault_id]
+    judged = {_generation_at(firsts, f.began) for f in verdicts}
+    culprits = []
+    for f in verdicts + _first_faults(faults, firsts, judged):
         rank, cause = f.rank, "" if f.cause == "-" else f.cause
         culprits.append(_culprit(lanes, f.what, str(f.node), rank, cause, f.began - t0,
-                                 _generation_at(firsts, f.began), False))  # fmt: skip
+                                 _generation_at(firsts, f.began), bool(f.fault_id)))  # fmt: skip
     struck = {c.generation for c in culprits}
     for lane in lanes.values():
         for s in lane.segments:
@@ -254,27 +258,6 @@ def _lanes(
             seg = Segment(e.time - t0, max(e.time - t0, end), int(rank), generation, outcome)
             lanes.setdefault((host, slot), Lane(host, slot)).segments.append(seg)
     return lanes
-
-
-def _verdicts(
-    kinds: dict[str, list[ev.Event]],
-    t0: float,
-    lanes: dict[tuple[str, int], Lane],
-    firsts: list[float],
-) -> list[Culprit]:
-    """The job-wide verdicts: one culprit per ``fault_id`` (every node writes it)."""
-    found: list[Culprit] = []
-    seen: set[object] = set()
-    for e in kinds.get(ev.Kind.FAULT_CULPRIT, []):
-        if e.get("fault_id") in seen:
-            continue
-        seen.add(e.get("fault_id"))
-        rank = e.get("culprit_rank")
-        at = float(e.get("fault_time") or e.time)
-        found.append(_culprit(lanes, str(e.get("what") or "fault"), str(e.get("node")),
-                              None if rank is None else int(rank), str(e.cause or ""), at - t0,
-                              _generation_at(firsts, at), True))  # fmt: skip
-    return found
 
 
 #: the launchers' fault events that name a culprit where no verdict does
