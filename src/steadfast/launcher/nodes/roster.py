@@ -468,7 +468,7 @@ class NodeRoster:
         """The store did not confirm ``peer``'s loss in time: this node is the one cut
         off."""
         why = (
-            f"lost {peer.host} ({how}) and the rendezvous store did not answer in "
+            f"lost {peer.host} ({how}) and cannot reach the rendezvous store: it did not answer in "
             f"{self.confirm_timeout:g} s"
         )
         with self._lock:
