@@ -166,6 +166,13 @@ class FaultToleranceConfig:
             nodes (a spare, or an elastic minimum) to form the next round; then the
             launcher exits 75 (node lost) instead of waiting out the rendezvous'
             ``join_timeout`` (600 s).
+        job_end_timeout: Once another node of the round finished its workers, how long
+            this node's workers may go on: past it they are taken for hung at the job's
+            end (``rank_hung``, cause ``job_end``), stopped, and the launcher exits 79.
+            Also the most a finished node waits in the exit barrier for the others,
+            whatever the round looks like from there (it then leaves, naming the nodes
+            it did not hear from). Raise it where the last rank's own final work (a
+            final save that only it does, say) takes longer.
         node_health_check: A command run on the node before each rendezvous
             (``--ft-node-health-check CMD``, through ``sh -c``); a non-zero exit keeps
             the node out of the job (exit 74), its output's last line is the reason.
@@ -205,6 +212,7 @@ class FaultToleranceConfig:
     node_heartbeat_interval: float = 0.5
     node_heartbeat_timeout: float = 5.0
     node_lost_timeout: float = 60.0
+    job_end_timeout: float = 60.0
     node_health_check: str | None = None
     node_health_check_dir: str | None = None
     node_min_free_gb: float = 1.0
@@ -292,7 +300,12 @@ class FaultToleranceConfig:
             minimum=0,
             integer=True,
         )
-        for name in ("node_heartbeat_interval", "node_heartbeat_timeout", "node_lost_timeout"):
+        for name in (
+            "node_heartbeat_interval",
+            "node_heartbeat_timeout",
+            "node_lost_timeout",
+            "job_end_timeout",
+        ):
             value = require_number(p + name, getattr(self, name), exclusive_minimum=0)
             setattr(self, name, float(value))
         if self.node_heartbeat_timeout <= self.node_heartbeat_interval:

@@ -59,6 +59,7 @@ class Kind(str, Enum):
     WORKERS_STARTED = "workers_started"
     WORKERS_EXITED = "workers_exited"
     LAUNCHER_END = "launcher_end"
+    EXIT_BARRIER = "exit_barrier"
     JOB_REQUEUED = "job_requeued"
     JOB_START = "job_start"
     STEP_DONE = "step_done"
@@ -242,6 +243,12 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "generation": "as in workers_started", "exits": "per worker: rank, local_rank, "
         "pid, exit_code, signal, time (epoch seconds it exited, when known)",
         "seconds": "from workers_started to the last exit",
+    }),
+    (Kind.EXIT_BARRIER, "this node's workers finished and its launcher left the exit barrier "
+     "(cause: all_finished, or timeout after job_end_timeout)", {
+        "nodes": "nodes in the round", "waited": "seconds it waited",
+        "missing": "the nodes it did not hear finish (host names; 'node rank R' where it "
+        "could not tell the host)", "lost": "nodes found lost meanwhile",
     }),
     (Kind.LAUNCHER_END, "a node's launcher ended", {
         "exit_code": "its exit status", "reason": "why, in words",

@@ -38,6 +38,10 @@ Exit codes (for job scripts that decide whether to requeue):
      the rendezvous store with it) and no round could form again within
      ``node_lost_timeout`` (no spare, fewer nodes than ``--nnodes``' minimum). With job
      retries left under Slurm, the job is requeued instead (78)
+79   hung at the job's end: another node of the round finished its workers and this
+     node's were still running ``job_end_timeout`` later (a rank stuck in its teardown,
+     say); they were stopped (``rank_hung``, cause ``job_end``). The job's work ended
+     on the other nodes: not restarted, not requeued
 128+N the launcher was stopped by signal N (SIGTERM: 143, SIGINT: 130); the workers got
      the signal and ``workers_stop_timeout`` seconds to save before SIGKILL
 ==== ===================================================================================
@@ -56,6 +60,7 @@ from ..config import ConfigError
 
 __all__ = [
     "EXIT_BAD_CONFIG",
+    "EXIT_JOB_END_HANG",
     "EXIT_NODE_LOST",
     "EXIT_NODE_UNHEALTHY",
     "EXIT_NO_PROGRESS",
@@ -81,6 +86,7 @@ EXIT_RESTART_ELSEWHERE = 16  # = rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE
 EXIT_RESULT_VALIDATION_FAILED = 17  # = rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDATION
 EXIT_NODE_UNHEALTHY = 74
 EXIT_NODE_LOST = 75
+EXIT_JOB_END_HANG = 79
 EXIT_LAUNCHER_ERROR = 1  # the launcher itself raised (a bug, or torch's own error)
 _EXIT_REASONS = {
     EXIT_OK: "the workers finished successfully",
@@ -92,6 +98,7 @@ _EXIT_REASONS = {
     EXIT_RESULT_VALIDATION_FAILED: "a worker exited 17: failed result validation",
     EXIT_NODE_UNHEALTHY: "this node is unhealthy and left the job",
     EXIT_NODE_LOST: "a node was lost and no round formed again",
+    EXIT_JOB_END_HANG: "this node's workers outlived the job's end by job_end_timeout",
 }
 #: ``STEADFAST_TEMPLATE_PRESTART=0`` starts the worker template only once the agent
 #: exists (after the launcher imported torch), as before the prestart: the baseline of
@@ -134,7 +141,14 @@ def _launch_agent(argv: list[str], started: list[bool]) -> int:
 
     from .. import events, seam
     from ..rendezvous import BACKEND, register
-    from .agent import FTAgent, NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
+    from .agent import (
+        FTAgent,
+        JobEndHangError,
+        NodeLostError,
+        NodeUnhealthyError,
+        NoProgressError,
+        RerunExit,
+    )
     from .args import get_args_parser, resolve_events_path, split_argv
     from .template import discard_prestarted, keep_prestarted_if
 
@@ -220,6 +234,9 @@ def _launch_agent(argv: list[str], started: list[bool]) -> int:
     except NodeLostError as exc:
         logger.error("steadfast launch: %s", exc)
         return _node_lost(split.ft.num_job_retries_on_failure, exc.hosts)
+    except JobEndHangError as exc:
+        logger.error("steadfast launch: %s (exit %d)", exc, EXIT_JOB_END_HANG)
+        return EXIT_JOB_END_HANG
     except (RendezvousConnectionError, RendezvousTimeoutError) as exc:
         if agents and agents[-1].rounds > 0:  # the job ran: its store went with a node
             logger.error("steadfast launch: the rendezvous is out of reach: %s", exc)

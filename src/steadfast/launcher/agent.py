@@ -57,7 +57,7 @@ from ..checkpoint.memory import MEMORY_DIR_ENV, MemoryDir
 from ..config import ConfigError, FaultToleranceConfig
 from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
 from ..monitor.learned import LEARNED_FILE, Learned, learn_bits
-from .errors import NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
+from .errors import JobEndHangError, NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
 from .failures import (
     describe,
     emit_agreed,
@@ -68,6 +68,7 @@ from .failures import (
     stopped_failures,
     worker_exits,
 )
+from .job_end import exit_barrier, hung_at_end
 from .nodes import Loss, NodeRoster, health_check
 from .nodes.culprit import Verdict, node_claim, rank_claim
 from .rendezvous import Rendezvous
@@ -75,6 +76,7 @@ from .template import Template, take_prestarted
 
 __all__ = [
     "FTAgent",
+    "JobEndHangError",
     "NoProgressError",
     "NodeLostError",
     "NodeUnhealthyError",
@@ -177,8 +179,8 @@ class FTAgent(LocalElasticAgent):
                 result: RunResult | None = super().run(role)
             finally:
                 self._generation_stopped()
-        except (NodeLostError, NodeUnhealthyError):
-            raise  # cut off or lost (nothing to tell), or it said so already
+        except (NodeLostError, NodeUnhealthyError, JobEndHangError):
+            raise  # cut off or lost (nothing to tell), or it said so already (a goodbye)
         except SignalException:
             # stopped by a signal: a preemption or an operator's requeue, which reach
             # every node (and the ranks agree to stop together): the job stops, no node
@@ -206,18 +208,30 @@ class FTAgent(LocalElasticAgent):
 
     def _exit_barrier(self) -> None:
         """The workers of this node finished: wait for the round's other nodes to finish
-        theirs before leaving (the store's host must outlive their use of it), through
-        the roster's own barrier (see :meth:`NodeRoster.exit_barrier`: it cannot stall
-        on, or stall, the store client the rendezvous shares), up to torch's
-        ``exit_barrier_timeout``. One node: nothing to wait for."""
-        if self.roster is None:
-            return
-        try:
-            self.roster.exit_barrier(seam.agent_exit_barrier_timeout(self))
-        except SignalException:
-            raise  # stopped while waiting: the launcher ends as the signal says
-        except Exception as exc:  # the store's host already gone: nothing to keep alive
-            logger.info("exit barrier: %s", exc)
+        theirs (see :func:`.job_end.exit_barrier`), up to ``job_end_timeout`` (or
+        torch's ``exit_barrier_timeout``, where shorter). One node: nothing to wait for."""
+        if self.roster is not None:
+            timeout = min(seam.agent_exit_barrier_timeout(self), self.ft.job_end_timeout)
+            exit_barrier(self.roster, timeout, int(self.get_worker_group().group_world_size or 1))
+
+    def _job_end_hang(self, worker_group: WorkerGroup, overrun: float) -> None:
+        """Another node of the round finished its workers ``overrun`` seconds ago, past
+        ``job_end_timeout``, and this node's still run: a hang at the job's end (see
+        :func:`.job_end.hung_at_end`). The workers are stopped, this node says goodbye
+        (it is not a lost node) and the launcher ends: a restart would find no round."""
+        pids = self._generation[1] if self._generation is not None else {}
+        exited = self.watcher.exit_times()
+        running = [w for w in worker_group.workers if int(w.local_rank) not in exited]
+        ranks = hung_at_end(running, pids, overrun, self.ft.job_end_timeout)
+        self.watcher.unwatch()
+        self._stop_workers(worker_group)
+        if self.roster is not None:
+            self.roster.finish()
+        raise JobEndHangError(
+            f"rank(s) {ranks} still ran {overrun:.1f} s after another node finished "
+            f"(job_end_timeout={self.ft.job_end_timeout:g} s): stopped as hung at the job's end",
+            ranks,
+        )
 
     def _leave(self, reason: str) -> None:
         """This node's launcher stops on a fault of its own: record it for the nodes
@@ -379,6 +393,9 @@ class FTAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result: RunResult = super()._monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY and self.roster is not None:
+            ended = self.roster.job_ended_at()
+            if ended is not None and time.monotonic() - ended > self.ft.job_end_timeout:
+                self._job_end_hang(worker_group, time.monotonic() - ended)
             lost, isolated = self.roster.losses(), self.roster.isolated()
             if lost or isolated:  # a collective with a dead peer may hang: stop them now
                 self.watcher.unwatch()

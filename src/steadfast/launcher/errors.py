@@ -1,11 +1,17 @@
 """The errors that end a launcher's run, each answered by the launcher with its own exit
 code (``steadfast.launcher``): no progress (76), a re-run state machine code (17; 16, or a
 requeue away from the node), a lost node (75, or a requeue away from it), an unhealthy
-node (74)."""
+node (74), workers that outlived the job's end (79)."""
 
 from __future__ import annotations
 
-__all__ = ["NoProgressError", "NodeLostError", "NodeUnhealthyError", "RerunExit"]
+__all__ = [
+    "JobEndHangError",
+    "NoProgressError",
+    "NodeLostError",
+    "NodeUnhealthyError",
+    "RerunExit",
+]
 
 
 class NoProgressError(RuntimeError):
@@ -38,3 +44,14 @@ class NodeUnhealthyError(RuntimeError):
     def __init__(self, check: str, reason: str) -> None:
         super().__init__(f"node health check {check!r} failed: {reason}")
         self.check, self.reason = check, reason
+
+
+class JobEndHangError(RuntimeError):
+    """Another node of the round finished its workers, and this node's were still
+    running ``job_end_timeout`` later: taken for hung at the job's end and stopped.
+    Restarting would find no round (the others are gone), so the launcher ends.
+    ``ranks``: the global ranks that were still running."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)

@@ -12,7 +12,7 @@ from .goodput import (
     compute_report,
     load_events,
 )
-from .launchers import Generation, LauncherView, ObservedFault, launcher_view
+from .launchers import Generation, LauncherView, ObservedFault, OpenLauncher, launcher_view
 from .timeline import plot_timeline
 
 __all__ = [
@@ -115,7 +115,11 @@ def _launchers_split(view: LauncherView, wall: float) -> list[str]:
         ("lost to faults", view.lost, f"{len(view.faults)} fault(s), each below"),
         ("end", view.ending, "last worker exit -> last launcher end"),
     )  # fmt: skip
+    open_ones = view.running_launchers
     for name, value, note in parts:
+        if name == "end" and open_ones:  # no end to claim while a launcher has none
+            lines.append(f"    {'end':<16}  unknown   {_no_end(view, open_ones)}")
+            continue
         lines.append(
             f"    {name:<16} {value:8.2f} s  {100 * value / wall:5.1f} %   {note}".rstrip()
         )
@@ -125,6 +129,12 @@ def _launchers_split(view: LauncherView, wall: float) -> list[str]:
         "(each a new rendezvous round of every node)"
     )
     return lines
+
+
+def _no_end(view: LauncherView, open_ones: list[OpenLauncher]) -> str:
+    """The launchers with no end that no loss explains, in words."""
+    each = ", ".join(f"{u.host} (last event at {u.last - view.start:.2f} s)" for u in open_ones)
+    return f"NO END recorded for the launcher of {each}: still running, or killed"
 
 
 def _generations(view: LauncherView) -> list[str]:
@@ -172,11 +182,13 @@ def _verdict(report: GoodputReport) -> str:
     after = [f for f in view.faults if f.next_generation is not None]
     codes = sorted(set(view.exit_codes.values()))
     ended = "every launcher exited 0" if codes == [0] else f"launcher exit codes {codes}"
-    gone = [n for n in view.nodes if n not in view.exit_codes]
+    gone = [u.host for u in view.unended if u.lost]
     if gone:
         ended = ended.replace("every launcher", "every other launcher") + (
             f" ({', '.join(gone)}: no end recorded, lost with the node)"
         )
+    if view.running_launchers:
+        ended += "; " + _no_end(view, view.running_launchers)
     n = len(view.faults)
     if len(after) == n:
         return f"{n} fault(s) seen, each followed by a new generation of workers; {ended}"

@@ -20,11 +20,18 @@ agree to well under the latencies reported (NTP on a cluster: milliseconds).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import events as ev
 
-__all__ = ["Generation", "LauncherView", "ObservedFault", "as_list", "launcher_view"]
+__all__ = [
+    "Generation",
+    "LauncherView",
+    "ObservedFault",
+    "OpenLauncher",
+    "as_list",
+    "launcher_view",
+]
 
 #: the launchers' own fault verdicts, and what each is called in the report
 FAULT_KINDS: dict[str, str] = {
@@ -76,6 +83,15 @@ class ObservedFault:
         return self.time - (self.detection_latency or 0.0)
 
 
+class OpenLauncher(NamedTuple):
+    """A launcher with a ``launcher_start`` and no ``launcher_end``."""
+
+    host: str
+    pid: object
+    last: float  # epoch time of its last event
+    lost: bool  # a node_lost after its start names its host: it went with its node
+
+
 @dataclass
 class LauncherView:
     """The run as its launchers saw it (see the module's description)."""
@@ -89,6 +105,14 @@ class LauncherView:
     startup: float  # first launcher start -> first generation running
     ending: float  # last worker exit -> last launcher end
     exit_codes: dict[str, int] = field(default_factory=dict)  # node -> its launcher's
+    #: launchers with a start and no end
+    unended: list[OpenLauncher] = field(default_factory=list)
+
+    @property
+    def running_launchers(self) -> list[OpenLauncher]:
+        """Launchers with no end that no node_lost explains: still running when the log
+        was read, or killed without a trace."""
+        return [u for u in self.unended if not u.lost]
 
     @property
     def wall_time(self) -> float:
@@ -112,10 +136,31 @@ def as_list(value: object) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def _generations(evs: list[ev.Event]) -> list[Generation]:
+def _unended(evs: list[ev.Event]) -> list[OpenLauncher]:
+    """Each launcher (host and pid) with a ``launcher_start`` and no ``launcher_end``."""
+    ended = {(e.get("host"), e.get("pid")) for e in evs if e.kind == ev.Kind.LAUNCHER_END}
+    out = []
+    for start in (e for e in evs if e.kind == ev.Kind.LAUNCHER_START):
+        key = (start.get("host"), start.get("pid"))
+        if key in ended:
+            continue
+        last = max(e.time for e in evs if (e.get("host"), e.get("pid")) == key)
+        lost = any(
+            e.kind == ev.Kind.NODE_LOST and e.get("node") == key[0] and e.time >= start.time
+            for e in evs
+        )
+        out.append(OpenLauncher(str(key[0]), key[1], last, lost))
+    return out
+
+
+def _generations(
+    evs: list[ev.Event], running: set[tuple[str, object]] | None = None
+) -> list[Generation]:
     """Group every node's ``workers_started`` into job-wide generations: a generation
     takes one event per node until it has the round's ``nodes``; a node seen again
-    starts the next one."""
+    starts the next one. ``running``: launchers (host, pid) with no end that no loss
+    explains: a generation of theirs with no ``workers_exited`` did not end there, and
+    says so instead of taking the others' outcome."""
     gens: list[Generation] = []
     hosts: list[str] = []
     want = 0
@@ -157,6 +202,9 @@ def _generations(evs: list[ev.Event]) -> list[Generation]:
         ]
         gen.end = max(times or [e.time for e in mine])
         gen.outcome = max((str(e.cause) for e in mine), key=lambda c: severity.get(c, 1))
+        open_on = [k[0] for k in keys_of if k not in ends and (k[0], k[1]) in (running or ())]
+        if open_on:
+            gen.outcome = f"no end on {', '.join(open_on)}"
     return gens
 
 
@@ -318,7 +366,8 @@ def launcher_view(evs: list[ev.Event]) -> LauncherView | None:
     start = min(e.time for e in starts)
     end = max([e.time for e in ends] or [evs[-1].time])
     nodes = list(dict.fromkeys(str(e.get("host")) for e in starts))
-    gens = _generations(evs)
+    unended = _unended(evs)
+    gens = _generations(evs, {(u.host, u.pid) for u in unended if not u.lost})
     faults = _faults(evs, gens)
     # running: each generation from its start to its end, or to the fault that ended it;
     # one with no end recorded (a launcher killed, a log of an older version) ran at most
@@ -343,4 +392,5 @@ def launcher_view(evs: list[ev.Event]) -> LauncherView | None:
         startup=max(0.0, first - start),
         ending=max(0.0, end - last_exit),
         exit_codes={str(e.get("host")): int(e.get("exit_code") or 0) for e in ends},
+        unended=unended,
     )

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .round import Peer
 
-__all__ = ["WATCHERS", "OnLost", "Ring"]
+__all__ = ["WATCHERS", "OnFinished", "OnLost", "Ring"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ WATCHERS = 2
 
 #: ``on_lost(peer, cause, how, latency)``: a watched node is gone
 OnLost = Callable[[Peer, str, str, "float | None"], None]
+#: ``on_finished(peer)``: a watched node said goodbye (its workers finished)
+OnFinished = Callable[[Peer], None]
 
 
 @dataclass
@@ -57,10 +59,17 @@ class Ring:
     """This node's beacon and its watch over the nodes it follows (see the module's
     description)."""
 
-    def __init__(self, interval: float, timeout: float, on_lost: OnLost) -> None:
+    def __init__(
+        self,
+        interval: float,
+        timeout: float,
+        on_lost: OnLost,
+        on_finished: OnFinished | None = None,
+    ) -> None:
         self.interval = interval
         self.timeout = timeout
         self._on_lost = on_lost
+        self._on_finished = on_finished
         self._lock = threading.Lock()
         self._sel = selectors.DefaultSelector()
         self._listener = socket.create_server(("", 0), family=socket.AF_INET, backlog=64)
@@ -278,6 +287,8 @@ class Ring:
         self._drop(sock)
         if data:  # its workers finished: it leaves, it is not lost
             logger.info("%s finished", watch.peer.host)
+            if self._on_finished is not None:
+                self._on_finished(watch.peer)
             return
         how = "its launcher's connection was " + ("reset" if error else "closed")
         self._on_lost(

@@ -110,7 +110,10 @@ class NodeRoster:
         self._confirms = StoreCalls()  # loss confirmations: never queued behind probes
         self._culprits = StoreCalls()  # a fault's agreement: never queued behind either
         self._deadlines = Deadlines()  # of store calls: close cancels them
-        self._ring = Ring(self.interval, self.timeout, self._lost)
+        self._ring = Ring(self.interval, self.timeout, self._lost, self._peer_finished)
+        #: the nodes of the round heard finishing over the ring (node rank -> when,
+        #: monotonic): the job's end as this node sees it, whatever the store says
+        self._finished: dict[int, float] = {}
         self.port = self._ring.port
         self._fence = Fence(self._lock, self._view, self._calls, self._deadlines, self.timeout)
         self.fence_address = self._fence.address
@@ -170,6 +173,7 @@ class NodeRoster:
             self._state, self._why = RosterState.WATCHING, None
             self._losses = {}
             self._pending = set()
+            self._finished = {}
             self._fence.forget()
         for k in range(1, min(WATCHERS, nodes - 1) + 1):
             self._ring.watch(peers[(rank + k) % nodes])
@@ -196,7 +200,7 @@ class NodeRoster:
         it, so that its launcher exiting is not reported as a lost node."""
         self._ring.finish()  # the goodbye goes at once, then instead of beats
 
-    def exit_barrier(self, timeout: float) -> list[str]:
+    def exit_barrier(self, timeout: float) -> tuple[list[str], list[str]]:
         """Wait until every node of the round has finished its workers (or is lost), up
         to ``timeout`` seconds: torch's exit barrier, which keeps the store's host alive
         while other nodes may still need it, done so that it cannot hang a job.
@@ -208,12 +212,16 @@ class NodeRoster:
         connection of its own (``clone``), marks this node done under its node rank,
         polls (never a long blocking call), stops waiting for nodes found lost (by this
         launcher, or confirmed in the store by any other: this one watches only its ring
-        neighbours), and names the nodes it waits for every 10 s. Returns the hosts it
-        stopped waiting for."""
+        neighbours), and names the nodes it waits for every 10 s. Whatever the round
+        looks like from here (a node that holds another rank, prefix or round than this
+        one thinks, and so never marks the key this one reads), it leaves at
+        ``timeout``: no read of a key that may never come blocks it. Returns the nodes
+        it did not hear finish (by host, or ``node rank R`` where the round's store
+        does not say) and those found lost."""
         with self._lock:
             current = self._round
         if current is None or current.nodes <= 1:
-            return []
+            return [], []
         try:
             store = current.store.clone()  # a connection of its own
         except (RuntimeError, NotImplementedError, AttributeError):
@@ -225,11 +233,19 @@ class NodeRoster:
         start = time.monotonic()
         deadline, report, pause = start + timeout, start + 10.0, 0.005
         confirmed: set[int] = set()  # losses other launchers recorded in the store
+        lost: set[int] = set()
 
-        def unfinished(lost: set[int]) -> list[int]:  # O(N) reads: for the log only
+        def name(r: int) -> str:  # never a blocking read: the key may never come
+            if r in current.peers.known() or store.check([keys.node(r)]):
+                return current.peers[r].host
+            return f"node rank {r}"
+
+        def unfinished() -> list[str]:  # O(N) reads: for the log only
+            with self._lock:
+                heard = set(self._finished)
             return [
-                r for r in range(current.nodes)
-                if r not in lost and not store.check([keys.exit(r)])
+                name(r) for r in range(current.nodes)
+                if r not in lost and r not in heard and not store.check([keys.exit(r)])
             ]  # fmt: skip
 
         while not store.check([keys.exit_all]):
@@ -240,28 +256,36 @@ class NodeRoster:
                 finished = int(store.add(keys.exit_count, 0))
                 finished -= sum(1 for r in lost if store.check([keys.exit(r)]))
                 if finished + len(lost) >= current.nodes:
-                    return sorted(current.peers[r].host for r in lost)
+                    return [], sorted(name(r) for r in lost)
             now = time.monotonic()
             if now > report:
-                waiting = unfinished(lost)
+                waiting = unfinished()
                 if waiting:
                     logger.info(
                         "waiting for %s to finish their workers (%.0f s so far)",
-                        ", ".join(current.peers[r].host for r in waiting),
+                        ", ".join(waiting),
                         now - start,
                     )
                 report = now + 10.0
             if now > deadline:
-                waiting = unfinished(lost)
+                waiting = unfinished() or ["some nodes"]
                 logger.warning(
-                    "exit barrier: %s did not finish within %.0f s; leaving without them",
-                    ", ".join(current.peers[r].host for r in waiting) or "some nodes",
+                    "exit barrier: did not hear %s finish within %.0f s "
+                    "(job_end_timeout); leaving without them",
+                    ", ".join(waiting),
                     timeout,
                 )
-                return [current.peers[r].host for r in waiting]
+                return waiting, sorted(name(r) for r in lost)
             time.sleep(pause)
             pause = min(pause * 2, 0.25)
-        return []
+        return [], sorted(name(r) for r in lost)
+
+    def job_ended_at(self) -> float | None:
+        """When (``time.monotonic()``) this node first heard another node of its round
+        finish its workers (a goodbye over the ring), or None: the job's end as seen
+        from here, for the workers that outlive it."""
+        with self._lock:
+            return min(self._finished.values(), default=None)
 
     def agree_culprit(self, mine: Claim | None, absent: int = 0) -> Verdict | None:
         """The one culprit of the round's fault, agreed job-wide (see :mod:`.culprit`):
@@ -361,6 +385,13 @@ class NodeRoster:
         self._ring.close()
 
     # ------------------------------------------------------------------ the round
+    def _peer_finished(self, peer: Peer) -> None:
+        """A watched node said goodbye: its workers finished (the ring's thread)."""
+        with self._lock:
+            current = self._round
+            if current is not None and peer.rank not in self._finished:
+                self._finished[peer.rank] = time.monotonic()
+
     def _view(self) -> tuple[Round | None, str | None]:
         """The round and why this node is cut off, for the fence (the lock held)."""
         return self._round, self._why if self._state is RosterState.ISOLATED else None

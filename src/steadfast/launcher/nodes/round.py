@@ -110,6 +110,10 @@ class PeerBook:
     def __init__(self, store: Any, keys: RoundKeys, known: dict[int, Peer]) -> None:
         self._store, self._keys, self._known = store, keys, dict(known)
 
+    def known(self) -> set[int]:
+        """The node ranks already read (no store call to name them)."""
+        return set(self._known)
+
     def __getitem__(self, rank: int) -> Peer:
         peer = self._known.get(rank)
         if peer is None:

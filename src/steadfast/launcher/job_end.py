@@ -1,0 +1,83 @@
+"""The end of a job of several nodes, as a launcher lives it: the exit barrier, left
+within a bound whatever the round looks like from this node, and workers that outlive
+the others' end, taken for hung instead of waited for.
+
+A launcher whose workers finished waits for the round's other nodes (the store's host
+must outlive their use of it), but never longer than ``job_end_timeout``: a node that
+holds another view of the round (another rank, store prefix or round than this one
+thinks) never marks the key this one reads, and a node whose workers never end never
+marks it either. Leaving, the launcher names the nodes it did not hear finish
+(``exit_barrier``). The other side of the same bound: a node that heard another node
+finish (its goodbye over the ring, which needs no store key) and whose own workers still
+run ``job_end_timeout`` later takes them for hung at the job's end (``rank_hung``, cause
+``job_end``) and stops them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .. import events
+from .nodes import NodeRoster
+
+__all__ = ["exit_barrier", "hung_at_end"]
+
+logger = logging.getLogger(__name__)
+
+
+def exit_barrier(roster: NodeRoster, timeout: float, nodes: int) -> None:
+    """Wait in the roster's exit barrier up to ``timeout`` seconds, then write
+    ``exit_barrier``: how long it waited, the nodes it did not hear finish (cause
+    ``timeout``) and those found lost."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    began = time.monotonic()
+    try:
+        missing, lost = roster.exit_barrier(timeout)
+    except SignalException:
+        raise  # stopped while waiting: the launcher ends as the signal says
+    except Exception as exc:  # the store's host already gone: nothing to keep alive
+        logger.info("exit barrier: %s", exc)
+        missing, lost = [f"the round's store ({type(exc).__name__}: {exc})"], []
+    events.emit(
+        "exit_barrier",
+        cause="timeout" if missing else "all_finished",
+        nodes=nodes,
+        waited=round(time.monotonic() - began, 4),
+        missing=missing,
+        lost=lost,
+    )
+
+
+def hung_at_end(
+    running: Iterable[Any], pids: Mapping[int, int], overrun: float, timeout: float
+) -> list[int]:
+    """``rank_hung`` (cause ``job_end``) for each worker of ``running`` (torch's
+    ``Worker``s), ``overrun`` seconds after another node finished; their global ranks."""
+    ranks = []
+    for w in running:
+        rank, local = int(w.global_rank), int(w.local_rank)
+        logger.error(
+            "rank %d (local %d) still running %.1f s after another node finished its "
+            "workers (job_end_timeout=%g s): hung at the job's end; stopping it",
+            rank,
+            local,
+            overrun,
+            timeout,
+        )
+        events.emit(
+            "rank_hung",
+            cause="job_end",
+            rank=rank,
+            local_rank=local,
+            section="job end",
+            elapsed=round(overrun, 4),
+            timeout=timeout,
+            learned=False,
+            worker_pid=pids.get(local),
+        )
+        ranks.append(rank)
+    return sorted(ranks)
