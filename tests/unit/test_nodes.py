@@ -348,3 +348,48 @@ def test_a_watcher_that_connects_after_this_node_left_sees_it_go():
     finally:
         ring.stop()
         ring.close()
+
+
+def _finish_all(made: list[NodeRoster], which: list[int], timeout: float) -> dict[int, object]:
+    """The launchers ``which`` finish their workers at once (the goodbye, then the exit
+    barrier, as the agent does); each one's barrier result."""
+    results: dict[int, object] = {}
+
+    def finish(i: int) -> None:
+        made[i].finish()
+        results[i] = made[i].exit_barrier(timeout=timeout)
+
+    threads = [threading.Thread(target=finish, args=(i,)) for i in which]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30)
+    return results
+
+
+def test_a_launcher_with_another_view_of_the_barriers_keys_keeps_no_one_waiting(rosters, caplog):
+    """node3 holds another view of the round (its barrier's keys under another prefix, as
+    a node with another round or rank than the others think): it never marks the key the
+    others read, nor reads theirs. Every node finished, each heard the others' goodbyes
+    over the ring, and every barrier ends at once, not at its timeout (issue 36: the
+    survivors waited for the spare that had finished)."""
+    from steadfast.launcher.nodes.round import RoundKeys
+
+    rosters[2]._round.keys = RoundKeys("another view", generation=7)
+    with caplog.at_level(logging.INFO, logger="steadfast"):
+        results = _finish_all(rosters, [0, 1, 2], timeout=60)
+    assert results == {i: ([], []) for i in range(3)}
+    assert "leaving without them" not in caplog.text
+
+
+def test_the_exit_barrier_leaves_at_its_bound_naming_a_node_that_never_finishes(rosters, caplog):
+    """node3's workers never end (stuck in their teardown, say): node1 and node2 wait in
+    the exit barrier up to its bound, then leave naming node3; node3 heard them finish
+    (the job's end as the agent reads it, to take its workers for hung)."""
+    assert rosters[2].job_ended_at() is None
+    with caplog.at_level(logging.INFO, logger="steadfast"):
+        results = _finish_all(rosters, [0, 1], timeout=1.0)
+    assert results == {0: (["node3"], []), 1: (["node3"], [])}
+    assert "did not hear node3 finish within 1 s" in caplog.text
+    ended = rosters[2].job_ended_at()
+    assert ended is not None and ended <= time.monotonic()

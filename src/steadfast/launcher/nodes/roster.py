@@ -248,14 +248,20 @@ class NodeRoster:
                 if r not in lost and r not in heard and not store.check([keys.exit(r)])
             ]  # fmt: skip
 
+        marked: set[int] = set()  # nodes heard finishing whose mark this node saw
         while not store.check([keys.exit_all]):
             confirmed = confirmed_losses(store, current, confirmed)
             with self._lock:
                 lost = set(self._losses) | confirmed
-            if lost:  # every node left finished: the lost ones never will
-                finished = int(store.add(keys.exit_count, 0))
+                # nodes that said goodbye over the ring: finished, whether or not this
+                # node can see their mark (another view of the round's keys)
+                heard = set(self._finished) - marked - lost
+            if lost or heard:  # every node left finished: the lost ones never will
+                finished = int(store.add(keys.exit_count, 0))  # before the marks: a
+                # mark read after the count may be counted by neither, never by both
+                marked.update(r for r in heard if store.check([keys.exit(r)]))
                 finished -= sum(1 for r in lost if store.check([keys.exit(r)]))
-                if finished + len(lost) >= current.nodes:
+                if finished + len(lost) + len(heard - marked) >= current.nodes:
                     return [], sorted(name(r) for r in lost)
             now = time.monotonic()
             if now > report:
