@@ -35,6 +35,12 @@ def main() -> None:
     parser.add_argument("--epoch-sleep", type=float, default=0.3)
     parser.add_argument("--out", required=True)
     parser.add_argument("--trace", required=True, help="a folder for the per-epoch lines")
+    parser.add_argument(
+        "--hang-at-end-on",
+        default=None,
+        help="(tests) on this host, the ranks never end after their last line: a teardown "
+        "that hangs",
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -78,6 +84,9 @@ def main() -> None:
         trace.write(
             f"done {args.epochs} world {world} rank {rank} host {host} time {time.time()}\n"
         )
+    if args.hang_at_end_on == host:
+        while True:  # stuck in its teardown, as a rank in a collective its peers left
+            time.sleep(1)
     dist.destroy_process_group()
 
 

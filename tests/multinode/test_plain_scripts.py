@@ -90,38 +90,99 @@ def assert_every_epoch_ran_and_launchers_ended(bed: Any, launches: list[Any]) ->
         assert late <= END_WITHIN, f"{lc.node}'s launcher ended {late:.1f}s after its worker"
 
 
-#: how many times the spare scenario runs (the issue's check: PLAIN_REPEAT=20)
+#: how many times each spare scenario runs (the issue's measure: PLAIN_REPEAT=20)
 REPEAT = int(os.environ.get("PLAIN_REPEAT", "1"))
 
 
+def assert_every_launcher_left_the_barrier_together(bed: Any, hosts: list[str]) -> None:
+    """Each finishing launcher wrote ``exit_barrier`` and heard every other node finish:
+    none waited out its bound for a node that could not come (issue 36)."""
+    left = {e["host"]: e for e in bed.events("exit_barrier")}
+    assert sorted(left) == sorted(hosts), left
+    for host, e in left.items():
+        assert e["cause"] == "all_finished" and e["missing"] == [], (host, e)
+
+
 @pytest.mark.parametrize("attempt", range(REPEAT))
-def test_a_spare_replaces_a_killed_node_and_every_launcher_ends(bed_factory, attempt):
-    """3 nodes and a spare that joins once the round has formed; node2 is killed
-    mid-run. The new round (node1, node3, node4) trains to the end, and every launcher,
-    the store's host included, ends within 2 s of its worker (issue 26 saw two runs in
-    five never end, every launcher in torch's exit barrier; here the store's host ended
-    2.1-2.3 s after its worker before its own exit barrier and the teardowns went)."""
+@pytest.mark.parametrize("arrival", ["before_the_loss", "after_the_loss"])
+@pytest.mark.parametrize("backend", ["c10d", "steadfast"])
+def test_a_spare_replaces_a_killed_node_and_every_launcher_ends(
+    bed_factory, backend, arrival, attempt
+):
+    """3 nodes and a spare, on torch's c10d rendezvous (the torchrun command line) and on
+    steadfast's own; the spare comes while the round runs (it waits on the redundancy
+    list) or only after node2 was killed. The new round (node1, node3, node4) trains to
+    the end; every launcher, the spare's and the store host's included, ends within 2 s
+    of its worker with exit 0, each heard every other node finish (issue 36: under
+    c10d the survivors waited for the spare in 4 runs of 6), and the spare's
+    ``workers_exited`` is in the log."""
     bed = bed_factory(4)
-    flags, args = job("3"), script(bed)
+    flags, args = job("3", backend=backend), script(bed)
     launches = [
         bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2", "node3")
     ]
     wait_epoch(bed, 1)
-    launches.append(bed.launch("node4", *flags, script=args, program=PLAIN))
-    wait_epoch(bed, KILL_AT)
-    bed.do("kill", "node2")
+    if arrival == "before_the_loss":
+        launches.append(bed.launch("node4", *flags, script=args, program=PLAIN))
+        wait_epoch(bed, KILL_AT)
+        bed.do("kill", "node2")
+    else:
+        wait_epoch(bed, KILL_AT)
+        bed.do("kill", "node2")
+        bed.wait_event("node_lost", node="node2")
+        launches.append(bed.launch("node4", *flags, script=args, program=PLAIN))
     codes = wait_all(launches)
     assert codes["node1"] == codes["node3"] == codes["node4"] == 0, bed.logs()
     assert codes["node2"] != 0
     lost = bed.events("node_lost", node="node2")
     assert len(lost) == 1, lost
     assert bed.events("node_joined", node="node4")
-    assert_every_epoch_ran_and_launchers_ended(bed, [lc for lc in launches if lc.node != "node2"])
+    survivors = [lc for lc in launches if lc.node != "node2"]
+    assert_every_epoch_ran_and_launchers_ended(bed, survivors)
+    assert_every_launcher_left_the_barrier_together(bed, ["node1", "node3", "node4"])
+    (spare_end,) = bed.events("workers_exited", host="node4")
+    assert spare_end["cause"] == "succeeded"
     assert os.path.getsize(bed.shared / "out.pt") > 0
-    assert_the_report_tells_the_launchers_story(bed, lost[0])
+    assert_the_report_tells_the_launchers_story(bed, lost[0], backend)
 
 
-def assert_the_report_tells_the_launchers_story(bed: Any, lost: dict[str, Any]) -> None:
+def test_a_rank_that_outlives_the_jobs_end_is_a_hang_and_no_launcher_waits_for_it(
+    bed_factory,
+):
+    """2 nodes; node2's rank never ends after its last epoch (a teardown that hangs).
+    node1 finishes, waits in the exit barrier at most job_end_timeout and leaves naming
+    node2 (exit 0: its work is done); node2 heard node1 finish, and job_end_timeout later
+    takes its rank for hung at the job's end (rank_hung, cause job_end), stops it and
+    exits 79. No launcher waits for a node that cannot come (issue 36)."""
+    bed = bed_factory(2)
+    flags = [*job("2", backend="c10d"), "--ft-job-end-timeout", "3"]
+    args = [*script(bed), "--hang-at-end-on", "node2"]
+    launches = [bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2")]
+    codes = wait_all(launches, timeout=120)
+    assert codes == {"node1": 0, "node2": 79}, bed.logs()
+    hung = bed.events("rank_hung", host="node2")
+    assert {e["rank"] for e in hung} == {2, 3} and {e["cause"] for e in hung} == {"job_end"}
+    assert all(e["elapsed"] >= 3 for e in hung)
+    # node1 left at its bound naming node2, or heard node2 say goodbye once it had
+    # stopped its hung ranks (the two bounds end together): never a wait beyond them
+    (left,) = bed.events("exit_barrier", host="node1")
+    if left["cause"] == "timeout":
+        assert left["missing"] == ["node2"], left
+    else:
+        assert left["time"] >= max(e["time"] for e in hung), (left, hung)
+    assert left["waited"] < 3 + 5, left
+    (stopped,) = bed.events("workers_exited", host="node2")
+    assert stopped["cause"] == "stopped"
+    from steadfast.report import compute_report, format_report, load_events
+
+    evs, problems = load_events(bed.shared)
+    text = format_report(compute_report(evs, problems))
+    assert "rank hung" in text and "node2" in text and "NO END" not in text
+
+
+def assert_the_report_tells_the_launchers_story(
+    bed: Any, lost: dict[str, Any], backend: str = "steadfast"
+) -> None:
     """`steadfast report` on the shared run directory, checked against the launchers'
     own events: the true wall time, the two generations, the loss (node, cause, its
     detection latency, the time to the next generation, the spare), the wall time split,
@@ -138,10 +199,13 @@ def assert_the_report_tells_the_launchers_story(bed: Any, lost: dict[str, Any]) 
     view = report.launchers
     assert view is not None and not report.reports_steps
     # by node rank (the first round's by arrival): steadfast's rendezvous gives the spare
-    # the lost node's seat, and the survivors keep theirs
+    # the lost node's seat, and the survivors keep theirs; torch's sorts them again
     first, second = (g.nodes for g in view.generations)
     assert sorted(first) == ["node1", "node2", "node3"]
-    assert second == ["node4" if n == "node2" else n for n in first]
+    if backend == "steadfast":
+        assert second == ["node4" if n == "node2" else n for n in first]
+    else:
+        assert sorted(second) == ["node1", "node3", "node4"]
     # the first ended when node2 went: stopped by the launchers, or failed on their own
     # when a collective lost its peer before the roster stopped them
     assert view.generations[0].outcome in ("stopped", "failed")
