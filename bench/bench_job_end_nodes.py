@@ -12,11 +12,11 @@ epoch 8 and node2 is killed 6 s later (``before``: the spare waits on the redund
 list), or node2 is killed at epoch 8 and the spare starts once the loss is seen
 (``after``). A case is ``BACKEND:ARRIVAL`` (c10d or steadfast; before or after).
 
-Per run: whether every surviving launcher (the spare's included) ended, their exit
-codes (node1, node3, node4), within the cap (150 s after the last epoch), and the end lag: from the last worker's
-exit (its ``done`` line, just before ``destroy_process_group``) to the last launcher's
-exit as its parent saw it (polled every 50 ms). The baseline, in the same run: plain
-``torchrun`` (torch's elastic agent) in the c10d case before the loss.
+Per run: whether every surviving launcher (the spare's included) ended within the cap
+(150 s after the last epoch), their exit codes (node1, node3, node4), and the end lag:
+from the last worker's exit (its ``done`` line, just before ``destroy_process_group``)
+to the last launcher's exit as its parent saw it (polled every 50 ms). The baseline, in
+the same run: plain ``torchrun`` (torch's elastic agent), c10d, the spare before the loss.
 Target: every launcher ends, <= 1 s after the last worker's exit.
 """
 
