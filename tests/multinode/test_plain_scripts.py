@@ -230,21 +230,32 @@ def assert_the_report_tells_the_launchers_story(
     assert picture.stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("fault", ["silent_kill", "partition", "etcd_host_lost"])
-def test_a_plain_script_survives_a_lost_node_with_a_spare(bed_factory, fault, request):
-    """The lost-node matrix with the plain script: 2 nodes and a spare, one node lost
-    silently (power and link gone at once), cut off by a partition (it learns it was
-    replaced when the link returns, and exits 75), or the rendezvous host (node1) lost
-    under etcd. The job goes on with the spare to the end, every epoch runs, and the
-    launchers that finish end within 2 s of their workers."""
+@pytest.mark.parametrize(
+    ("fault", "backend"),
+    [
+        ("silent_kill", "c10d"),
+        ("silent_kill", "steadfast"),
+        ("partition", "c10d"),
+        ("partition", "steadfast"),
+        ("etcd_host_lost", "etcd-v2"),
+    ],
+)
+def test_a_plain_script_survives_a_lost_node_with_a_spare(bed_factory, fault, backend, request):
+    """The lost-node matrix with the plain script, on torch's c10d rendezvous (what a
+    torchrun command line names) and on steadfast's own (a killed node: the spare test
+    above, on both): 2 nodes and a spare, one node lost silently (power and link gone at
+    once), cut off by a partition (it learns it was replaced when the link returns, and
+    exits 75), or the rendezvous host (node1) lost under etcd. The job goes on with the
+    spare to the end, every epoch runs, and the launchers that finish end within 2 s of
+    their workers."""
     if fault == "etcd_host_lost":
         request.getfixturevalue("etcd_installed")
     bed = bed_factory(3)
     if fault == "etcd_host_lost":
         bed.do("etcd")
-        flags, victim = job("2", backend="etcd-v2", endpoint="127.0.0.1:2379"), "node1"
-    else:  # torch's c10d rendezvous stays selectable: the silent kill runs on it
-        flags, victim = job("2", backend="c10d" if fault == "silent_kill" else "steadfast"), "node2"
+        flags, victim = job("2", backend=backend, endpoint="127.0.0.1:2379"), "node1"
+    else:
+        flags, victim = job("2", backend=backend), "node2"
     flags = [*flags, "--ft-node-heartbeat-interval", "0.25", "--ft-node-heartbeat-timeout", "2"]
     args = script(bed)
     launches = [bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2")]
@@ -272,3 +283,29 @@ def test_a_plain_script_survives_a_lost_node_with_a_spare(bed_factory, fault, re
     assert len(bed.events("node_lost")) == 1
     assert bed.events("node_joined", node="node3")
     assert_every_epoch_ran_and_launchers_ended(bed, survivors)
+
+
+def test_under_c10d_the_lost_store_host_ends_every_survivor_with_75(bed_factory):
+    """Under torch's c10d rendezvous the store lives in the endpoint host's launcher
+    (node1): with that node lost there is no store left to form a round in. The expected
+    outcome, written down: every survivor exits 75 within node_lost_timeout of the loss
+    (a node cut off from its peer and the store at once), none waits out a rendezvous or
+    barrier timeout; with job retries under Slurm the job is requeued instead (78, or
+    Slurm's own requeue where the batch host went: tests/slurm). etcd keeps its store
+    (the matrix above), and so does steadfast's rendezvous on etcd (test_lost_nodes)."""
+    bed = bed_factory(2)
+    lost_timeout = 10
+    flags = [*job("2", backend="c10d"), "--ft-node-lost-timeout", str(lost_timeout)]
+    args = script(bed)
+    launches = [bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2")]
+    wait_epoch(bed, KILL_AT)
+    killed = time.time()
+    bed.do("kill", "node1")
+    codes = wait_all(launches[1:], timeout=lost_timeout + 60)
+    assert codes == {"node2": 75}, bed.logs()
+    survivor = launches[1]
+    assert survivor.ended is not None and survivor.ended - killed < lost_timeout + 5, bed.logs()
+    (end,) = bed.events("launcher_end", host="node2")
+    assert end["exit_code"] == 75
+    (isolated,) = bed.events("node_isolated", host="node2")
+    assert isolated["cause"] == "partition" and "rendezvous store" in isolated["how"]

@@ -238,7 +238,9 @@ def _launch_agent(argv: list[str], started: list[bool]) -> int:
         logger.error("steadfast launch: %s (exit %d)", exc, EXIT_JOB_END_HANG)
         return EXIT_JOB_END_HANG
     except (RendezvousConnectionError, RendezvousTimeoutError) as exc:
-        if agents and agents[-1].rounds > 0:  # the job ran: its store went with a node
+        if agents and (agents[-1].rounds > 0 or isinstance(exc, RendezvousConnectionError)):
+            # the store answered once (the agent exists only once the handler reached it:
+            # a spare waiting to join, or the job ran): it went with its node
             logger.error("steadfast launch: the rendezvous is out of reach: %s", exc)
             return _node_lost(split.ft.num_job_retries_on_failure)
         if isinstance(exc, RendezvousTimeoutError):  # the nodes never all came
