@@ -227,6 +227,32 @@ def test_a_plain_scripts_run_is_told_from_its_launchers(tmp_path: Path) -> None:
     assert plot_timeline(evs, tmp_path / "t.png").stat().st_size > 5000
 
 
+def test_a_launcher_with_no_end_is_named_and_no_end_is_claimed(tmp_path: Path) -> None:
+    """The run of issue 36 as its log told it: node4, the spare, never wrote its
+    workers' end nor its own while node1 and node3 ended. The report names node4's
+    launcher, with the time of its last event, says the end is unknown, and does not call
+    the generation node4 ran in succeeded (it said so, and "end 0.06 s")."""
+    log = _launcher_log(tmp_path)
+    lines = log.read_text().splitlines()
+    kept = [ln for ln in lines if not ('"node4"' in ln and ('"workers_exited"' in ln
+            or '"launcher_end"' in ln))]  # fmt: skip
+    assert len(kept) == len(lines) - 2
+    log.write_text("\n".join(kept) + "\n")
+    evs, problems = load_events(log)
+    report = compute_report(evs, problems)
+    view = report.launchers
+    assert view is not None
+    (running,) = view.running_launchers
+    assert (running.host, running.last) == ("node4", 22.5)  # its workers_started
+    assert [u.host for u in view.unended if u.lost] == ["node2"]
+    assert view.generations[1].outcome == "no end on node4"
+    text = format_report(report)
+    assert "end               unknown   NO END recorded for the launcher of node4 " in text
+    assert "(last event at 22.50 s)" in text
+    assert "last worker exit -> last launcher end" not in text
+    assert "node2: no end recorded, lost with the node" in text
+
+
 def test_a_hung_ranks_kill_is_one_fault_and_a_relaunched_launcher_starts_its_own_count(
     tmp_path: Path,
 ) -> None:
