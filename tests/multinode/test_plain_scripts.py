@@ -64,6 +64,11 @@ def wait_epoch(bed: Any, epoch: int, timeout: float = 90) -> None:
         time.sleep(0.05)
 
 
+def last_epoch(bed: Any) -> int:
+    """The last epoch any rank has written so far."""
+    return max((int(r["epoch"]) for r in trace(bed) if "epoch" in r), default=0)
+
+
 def wait_all(launches: list[Any], timeout: float = 150) -> dict[str, int]:
     """Every launcher's exit code, each end noted as it happens (polled together)."""
     end = time.monotonic() + timeout
@@ -122,9 +127,10 @@ def test_a_spare_replaces_a_killed_node_and_every_launcher_ends(
         bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2", "node3")
     ]
     wait_epoch(bed, 1)
-    if arrival == "before_the_loss":
+    if arrival == "before_the_loss":  # long before: waiting to join when node2 goes
         launches.append(bed.launch("node4", *flags, script=args, program=PLAIN))
-        wait_epoch(bed, KILL_AT)
+        bed.wait_event("launcher_start", host="node4")  # torch imported, joining next
+        wait_epoch(bed, min(last_epoch(bed) + 8, EPOCHS - 10))
         bed.do("kill", "node2")
     else:
         wait_epoch(bed, KILL_AT)
