@@ -23,6 +23,7 @@ Target: every launcher ends, <= 1 s after the last worker's exit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -148,11 +149,12 @@ def main() -> None:
                                        "steadfast:after"],
     )  # fmt: skip
     parser.add_argument("--baseline-runs", type=int, default=3)
+    parser.add_argument("--keep", help="keep every run's bed folder (logs, events) here")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("the bed needs root (network namespaces)")
     medians: dict[str, float | None] = {}
-    with tempfile.TemporaryDirectory() as d:
+    with contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory() as d:
         runs = 0
         for case in args.cases:
             backend, arrival = case.split(":")
