@@ -95,8 +95,10 @@ def assert_every_epoch_ran_and_launchers_ended(bed: Any, launches: list[Any]) ->
         assert late <= END_WITHIN, f"{lc.node}'s launcher ended {late:.1f}s after its worker"
 
 
-#: how many times each spare scenario runs (the issue's measure: PLAIN_REPEAT=20)
-REPEAT = int(os.environ.get("PLAIN_REPEAT", "1"))
+#: how many times each spare scenario runs: two by default, so that a 1-in-5 failure
+#: shows in a run of the suite about once in three (the four scenarios: 1 - 0.8^8);
+#: bench/bench_job_end_nodes.py measures 20 runs of each
+REPEAT = int(os.environ.get("PLAIN_REPEAT", "2"))
 
 
 def assert_every_launcher_left_the_barrier_together(bed: Any, hosts: list[str]) -> None:
