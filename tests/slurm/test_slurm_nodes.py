@@ -66,13 +66,21 @@ def _read(path: Path) -> list[dict[str, Any]]:
 class Job:
     """One ``steadfast slurm`` job of this module: its folders, its events, its record."""
 
-    def __init__(self, slurm: BedCluster, tmp_path: Path, *train: str, spares: int = 0) -> None:
+    def __init__(
+        self,
+        slurm: BedCluster,
+        tmp_path: Path,
+        *train: str,
+        spares: int = 0,
+        backend: str = "steadfast",
+    ) -> None:
         self.slurm, self.tmp = slurm, tmp_path
         self.run_dir = tmp_path / "run"
         script = tmp_path / "job.sbatch"
         cmd = [sys.executable, "-m", "steadfast.cli", "slurm", "--nodes=2"]
         cmd += [f"--nproc-per-node={PER_NODE}"]
         cmd += [f"--spare-nodes={spares}", "--max-restarts=3", "--run-dir", str(self.run_dir)]
+        cmd += [f"--rdzv-backend={backend}"]
         cmd += ["--job-name", tmp_path.name[:40], "--write", str(script)]
         cmd += [f"--launcher-arg={arg}" for arg in LAUNCHER]
         cmd += [str(TRAIN), "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "out.pt")]
@@ -207,15 +215,17 @@ def test_a_lost_node_requeues_the_job_away_from_it(
     assert set(summary["nodes"]) == {batch, other} | again | set(incs[2]["nodes"])
 
 
+@pytest.mark.parametrize("backend", ["steadfast", "c10d"])
 def test_the_first_node_lost_slurm_requeues_the_job_itself(
-    slurm_bed: BedCluster, tmp_path: Path, reference
+    slurm_bed: BedCluster, tmp_path: Path, reference, backend: str
 ):
-    """The batch host is powered off: the batch script, srun and the c10d store go with
-    it, and no launcher is left to requeue (the survivor is cut off from the store and its
-    peer at once). Slurm ends the job (NODE_FAIL) once the node is DOWN and requeues it
-    itself: the run resumes elsewhere from the last save. This is why a job without spares
-    is not --no-kill."""
-    job = Job(slurm_bed, tmp_path, "--step-sleep", "0.2")
+    """The batch host is powered off: the batch script, srun and the rendezvous store go
+    with it (steadfast's rendezvous, or torch's c10d: the store lives in the first node's
+    launcher either way), and no launcher is left to requeue (the survivor is cut off
+    from the store and its peer at once). Slurm ends the job (NODE_FAIL) once the node is
+    DOWN and requeues it itself: the run resumes elsewhere from the last save. This is
+    why a job without spares is not --no-kill."""
+    job = Job(slurm_bed, tmp_path, "--step-sleep", "0.2", backend=backend)
     batch, other = _training_nodes(job)
     job.wait_event("checkpoint_saved", step=6)
     slurm_bed.kill(batch)

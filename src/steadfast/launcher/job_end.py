@@ -23,7 +23,7 @@ from typing import Any
 from .. import events
 from .nodes import NodeRoster
 
-__all__ = ["exit_barrier", "hung_at_end"]
+__all__ = ["exit_barrier", "hung_at_end", "process_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +60,8 @@ def hung_at_end(
     ranks = []
     for w in running:
         rank, local = int(w.global_rank), int(w.local_rank)
-        logger.error(
-            "rank %d (local %d) still running %.1f s after another node finished its "
-            "workers (job_end_timeout=%g s): hung at the job's end; stopping it",
-            rank,
-            local,
-            overrun,
-            timeout,
-        )
+        pid = pids.get(local)
+        state, wchan = process_state(pid) if pid is not None else ("unknown", None)
         events.emit(
             "rank_hung",
             cause="job_end",
@@ -77,7 +71,40 @@ def hung_at_end(
             elapsed=round(overrun, 4),
             timeout=timeout,
             learned=False,
-            worker_pid=pids.get(local),
+            worker_pid=pid,
+            process=state,
+            wchan=wchan,
+        )
+        logger.error(
+            "rank %d (local %d, pid %s: %s%s) still running %.1f s after another node "
+            "finished its workers (job_end_timeout=%g s): hung at the job's end; stopping it",
+            rank,
+            local,
+            pid,
+            state,
+            f", waiting in {wchan}" if wchan else "",
+            overrun,
+            timeout,
         )
         ranks.append(rank)
     return sorted(ranks)
+
+
+def process_state(pid: int) -> tuple[str, str | None]:
+    """What process ``pid`` is doing, from ``/proc``: ``running`` (with the kernel
+    function it waits in, ``wchan``, where it sleeps), ``zombie`` (it exited and its
+    parent, the worker template, never reaped it: the launcher never learned its exit)
+    or ``gone`` (it exited and was reaped, and the launcher never learned it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return "gone", None
+    if state in ("Z", "X"):
+        return "zombie", None
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read().strip() or None
+    except OSError:
+        wchan = None
+    return "running", None if wchan in (None, "0") else wchan
