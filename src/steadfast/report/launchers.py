@@ -137,19 +137,24 @@ def as_list(value: object) -> list[Any]:
 
 
 def _unended(evs: list[ev.Event]) -> list[OpenLauncher]:
-    """Each launcher (host and pid) with a ``launcher_start`` and no ``launcher_end``."""
-    ended = {(e.get("host"), e.get("pid")) for e in evs if e.kind == ev.Kind.LAUNCHER_END}
+    """Each launcher (host and pid) with a ``launcher_start`` and no ``launcher_end``
+    (one pass over the log: a job of thousands of nodes writes millions of events)."""
+    last: dict[tuple[object, object], float] = {}
+    ended: set[tuple[object, object]] = set()
+    lost_at: dict[object, list[float]] = {}  # node -> when a node_lost named it
+    for e in evs:
+        key = (e.get("host"), e.get("pid"))
+        last[key] = max(last.get(key, e.time), e.time)
+        if e.kind == ev.Kind.LAUNCHER_END:
+            ended.add(key)
+        elif e.kind == ev.Kind.NODE_LOST:
+            lost_at.setdefault(e.get("node"), []).append(e.time)
     out = []
     for start in (e for e in evs if e.kind == ev.Kind.LAUNCHER_START):
         key = (start.get("host"), start.get("pid"))
-        if key in ended:
-            continue
-        last = max(e.time for e in evs if (e.get("host"), e.get("pid")) == key)
-        lost = any(
-            e.kind == ev.Kind.NODE_LOST and e.get("node") == key[0] and e.time >= start.time
-            for e in evs
-        )
-        out.append(OpenLauncher(str(key[0]), key[1], last, lost))
+        if key not in ended:
+            lost = any(t >= start.time for t in lost_at.get(key[0], ()))
+            out.append(OpenLauncher(str(key[0]), key[1], last[key], lost))
     return out
 
 
