@@ -248,7 +248,8 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "seconds": "from workers_started to the last exit",
     }),
     (Kind.EXIT_BARRIER, "this node's workers finished and its launcher left the exit barrier "
-     "(cause: all_finished, or timeout after job_end_timeout)", {
+     "(cause: all_finished; timeout, after job_end_timeout; or store_unreachable: the "
+     "store's host already gone)", {
         "nodes": "nodes in the round", "waited": "seconds it waited",
         "missing": "the nodes it did not hear finish (host names; 'node rank R' where it "
         "could not tell the host)", "lost": "nodes found lost meanwhile",

@@ -37,14 +37,15 @@ def exit_barrier(roster: NodeRoster, timeout: float, nodes: int) -> None:
     began = time.monotonic()
     try:
         missing, lost = roster.exit_barrier(timeout)
+        cause = "timeout" if missing else "all_finished"
     except SignalException:
         raise  # stopped while waiting: the launcher ends as the signal says
     except Exception as exc:  # the store's host already gone: nothing to keep alive
         logger.info("exit barrier: %s", exc)
-        missing, lost = [f"the round's store ({type(exc).__name__}: {exc})"], []
+        missing, lost, cause = [], [], f"store_unreachable: {type(exc).__name__}: {exc}"
     events.emit(
         "exit_barrier",
-        cause="timeout" if missing else "all_finished",
+        cause=cause,
         nodes=nodes,
         waited=round(time.monotonic() - began, 4),
         missing=missing,
