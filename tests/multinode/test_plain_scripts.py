@@ -297,25 +297,31 @@ def test_a_plain_script_survives_a_lost_node_with_a_spare(bed_factory, fault, ba
 
 def test_under_c10d_the_lost_store_host_ends_every_survivor_with_75(bed_factory):
     """Under torch's c10d rendezvous the store lives in the endpoint host's launcher
-    (node1): with that node lost there is no store left to form a round in. The expected
-    outcome, written down: every survivor exits 75 within node_lost_timeout of the loss
-    (a node cut off from its peer and the store at once), none waits out a rendezvous or
-    barrier timeout; with job retries under Slurm the job is requeued instead (78, or
-    Slurm's own requeue where the batch host went: tests/slurm). etcd keeps its store
-    (the matrix above), and so does steadfast's rendezvous on etcd (test_lost_nodes)."""
-    bed = bed_factory(2)
+    (node1): with that node lost there is no store left to form a round in, spare or
+    not. The expected outcome, written down: every survivor exits 75 within
+    node_lost_timeout of the loss: node2 cut off from its peer and the store at once,
+    and the spare node3, waiting to join, its store gone after it answered; none waits
+    out a rendezvous or barrier timeout. With job retries under Slurm the job is
+    requeued instead (78, or Slurm's own requeue where the batch host went:
+    tests/slurm). etcd keeps its store (the matrix above), and so does steadfast's
+    rendezvous on etcd (test_lost_nodes)."""
+    bed = bed_factory(3)
     lost_timeout = 10
     flags = [*job("2", backend="c10d"), "--ft-node-lost-timeout", str(lost_timeout)]
     args = script(bed)
     launches = [bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2")]
-    wait_epoch(bed, KILL_AT)
+    wait_epoch(bed, 0)
+    launches.append(bed.launch("node3", *flags, script=args, program=PLAIN))
+    bed.wait_event("launcher_start", host="node3")  # torch imported, joining next
+    wait_epoch(bed, min(last_epoch(bed) + 8, EPOCHS - 10))  # waiting to join by now
     killed = time.time()
     bed.do("kill", "node1")
-    codes = wait_all(launches[1:], timeout=lost_timeout + 60)
-    assert codes == {"node2": 75}, bed.logs()
-    survivor = launches[1]
-    assert survivor.ended is not None and survivor.ended - killed < lost_timeout + 5, bed.logs()
-    (end,) = bed.events("launcher_end", host="node2")
-    assert end["exit_code"] == 75
+    survivors = launches[1:]
+    codes = wait_all(survivors, timeout=lost_timeout + 60)
+    assert codes == {"node2": 75, "node3": 75}, bed.logs()
+    for lc in survivors:
+        assert lc.ended is not None and lc.ended - killed < lost_timeout + 5, (lc.node, bed.logs())
+    ends = {e["host"]: e["exit_code"] for e in bed.events("launcher_end")}
+    assert ends["node2"] == ends["node3"] == 75
     (isolated,) = bed.events("node_isolated", host="node2")
     assert isolated["cause"] == "partition" and "rendezvous store" in isolated["how"]
