@@ -176,8 +176,8 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "configured)", "local_rank": _WORKER["local_rank"],
         "worker_pid": _WORKER["worker_pid"],
         "process": "cause job_end: running, zombie or gone (the last two: it had exited "
-        "and the launcher never learned it)", "wchan": "cause job_end: the kernel "
-        "function a running one waits in",
+        "and the launcher never learned it), unknown without a pid",
+        "wchan": "cause job_end: the kernel function a running one waits in",
     }),
     (Kind.RANK_FAILED, "a worker failed: the first of its group to go down", {
         **_WORKER, "fault_id": "its fault_culprit, where the nodes agreed on it",

@@ -223,8 +223,7 @@ class FTAgent(LocalElasticAgent):
         exited = self.watcher.exit_times()
         running = [w for w in worker_group.workers if int(w.local_rank) not in exited]
         ranks = hung_at_end(running, pids, overrun, self.ft.job_end_timeout)
-        self.watcher.unwatch()
-        self._stop_workers(worker_group)
+        self._stop_workers(worker_group)  # unwatches them first
         if self.roster is not None:
             self.roster.finish()
         raise JobEndHangError(
@@ -394,12 +393,12 @@ class FTAgent(LocalElasticAgent):
         result: RunResult = super()._monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY and self.roster is not None:
             ended = self.roster.job_ended_at()
-            if ended is not None and time.monotonic() - ended > self.ft.job_end_timeout:
-                self._job_end_hang(worker_group, time.monotonic() - ended)
+            overrun = time.monotonic() - ended if ended is not None else 0.0
+            if overrun > self.ft.job_end_timeout:
+                self._job_end_hang(worker_group, overrun)
             lost, isolated = self.roster.losses(), self.roster.isolated()
             if lost or isolated:  # a collective with a dead peer may hang: stop them now
-                self.watcher.unwatch()
-                self._stop_workers(worker_group)
+                self._stop_workers(worker_group)  # unwatches them first
                 stops = _worker_stops(worker_group)
                 verdict = self._agree_loss(lost) if not isolated else None
                 if verdict is not None:
