@@ -194,6 +194,20 @@ class FaultToleranceConfig:
             interval seen.
         learned_timeout_floor: The least a learned timeout can be (seconds).
         learned_timeout_min_samples: Intervals seen before a learned timeout applies.
+        watch_progress: See a plain script's progress without a line of it
+            (steadfast's default; ``--ft-watch-progress false`` opts out): every worker
+            counts its optimizer steps and times its top module's forward into its row
+            of the heartbeat table, and the launcher takes a learned silence, confirmed
+            from ``/proc`` and the ranks' stacks, for a hang, names its culprit, logs
+            the steps and reports stragglers (steadfast.progress).
+        progress_startup_bound: How long every worker of the node may show no sign of
+            life (no CPU, no I/O, no stack moving) before its first step (seconds):
+            past it the start-up is taken for hung (a first step's bound is unknown).
+        progress_cap: The most a worker may go on without a step or a forward while
+            it moves (a livelock, an evaluation that never ends), in seconds, and the
+            most a node whose ranks all wait in collectives waits for another node to
+            name the culprit; at least ``learned_timeout_margin`` x 20 the longest
+            interval seen is allowed.
     """
 
     workload_check_interval: float = 5.0
@@ -220,6 +234,9 @@ class FaultToleranceConfig:
     learned_timeout_margin: float = 3.0
     learned_timeout_floor: float = 5.0
     learned_timeout_min_samples: int = 8
+    watch_progress: bool = True
+    progress_startup_bound: float = 300.0
+    progress_cap: float = 600.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -282,6 +299,10 @@ class FaultToleranceConfig:
                 p + "learned_timeout_floor", self.learned_timeout_floor, exclusive_minimum=0
             )
         )
+        self.watch_progress = _bool(p + "watch_progress", self.watch_progress)
+        for name in ("progress_startup_bound", "progress_cap"):
+            value = require_number(p + name, getattr(self, name), exclusive_minimum=0)
+            setattr(self, name, float(value))
         self.learned_timeout_min_samples = require_number(
             p + "learned_timeout_min_samples",
             self.learned_timeout_min_samples,

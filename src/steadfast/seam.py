@@ -47,6 +47,8 @@ Touch points and why each is needed:
   per worker); optional, a worker that needs it imports it itself.
 - :func:`option_actions`: argparse's option table of torchrun's parser, to know which of
   the launcher's flags take a value.
+- :func:`thread_frame`: the frame a thread runs now (``sys._current_frames``), for a
+  rank's stack read by steadfast.progress's thread while the main thread waits in C.
 - :func:`interpreter_exit`: what the interpreter does at exit (``threading._shutdown``
   then ``atexit._run_exitfuncs``), for a worker forked from the template that returns
   instead of exiting.
@@ -329,3 +331,12 @@ def interpreter_exit() -> None:
         threading._shutdown()  # type: ignore[attr-defined]
     with contextlib.suppress(Exception):
         atexit._run_exitfuncs()
+
+
+def thread_frame(ident: int) -> Any:
+    """The frame thread ``ident`` runs now (``sys._current_frames``, documented for
+    "internal and specialized purposes": a rank's stack read by a thread of steadfast
+    while its main thread waits in C), None if that thread is gone."""
+    import sys
+
+    return sys._current_frames().get(ident)

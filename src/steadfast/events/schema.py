@@ -47,6 +47,8 @@ class Kind(str, Enum):
     CHECKPOINT_DELETED = "checkpoint_deleted"
     CHECKPOINT_FENCED = "checkpoint_fenced"
     RANK_HUNG = "rank_hung"
+    HANG_CONFIRMED = "hang_confirmed"
+    STEPS_SEEN = "steps_seen"
     RANK_FAILED = "rank_failed"
     RANK_STOPPED = "rank_stopped"
     RESTART = "restart"
@@ -178,6 +180,24 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "process": "cause job_end: running, zombie or gone (the last two: it had exited "
         "and the launcher never learned it), unknown without a pid",
         "wchan": "cause job_end: the kernel function a running one waits in",
+    }),
+    (Kind.HANG_CONFIRMED, "a node's launcher confirmed a hang before ending a rank: what "
+     "its ranks showed through a window (cause: no_progress, startup, progress_cap, or the "
+     "timeout of a script's own heartbeat or section)", {
+        "culprit": "the global rank ended, null where no culprit could be told apart",
+        "where": "where the culprit was (a function, 'stopped (state T)', ...)",
+        "waiting": "{where: [global ranks]} of the ranks waiting in a collective",
+        "moving": "global ranks that moved (past the cap only)",
+        "stack": "the culprit's Python stack, outermost frame first",
+        "summary": "one line: who stopped where, where the others waited",
+    }),
+    (Kind.STEPS_SEEN, "iterations a node's launcher saw its lowest rank complete (a script "
+     "that reports no step_done of its own; steadfast.progress)", {
+        "local_rank": _WORKER["local_rank"], "worker_pid": _WORKER["worker_pid"],
+        "generation": "the launcher's generation", "first": "the iteration count of the "
+        "first one listed (1: the process's first)", "ends": "epoch seconds each ended",
+        "base": "the script's own index of iteration 1 (an optimizer's step count), null "
+        "where unknown",
     }),
     (Kind.RANK_FAILED, "a worker failed: the first of its group to go down", {
         **_WORKER, "fault_id": "its fault_culprit, where the nodes agreed on it",

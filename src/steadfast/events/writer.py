@@ -12,7 +12,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .schema import COMMON_FIELDS, EVENT_KINDS, EventLogError
@@ -124,6 +124,11 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+#: Called when this process emits ``step_done`` (steadfast.progress notes that the
+#: script counts its own steps, so that the launcher does not count them again).
+on_step_done: Callable[[], None] | None = None
+
+
 def emit(
     kind: str,
     *,
@@ -176,6 +181,8 @@ def emit(
     if len(line) > _MAX_LINE:
         raise EventLogError(f"event {kind!r} is {len(line)} bytes; the limit is {_MAX_LINE}")
     logger.debug("event %s", line)
+    if kind == "step_done" and on_step_done is not None:
+        on_step_done()
     path = _writer.path()
     if path is not None:
         data = (line + "\n").encode()

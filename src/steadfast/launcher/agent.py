@@ -57,6 +57,7 @@ from ..checkpoint.memory import MEMORY_DIR_ENV, MemoryDir
 from ..config import ConfigError, FaultToleranceConfig
 from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
 from ..monitor.learned import LEARNED_FILE, Learned, learn_bits
+from ..progress.probe import PROGRESS_ENV
 from .errors import JobEndHangError, NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
 from .failures import (
     describe,
@@ -135,7 +136,9 @@ class FTAgent(LocalElasticAgent):
         # as this launcher: they survive its workers' restarts, never the job
         self.memory_dir = MemoryDir()
         os.environ[MEMORY_DIR_ENV] = str(self.memory_dir.path)
-        self.watcher = Watcher(self.table, ft, global_rank=self._global_rank)
+        if ft.watch_progress:  # every worker's progress hooks (steadfast.progress)
+            os.environ[PROGRESS_ENV] = "1"
+        self.watcher = Watcher(self.table, ft, global_rank=self._global_rank, whole_job=nnodes == 1)
         self.watcher.start()
         # learned hang timeouts, kept beside the event log across job restarts
         self.learned = Learned(
@@ -162,7 +165,7 @@ class FTAgent(LocalElasticAgent):
             self.template.close()
         self.table.close()
         self.memory_dir.remove()
-        for name in (HB_TABLE_ENV, FT_CONFIG_ENV, MEMORY_DIR_ENV):
+        for name in (HB_TABLE_ENV, FT_CONFIG_ENV, MEMORY_DIR_ENV, PROGRESS_ENV):
             os.environ.pop(name, None)
 
     def _global_rank(self, local_rank: int) -> int:
@@ -307,13 +310,11 @@ class FTAgent(LocalElasticAgent):
                 learn=learn_bits(ft),
                 learned=self.learned.kinds,
             )
-        if self.template is not None:
-            from .template import template_start_processes
+        from .template import template_start_processes
 
-            # for this call, torch's agent starts script workers from the template
-            with seam.start_processes_from(template_start_processes(self.template)):
-                ids = super()._start_workers(worker_group)
-        else:
+        # for this call, torch's agent starts script workers from the template (or as
+        # plain processes with the progress hooks' boot)
+        with seam.start_processes_from(template_start_processes(self.template)):
             ids = super()._start_workers(worker_group)
         pcontext = seam.agent_pcontext(self)
         pids = {

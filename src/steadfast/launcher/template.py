@@ -100,6 +100,9 @@ def _run_child(request: dict[str, Any]) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    from ..progress.probe import install
+
+    install()  # the progress hooks, where the launcher asked for them
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isascii() and threads.isdigit() and int(threads) > 0:
         # what the template's OpenMP read at its import is what torchrun sets for the
@@ -478,10 +481,32 @@ def discard_prestarted() -> None:
 
 
 # ---------------------------------------------------------------------- torch's agent glue
-def template_start_processes(template: Template) -> Any:
+def with_progress_boot(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """torch's ``start_processes`` arguments with ``-m steadfast.progress.boot`` before
+    each Python worker's script, where progress is watched (workers started as plain
+    processes install the hooks that way)."""
+    from ..progress.probe import PROGRESS_ENV
+
+    if os.environ.get(PROGRESS_ENV) != "1" or kwargs.get("entrypoint") != sys.executable:
+        return kwargs
+    args = {}
+    for local, argv in kwargs["args"].items():
+        argv = [str(a) for a in argv]
+        parsed = parse_python_argv(argv)
+        if parsed is None:
+            args[local] = tuple(argv)
+            continue
+        kind, target, rest = parsed
+        flags = argv[: len(argv) - len(rest) - (2 if kind == "module" else 1)]
+        script = ["-m", target] if kind == "module" else [target]
+        args[local] = (*flags, "-m", "steadfast.progress.boot", *script, *rest)
+    return {**kwargs, "args": args}
+
+
+def template_start_processes(template: Template | None) -> Any:
     """A stand-in for torch's ``start_processes`` that forks script workers from
     ``template`` and falls back to torch's for anything else (a module of
-    :func:`steadfast.seam.start_processes_from`)."""
+    :func:`steadfast.seam.start_processes_from`), each worker with the progress hooks."""
     from torch.distributed.elastic.multiprocessing import start_processes as original
 
     from .. import seam
@@ -505,6 +530,7 @@ def template_start_processes(template: Template) -> Any:
                 argv = [str(a) for a in self.args[local_rank]]
                 out = self.stdouts[local_rank] or None
                 err = self.stderrs[local_rank] or None
+                assert template is not None
                 proc = template.spawn(argv, env, stdout=out, stderr=err)
                 handlers[local_rank] = _Handler(proc)
             self.subprocess_handlers = handlers
@@ -512,13 +538,14 @@ def template_start_processes(template: Template) -> Any:
     def start_processes(**kwargs: Any) -> Any:
         # torch's agent passes every argument by keyword
         usable = (
-            template.ready(600)  # else (a very slow import, a dead template): plain start
+            template is not None
+            and template.ready(600)  # else (a very slow import, a dead template): plain start
             and kwargs["entrypoint"] == sys.executable
             and kwargs.get("numa_options") is None
             and all(parse_python_argv([str(a) for a in argv]) for argv in kwargs["args"].values())
         )
         if not usable:
-            return original(**kwargs)
+            return original(**with_progress_boot(kwargs))
         # the start method and (absent) NUMA binding do not apply to forked workers
         context_args = {
             k: v for k, v in kwargs.items() if k not in ("start_method", "numa_options")

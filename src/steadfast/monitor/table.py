@@ -38,8 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
+from ..progress.layout import ASK_PREFIX as _ASK_PREFIX
+from ..progress.layout import ask_path
 
-__all__ = ["HB_TABLE_ENV", "HeartbeatTable", "RowSnapshot"]
+__all__ = ["HB_TABLE_ENV", "HeartbeatTable", "RowSnapshot", "ask_path"]
 
 HB_TABLE_ENV = "STEADFAST_HB_TABLE"
 
@@ -77,10 +79,14 @@ SLOTS = HB_SECTIONS + 1
 #: section slots a preload of learned names leaves free for the rank's own new sections
 _PRELOAD_FREE = 8
 NAME_BYTES = 48
-ROW_BYTES = 4096  # slots + names, one page per row: no false sharing between ranks
+#: the client's slots and names in the first page, the progress area (steadfast.progress:
+#: what a worker's hooks see without the script's help) in the second; whole pages per
+#: row, so no false sharing between ranks
+PROGRESS_OFFSET = 4096
+ROW_BYTES = 8192
 _NAMES_OFFSET = SLOTS * 8
 
-assert _NAMES_OFFSET + MAX_SECTIONS * NAME_BYTES <= ROW_BYTES
+assert _NAMES_OFFSET + MAX_SECTIONS * NAME_BYTES <= PROGRESS_OFFSET
 
 
 _TABLE_PREFIX = "steadfast-hb-"
@@ -113,8 +119,12 @@ def _remove_orphans(base: Path) -> None:
             os.close(fd)
         entry.unlink(missing_ok=True)
         wake_path(entry).unlink(missing_ok=True)
-    for fifo in base.glob(_WAKE_PREFIX + "*"):  # a wake channel whose table is gone
-        table = fifo.with_name(_TABLE_PREFIX + fifo.name.removeprefix(_WAKE_PREFIX))
+    for fifo in [*base.glob(_WAKE_PREFIX + "*"), *base.glob(_ASK_PREFIX + "*")]:
+        # a channel whose table is gone
+        name = fifo.name.removeprefix(_WAKE_PREFIX)
+        if fifo.name.startswith(_ASK_PREFIX):
+            name = fifo.name.removeprefix(_ASK_PREFIX).rsplit("-", 1)[0]
+        table = fifo.with_name(_TABLE_PREFIX + name)
         with contextlib.suppress(OSError):
             if not table.exists() and time.time() - fifo.lstat().st_mtime > _ORPHAN_AGE:
                 fifo.unlink()
@@ -189,6 +199,10 @@ class HeartbeatTable:
         self._slots: list[Any] = [
             self._view[r * ROW_BYTES : r * ROW_BYTES + _NAMES_OFFSET].cast("d") for r in range(rows)
         ]
+        self._progress: list[tuple[Any, memoryview]] = []
+        for r in range(rows):
+            area = self._view[r * ROW_BYTES + PROGRESS_OFFSET : (r + 1) * ROW_BYTES]
+            self._progress.append((area.cast("d"), area))
 
     # ------------------------------------------------------------------ life cycle
     @classmethod
@@ -207,6 +221,8 @@ class HeartbeatTable:
         table = cls(path, rows, owner=True)  # locked: another launcher's sweep spares it
         try:
             os.mkfifo(wake_path(path), 0o600)  # its table exists first, for the same reason
+            for row in range(rows):
+                os.mkfifo(ask_path(path, row), 0o600)
         except BaseException:
             table.close()
             raise
@@ -229,11 +245,17 @@ class HeartbeatTable:
         for slots in self._slots:
             slots.release()
         self._slots = []
+        for floats, area in self._progress:
+            floats.release()
+            area.release()
+        self._progress = []
         self._view.release()
         self._map.close()
         if self.owner:
             self.path.unlink(missing_ok=True)
             wake_path(self.path).unlink(missing_ok=True)
+            for row in range(self.rows):
+                ask_path(self.path, row).unlink(missing_ok=True)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -264,6 +286,11 @@ class HeartbeatTable:
             os.close(fd)
 
     # ------------------------------------------------------------------ writers
+    def progress_area(self, row: int) -> tuple[Any, memoryview]:
+        """``row``'s progress area (steadfast.progress lays it out): its float64 slots
+        and its bytes (the same memory), valid until :meth:`close`."""
+        return self._progress[row]
+
     def slots(self, row: int) -> Any:
         """The float64 slots of ``row`` (writers store into it directly)."""
         return self._slots[row]
@@ -292,6 +319,8 @@ class HeartbeatTable:
         """Empty ``row`` for a new worker, with the configured timeouts (launcher);
         ``learn``: the LEARN bits; ``learned``: what earlier generations learned, as
         ``(longest, count)`` under ``heartbeat``, ``out_of_section`` and ``section:<name>``."""
+        area = self._progress[row][1]
+        area[:] = bytes(len(area))  # a new worker's progress (steadfast.progress)
         with self.writing(row) as s:
             for i in range(1, SLOTS):
                 s[i] = 0.0

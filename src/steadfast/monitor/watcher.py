@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from .. import events
 from ..config import FaultToleranceConfig
+from ..progress.watch import ProgressWatch, record
 from .client import STACK_DUMP_SIGNAL
 from .learned import effective
 from .table import HeartbeatTable, RowSnapshot
@@ -160,6 +161,8 @@ class Watcher:
         cfg: Timeouts, termination signal, check interval and warm-up iterations.
         global_rank: Maps a local rank to its global rank (for events).
         on_hang: Called after a hang was handled (tests, the launcher's bookkeeping).
+        whole_job: This node holds every rank of the job (a hang with no culprit told
+            apart is then acted on at once; see steadfast.progress.watch).
     """
 
     def __init__(
@@ -168,9 +171,15 @@ class Watcher:
         cfg: FaultToleranceConfig,
         global_rank: Callable[[int], int] = lambda local: local,
         on_hang: Callable[[Hang], None] | None = None,
+        whole_job: bool = True,
     ) -> None:
         self.table = table
         self.cfg = cfg
+        #: the script's progress without its help (steadfast.progress), when watched;
+        #: ``whole_job``: this node holds every rank of the job
+        self.progress_watch = (
+            ProgressWatch(table, cfg, whole_job, global_rank) if cfg.watch_progress else None
+        )
         self.global_rank = global_rank
         self.on_hang = on_hang
         self._lock = threading.Lock()
@@ -200,6 +209,8 @@ class Watcher:
             self._poll.register(fd, select.POLLIN)
         self._thread = threading.Thread(target=self._run, name="steadfast-watcher", daemon=True)
         self._thread.start()
+        if self.progress_watch is not None:
+            self.progress_watch.reporter.start()
 
     def stop(self) -> None:
         """Stop the watcher thread, wait for it, and close its descriptors."""
@@ -209,6 +220,8 @@ class Watcher:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.progress_watch is not None:
+            self.progress_watch.reporter.stop()
         for ending in self._ending:  # hung ranks not yet gone: as a stopped watcher would
             if _running(ending.pid):
                 _signal_group(ending.pid, signal.SIGKILL)
@@ -238,6 +251,8 @@ class Watcher:
             self._handled = set()
             self._exits = {}
             self._hung = {}
+        if self.progress_watch is not None:
+            self.progress_watch.new_generation(dict(pids))
         self._kick()
 
     def unwatch(self) -> None:
@@ -245,6 +260,8 @@ class Watcher:
         with self._lock:
             self._pids = {}
             self._generation += 1
+        if self.progress_watch is not None:
+            self.progress_watch.reporter.unwatch()
         self._kick()
 
     def exit_times(self) -> dict[int, float]:
@@ -293,19 +310,62 @@ class Watcher:
                 snap, learned = effective(self.table.snapshot(local), self.cfg)
                 if snap.closed:
                     continue
-                deadline, what, since, timeout = next_deadline(
-                    snap, started, self.cfg.num_warmup_iterations
-                )
+                plain = self._plain(snap, local, pid)
+                deadline, what, since, timeout = self._bound(snap, local, started, plain)
                 if deadline <= now:
-                    hang = Hang(local, what, now - since, timeout, what in learned)
-                    self._detect(hang, pid, snap.pid == pid)
-                    continue
+                    hang = Hang(local, what, now - since, timeout, plain or what in learned)
+                    if self.progress_watch is None:
+                        self._detect(hang, pid, snap.pid == pid)
+                        continue
+                    self._judge(hang, pids, started, explicit=not plain)
+                    break  # what is handled changed: read again
                 # a deadline that starts after this read ends no sooner than this
                 soonest = min(soonest, deadline, now + shortest_timeout(snap))
-                if snap.learn:  # a learned timeout may become ready before the next read
+                if snap.learn or plain:  # a learned bound may become ready before then
                     soonest = min(soonest, now + self.cfg.learned_timeout_floor)
             soonest = min(soonest, self._terminate(time.monotonic()))
             self._sleep(soonest - time.monotonic() + 0.0005)
+
+    def _plain(self, snap: RowSnapshot, local: int, pid: int) -> bool:
+        """Whether ``local``'s progress is judged from the script's own progress (no
+        client attached, the progress hooks in)."""
+        return (
+            self.progress_watch is not None
+            and snap.pid != pid
+            and self.progress_watch.attached(local, pid)
+        )
+
+    def _bound(
+        self, snap: RowSnapshot, local: int, started: float, plain: bool
+    ) -> tuple[float, str, float, float]:
+        if plain:
+            assert self.progress_watch is not None
+            return self.progress_watch.deadline(local, started)
+        return next_deadline(snap, started, self.cfg.num_warmup_iterations)
+
+    def _judge(self, hang: Hang, pids: Mapping[int, int], started: float, explicit: bool) -> None:
+        """A bound passed: look at every rank before acting, and act on the culprit."""
+        assert self.progress_watch is not None
+        since = time.monotonic() - hang.elapsed
+        decision = self.progress_watch.decide(
+            dict(pids), hang.local_rank, hang.what, since, explicit
+        )
+        if decision is None:
+            return
+        local = decision.local if decision.local is not None else min(pids)
+        if local != hang.local_rank:  # the culprit's own account of its silence
+            snap, learned = effective(self.table.snapshot(local), self.cfg)
+            plain = self._plain(snap, local, pids[local])
+            _, what, since, timeout = self._bound(snap, local, started, plain)
+            hang = Hang(local, what, time.monotonic() - since, timeout, plain or what in learned)
+        if decision.cause == "progress_cap":
+            hang = Hang(hang.local_rank, "progress_cap", hang.elapsed, self.cfg.progress_cap)
+        record(decision, self.global_rank)
+        with self._lock:  # one fault: the others wait for the culprit, and go with it
+            if self._pids == pids:
+                self._handled |= {other for other in pids if other != local}
+        snap = self.table.snapshot(local)
+        self._detect(hang, pids[local], snap.pid == pids[local])
 
     def _follow(self, pids: Mapping[int, int], generation: int) -> None:
         """Hold a pidfd of each worker of a new generation (closing the old ones)."""

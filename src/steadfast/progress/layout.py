@@ -1,0 +1,113 @@
+"""The progress area of a heartbeat-table row: what a worker's hooks write (steps, marks,
+forward times, the stack its thread sampled) and the launcher reads.
+
+The area is the row's second page (:data:`steadfast.monitor.table.PROGRESS_OFFSET`):
+float64 slots, two rings (step end times, forward durations) and a text area for the
+sampled stack. One writer per slot: the worker writes everything but :data:`ASK`, which
+the launcher writes. The hot path writes plain slots in an order a reader can rely on
+(a ring entry before the count that publishes it), so it needs no lock.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ASK_PREFIX", "Progress", "ask_path", "read", "read_stack"]
+
+ASK_PREFIX = "steadfast-hbask-"
+_TABLE_PREFIX = "steadfast-hb-"
+
+
+def ask_path(table: str | os.PathLike[str], row: int) -> Path:
+    """Row ``row``'s ask channel (a FIFO beside the heartbeat table, made with it): the
+    launcher writes a byte to it to have the rank's progress thread sample its stack."""
+    path = Path(table)
+    return path.with_name(f"{ASK_PREFIX}{path.name.removeprefix(_TABLE_PREFIX)}-{row}")
+
+
+PID = 0  # the worker's pid once its hooks are in (0: none)
+STEPS = 1  # iterations counted
+MARK = 2  # monotonic time of the last sign of progress (a step, a forward's start or end)
+FIRST_STEP = 3  # monotonic time the first iteration ended
+LAST_STEP = 4  # monotonic time the last iteration ended
+LONGEST = 5  # the longest interval between two marks after the first iteration
+INTERVALS = 6  # intervals counted in LONGEST
+FORWARDS = 7  # forward durations published into FWD_RING
+FLAGS = 8  # FLAG_* bits
+STEP_BASE = 9  # 1 + the script's own index of iteration 1 (an optimizer's step count); 0: unknown
+ASK = 10  # the launcher's stack requests (it increments; the worker's thread answers)
+ANSWER = 11  # the request the stack in the text area answers
+ANSWER_AT = 12  # monotonic time of that sample
+TEXT_LEN = 13  # bytes of the stack text
+STEP_RING = 16  # STEP_RING + (n % RING): the monotonic end of iteration n
+RING = 64
+FWD_RING = STEP_RING + RING  # FWD_RING + (n % RING): the n-th forward's seconds
+TEXT_OFFSET = 2048  # bytes: the stack text, frames outermost first, one per line
+TEXT_BYTES = 2048
+
+FLAG_CUDA = 1  # the top module's parameters are on a CUDA device
+FLAG_OWN_STEPS = 2  # the script emits its own step_done: its steps are its own
+FLAG_DDP = 4  # the top module is DistributedDataParallel's (its backward holds collectives)
+FLAG_FORWARD_STEPS = 8  # no optimizer step seen outside compiled code: forwards are counted
+FLAG_TOP = 16  # the top module is found and hooked
+
+assert FWD_RING + RING <= TEXT_OFFSET // 8
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One read of a row's progress area."""
+
+    pid: int
+    steps: int
+    mark: float
+    first_step: float
+    last_step: float
+    longest: float
+    intervals: int
+    forwards: int
+    flags: int
+    step_base: int | None
+
+    @property
+    def attached(self) -> bool:
+        return self.pid > 0
+
+
+def read(slots: Any) -> Progress:
+    """A read of the slots (no lock: each slot is one aligned store)."""
+    base = slots[STEP_BASE]
+    return Progress(
+        pid=int(slots[PID]),
+        steps=int(slots[STEPS]),
+        mark=slots[MARK],
+        first_step=slots[FIRST_STEP],
+        last_step=slots[LAST_STEP],
+        longest=slots[LONGEST],
+        intervals=int(slots[INTERVALS]),
+        forwards=int(slots[FORWARDS]),
+        flags=int(slots[FLAGS]),
+        step_base=int(base) - 1 if base > 0 and math.isfinite(base) else None,
+    )
+
+
+def step_times(slots: Any, after: int, upto: int) -> list[tuple[int, float]]:
+    """``(n, monotonic end)`` of iterations ``after+1 .. upto`` still in the ring."""
+    first = max(after + 1, upto - RING + 1, 1)
+    return [(n, slots[STEP_RING + n % RING]) for n in range(first, upto + 1)]
+
+
+def forward_times(slots: Any, after: int, upto: int) -> list[float]:
+    """The forward durations ``after+1 .. upto`` still in the ring."""
+    first = max(after + 1, upto - RING + 1, 1)
+    return [slots[FWD_RING + n % RING] for n in range(first, upto + 1)]
+
+
+def read_stack(slots: Any, text: memoryview) -> str:
+    """The stack text of the last answer."""
+    n = max(0, min(int(slots[TEXT_LEN]), TEXT_BYTES))
+    return bytes(text[TEXT_OFFSET : TEXT_OFFSET + n]).decode(errors="replace")

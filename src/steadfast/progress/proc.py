@@ -1,0 +1,88 @@
+"""What ``/proc`` says of a worker, for the launcher's confirmation of a hang: the
+process state, its main thread's CPU time and I/O, and the CPU time of its children (a
+DataLoader's workers)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["ProcSample", "sample"]
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class ProcSample:
+    """One read of a worker: ``state`` is ``/proc``'s letter (``R`` running, ``S``
+    sleeping, ``D`` uninterruptible I/O, ``T``/``t`` stopped, ``Z`` zombie, ``?`` gone);
+    ``cpu``: its main thread's user+system seconds; ``io``: the bytes its main thread
+    read and wrote (every ``read``/``write``, storage or not); ``children_cpu``: its
+    children's user+system seconds, their own children included."""
+
+    state: str
+    cpu: float
+    io: int
+    children_cpu: float
+    wchan: str = ""
+
+
+def _stat(path: str) -> tuple[str, float] | None:
+    try:
+        with open(path, "rb") as fh:
+            fields = fh.read().decode().rsplit(")", 1)[1].split()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
+    # after the name: state (3), ... utime (14), stime (15)
+    return fields[0], (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _io(path: str) -> int:
+    total = 0
+    try:
+        with open(path) as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key in ("rchar", "wchar"):
+                    total += int(value)
+    except (OSError, ValueError):
+        return 0
+    return total
+
+
+def _children(pid: int, depth: int = 2) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                kids = [int(x) for x in fh.read().split()]
+        except (OSError, ValueError):
+            continue
+        for kid in kids:
+            out.append(kid)
+            if depth > 1:
+                out.extend(_children(kid, depth - 1))
+    return out
+
+
+def sample(pid: int) -> ProcSample:
+    """A read of worker ``pid`` (state ``?`` where it is gone)."""
+    main = _stat(f"/proc/{pid}/task/{pid}/stat")
+    if main is None:
+        return ProcSample("?", 0.0, 0, 0.0)
+    children = 0.0
+    for kid in _children(pid):
+        stat = _stat(f"/proc/{kid}/stat")
+        if stat is not None:
+            children += stat[1]
+    wchan = ""
+    try:
+        with open(f"/proc/{pid}/wchan") as fh:
+            wchan = fh.read().strip()
+    except OSError:
+        pass
+    return ProcSample(main[0], main[1], _io(f"/proc/{pid}/task/{pid}/io"), children, wchan)
