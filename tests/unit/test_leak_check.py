@@ -11,7 +11,7 @@ import pytest
 
 from sfharness import shm_entries, shm_leaks
 from steadfast.monitor import HeartbeatTable
-from steadfast.monitor.table import wake_path
+from steadfast.monitor.table import ask_path, wake_path
 
 SHM = Path("/dev/shm")
 pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm here")
@@ -21,8 +21,9 @@ def test_a_table_left_open_is_a_leak() -> None:
     before = shm_entries()
     table = HeartbeatTable.create(rows=1)
     try:
-        wake = wake_path(table.path).name  # its wake channel
-        assert shm_leaks(before, {os.getpid()}) == {table.path.name, wake}
+        wake = wake_path(table.path).name  # its wake channel, and its row's ask channel
+        ask = ask_path(table.path, 0).name
+        assert shm_leaks(before, {os.getpid()}) == {table.path.name, wake, ask}
     finally:
         table.close()
     assert shm_leaks(before, {os.getpid()}) == set()

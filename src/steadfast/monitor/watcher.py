@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 #: How long a hung rank gets to write its stacks before it is terminated.
 STACK_DUMP_GRACE = 0.1
+#: How long the other ranks of a hang may outlive its culprit before each is judged on
+#: its own (they waited for it in a collective: its end ends them within milliseconds).
+HELD_GRACE = 1.0
 
 
 @dataclass
@@ -188,6 +191,8 @@ class Watcher:
         self._started = 0.0
         self._handled: set[int] = set()
         self._exits: dict[int, float] = {}  # local rank -> monotonic time it exited
+        # local rank -> (the pid of the culprit it waits for, until when; inf: it runs)
+        self._held: dict[int, tuple[int, float]] = {}
         # local rank -> (what timed out, epoch time of its last sign of life)
         self._hung: dict[int, tuple[str, float]] = {}
         # pidfd -> (local rank, generation), the watcher thread's
@@ -251,6 +256,7 @@ class Watcher:
             self._handled = set()
             self._exits = {}
             self._hung = {}
+            self._held = {}
         if self.progress_watch is not None:
             self.progress_watch.new_generation(dict(pids))
         self._kick()
@@ -307,6 +313,10 @@ class Watcher:
             for local, pid in pids.items():
                 if local in handled or local >= self.table.rows:
                     continue
+                held = self._hold(local, now)
+                if held is not None:  # the culprit of its hang is being ended
+                    soonest = min(soonest, held)
+                    continue
                 snap, learned = effective(self.table.snapshot(local), self.cfg)
                 if snap.closed:
                     continue
@@ -325,6 +335,23 @@ class Watcher:
                     soonest = min(soonest, now + self.cfg.learned_timeout_floor)
             soonest = min(soonest, self._terminate(time.monotonic()))
             self._sleep(soonest - time.monotonic() + 0.0005)
+
+    def _hold(self, local: int, now: float) -> float | None:
+        """Until when ``local`` waits for the culprit it waited for to be gone (inf while
+        the culprit runs: its exit wakes the watcher); None: judged on its own. A rank
+        the culprit's end does not take down within HELD_GRACE is judged on its own."""
+        with self._lock:
+            held = self._held.get(local)
+            if held is None:
+                return None
+            culprit, until = held
+            if math.isinf(until) and not _running(culprit):
+                until = now + HELD_GRACE
+                self._held[local] = (culprit, until)
+            if now < until:
+                return until
+            del self._held[local]
+            return None
 
     def _plain(self, snap: RowSnapshot, local: int, pid: int) -> bool:
         """Whether ``local``'s progress is judged from the script's own progress (no
@@ -345,11 +372,15 @@ class Watcher:
 
     def _judge(self, hang: Hang, pids: Mapping[int, int], started: float, explicit: bool) -> None:
         """A bound passed: look at every rank before acting, and act on the culprit."""
-        assert self.progress_watch is not None
+        watch = self.progress_watch
+        assert watch is not None
+        if not _running(pids[hang.local_rank]):  # it exited (the agent will see it)
+            with self._lock:
+                if self._pids == pids:
+                    self._handled.add(hang.local_rank)
+            return
         since = time.monotonic() - hang.elapsed
-        decision = self.progress_watch.decide(
-            dict(pids), hang.local_rank, hang.what, since, explicit
-        )
+        decision = watch.decide(dict(pids), hang.local_rank, hang.what, since, explicit)
         if decision is None:
             return
         local = decision.local if decision.local is not None else min(pids)
@@ -363,7 +394,7 @@ class Watcher:
         record(decision, self.global_rank)
         with self._lock:  # one fault: the others wait for the culprit, and go with it
             if self._pids == pids:
-                self._handled |= {other for other in pids if other != local}
+                self._held = {other: (pids[local], math.inf) for other in pids if other != local}
         snap = self.table.snapshot(local)
         self._detect(hang, pids[local], snap.pid == pids[local])
 

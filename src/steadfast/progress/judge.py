@@ -75,7 +75,7 @@ class Look:
     pid: int
     state: str
     moved: list[str]  # what moved: progress, io, stack, cpu, children
-    answered: bool
+    answered: bool | None  # None: it has no progress thread to ask (no hooks in)
     stack: str
     where: str
     waiting: bool
@@ -84,7 +84,7 @@ class Look:
     @property
     def stuck(self) -> bool:
         """It cannot answer: stopped, in uninterruptible I/O, or holding the GIL."""
-        return self.state in ("T", "t", "D") or (not self.answered and self.state != "?")
+        return self.state in ("T", "t", "D") or (self.answered is False and self.state != "?")
 
     @property
     def place(self) -> str:
@@ -92,7 +92,7 @@ class Look:
             return "stopped (state T)"
         if self.state == "D":
             return f"uninterruptible I/O ({self.wchan or 'unknown'})"
-        if not self.answered:
+        if self.answered is False:
             return "no answer (its main thread holds the GIL)"
         return self.where
 
@@ -134,11 +134,14 @@ class Judge:
     def __init__(self, rows: dict[int, tuple[Any, Any, str]]) -> None:
         self.rows = rows
 
-    def _samples(self, pids: dict[int, int]) -> dict[int, tuple[ProcSample, Progress, str | None]]:
+    def _samples(
+        self, pids: dict[int, int]
+    ) -> dict[int, tuple[ProcSample, Progress, str | None, bool | None]]:
         procs = {local: sample(pid) for local, pid in pids.items()}
         asked: dict[int, float] = {}
+        hooked = {local for local, pid in pids.items() if read(self.rows[local][0]).pid == pid}
         for local, proc in procs.items():
-            if proc.state not in ("T", "t", "D", "Z", "?"):
+            if local in hooked and proc.state not in ("T", "t", "D", "Z", "?"):
                 slots, _, fifo = self.rows[local]
                 number = _ask(slots, fifo)
                 if number is not None:
@@ -153,19 +156,24 @@ class Judge:
             slots, area, _ = self.rows[local]
             n = asked.get(local)
             stack = read_stack(slots, area) if n is not None and slots[ANSWER] >= n else None
-            out[local] = (proc, read(slots), stack)
+            answered = None if local not in hooked else stack is not None
+            out[local] = (proc, read(slots), stack, answered)
         return out
 
     def look(self, pids: dict[int, int], window: float = WINDOW) -> Verdict:
-        """Watch every rank for ``window`` seconds; the verdict."""
+        """Watch every rank for ``window`` seconds (0: one sample, where each is); the
+        verdict."""
         begun = time.monotonic()
         first = self._samples(pids)
-        time.sleep(max(0.0, begun + window - ANSWER_WAIT - time.monotonic()))
-        second = self._samples(pids)
+        if window > 0:
+            time.sleep(max(0.0, begun + window - ANSWER_WAIT - time.monotonic()))
+            second = self._samples(pids)
+        else:  # where the ranks are, not whether they move: one sample
+            second = first
         span = max(time.monotonic() - begun, 1e-3)
         looks = []
         for local, pid in pids.items():
-            (p1, g1, s1), (p2, g2, s2) = first[local], second[local]
+            (p1, g1, s1, _), (p2, g2, s2, answered) = first[local], second[local]
             moved = []
             if (g2.mark, g2.steps) != (g1.mark, g1.steps):
                 moved.append("progress")
@@ -186,7 +194,7 @@ class Judge:
                     pid,
                     p2.state,
                     moved,
-                    s2 is not None,
+                    answered,
                     s2 or s1 or "",
                     where,
                     waiting,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from .. import events
 from ..config import FaultToleranceConfig
-from .judge import Judge, Verdict
+from .judge import Judge, Verdict, culprit
 from .layout import ask_path, read
 from .reporter import Reporter
 
@@ -112,12 +112,15 @@ class ProgressWatch:
     ) -> Decision | None:
         """A bound of ``local`` passed: look at every rank; the hang to act on, or None
         (something moves, or the culprit may be another node's)."""
+        if explicit:  # a timeout of the script's own heartbeats or sections: NVRx's
+            # contract, acted on at once; the look only says where each rank is
+            verdict = self.judge.look(pids, window=0.0)
+            verdict.culprit = culprit(verdict.looks)
+            chosen = verdict.culprit.local if verdict.culprit is not None else local
+            return Decision(chosen, verdict, what)
         verdict = self.judge.look(pids)
         now = time.monotonic()
         past_cap = now - since >= self.cfg.progress_cap
-        if explicit:  # a timeout the user set (or a client's): NVRx's contract, acted on
-            culprit = verdict.culprit.local if verdict.culprit is not None else local
-            return Decision(culprit, verdict, what)
         if verdict.moving and not past_cap:
             self._postpone(pids, now)
             return None
