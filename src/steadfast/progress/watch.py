@@ -128,8 +128,8 @@ class ProgressWatch:
             return Decision(verdict.culprit.local, verdict, what)
         if past_cap:
             livelock = [look for look in verdict.moving if not look.waiting]
-            chosen = min(livelock, key=lambda look: look.local).local if livelock else None
-            return Decision(chosen, verdict, "progress_cap")
+            spinning = min(livelock, key=lambda look: look.local).local if livelock else None
+            return Decision(spinning, verdict, "progress_cap")
         if self.whole_job:
             return Decision(None, verdict, what)
         if not self._waiting_logged:
