@@ -55,8 +55,9 @@ def format_report(report: GoodputReport, title: str = "") -> str:
         for cause in BADPUT_CAUSES:
             value = report.badput.get(cause, 0.0)
             lines.append(f"    {cause:<16} {value:8.2f} s  {100 * value / wall:5.1f} %")
+        redone = "unknown" if report.steps_redone is None else report.steps_redone
         lines.append(
-            f"  steps kept {report.steps_done}, re-done {report.steps_redone}; "
+            f"  steps kept {report.steps_done}, re-done {redone}; "
             f"{report.generations} process generations, {report.restarts} in-job restarts"
             + (f", {report.requeues} Slurm requeues or resubmissions" if report.requeues else "")
         )
@@ -167,6 +168,8 @@ def _faults_seen(view: LauncherView) -> list[str]:
             f"{f.cause[:24]:<24} {_secs(f.detection_latency):>9} "
             f"{_secs(f.next_generation):>9} {_secs(f.cost):>9}  {','.join(f.replaced_by) or '-'}"
         )
+        if f.summary:
+            lines.append(f"      {f.summary}")
     return lines
 
 

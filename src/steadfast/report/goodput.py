@@ -41,6 +41,7 @@ from typing import Any
 from .. import events as ev
 from ..faults import FaultKind
 from .launchers import LauncherView, launcher_view
+from .steps import seen_steps
 
 __all__ = [
     "BADPUT_CAUSES",
@@ -108,7 +109,9 @@ class GoodputReport:
     badput: dict[str, float]
     faults: list[FaultRecord]
     steps_done: int
-    steps_redone: int
+    #: None where the script's own step index is unknown (steps seen by the launchers
+    #: of a script whose optimizer keeps no step count)
+    steps_redone: int | None
     generations: int
     restarts: int
     problems: list[str] = field(default_factory=list)
@@ -207,6 +210,10 @@ def compute_report(
     rank = _step_rank(evs)
     mine = [e for e in evs if e.rank == rank] if rank is not None else []
     steps = [e for e in mine if e.kind == ev.Kind.STEP_DONE and e.step is not None]
+    redone_known, seen = True, False
+    if rank is None:  # a script that reports no steps: the ones its launchers saw
+        steps, redone_known = seen_steps(evs)
+        seen = bool(steps)
     starts = [e for e in mine if e.kind == ev.Kind.JOB_START]
     view = launcher_view(evs)
     t0 = min([evs[0].time, *[_began(e) for e in starts], *([view.start] if view else [])])
@@ -226,7 +233,9 @@ def compute_report(
         if i not in kept:
             badput["wasted_progress"] += s
         elif median > 0 and s > slow_factor * median:
-            badput["straggling"] += s - median
+            # a seen step's time runs from the step before: it holds what the script did
+            # between them (an evaluation, a save), left to "other"
+            badput["straggling"] += 0.0 if seen else s - median
             productive += median
         else:
             productive += s
@@ -292,7 +301,7 @@ def compute_report(
         badput=badput,
         faults=faults,
         steps_done=len(last_run),
-        steps_redone=len(steps) - len(kept),
+        steps_redone=len(steps) - len(kept) if redone_known else None,
         generations=generations,
         restarts=restarts,
         problems=list(problems or []),

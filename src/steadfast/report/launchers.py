@@ -69,6 +69,8 @@ class ObservedFault:
     next_generation: float | None = None  # detection -> the next generation running
     replaced_by: list[str] = field(default_factory=list)  # nodes that joined in its place
     fault_id: str | None = None  # the nodes' agreed verdict it is (fault_culprit), if any
+    #: a hang's confirmation in one line: who stopped where, where the others waited
+    summary: str | None = None
 
     @property
     def cost(self) -> float | None:
@@ -312,6 +314,7 @@ def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
     elsewhere (one node, an older log) each detection event."""
     out = _culprits(evs)
     folded = _folded(evs)
+    confirmed = [e for e in evs if e.kind == ev.Kind.HANG_CONFIRMED]
     hung: set[tuple[object, object]] = set()  # (node, rank) found hung this generation
     for e in evs:
         if e.kind == ev.Kind.WORKERS_STARTED:
@@ -345,6 +348,7 @@ def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
         )
     out.sort(key=lambda f: f.time)
     for f in out:
+        f.summary = _hang_summary(confirmed, f)
         later = [g for g in gens if g.start > f.time]
         if later:
             f.next_generation = later[0].start - f.time
@@ -359,6 +363,24 @@ def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
                 }
             )
     return out
+
+
+def _hang_summary(confirmed: list[ev.Event], fault: ObservedFault) -> str | None:
+    """The one line of the hang confirmation behind ``fault`` (on its node, its rank the
+    culprit, or none told apart there), with the culprit's node named."""
+    if fault.what not in ("rank hung", "rank failed"):
+        return None
+    for e in confirmed:
+        culprit = e.get("culprit")
+        if e.get("host") != fault.node or abs(e.time - fault.time) > 30.0:
+            continue
+        if culprit is not None and culprit != fault.rank:
+            continue
+        summary = str(e.get("summary") or "")
+        if culprit is not None:
+            summary = summary.replace(f"rank {culprit} ", f"rank {culprit} ({fault.node}) ", 1)
+        return summary or None
+    return None
 
 
 def launcher_view(evs: list[ev.Event]) -> LauncherView | None:
