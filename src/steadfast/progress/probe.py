@@ -80,6 +80,8 @@ _SEARCH_CALLS = 10_000
 _MAX_FRAMES = 48
 
 _installed: Probe | None = None
+#: frames from here outwards are steadfast's (the template, the boot), not the script's
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def install() -> Probe | None:
@@ -106,12 +108,14 @@ def install() -> Probe | None:
 
 
 def format_stack(frame: Any) -> str:
-    """``file:line qualname`` per frame, outermost first (at most the innermost
-    ``_MAX_FRAMES``)."""
+    """``file:line qualname`` per frame, outermost first, from the script's own module
+    inwards (at most the innermost ``_MAX_FRAMES``)."""
     lines: deque[str] = deque(maxlen=_MAX_FRAMES)
     inner = []
     while frame is not None:
         code = frame.f_code
+        if code.co_filename.startswith(_OURS) or "runpy" in code.co_filename:
+            break  # the worker template's or the boot's frames: not the script's
         inner.append(
             f"{code.co_filename}:{frame.f_lineno} {getattr(code, 'co_qualname', code.co_name)}"
         )

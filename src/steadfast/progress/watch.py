@@ -122,6 +122,13 @@ class ProgressWatch:
         now = time.monotonic()
         past_cap = now - since >= self.cfg.progress_cap
         if verdict.moving and not past_cap:
+            logger.info(
+                "rank(s) silent past their bound (%s), but moving: %s",
+                what,
+                "; ".join(
+                    f"local {look.local}: {', '.join(look.moved)}" for look in verdict.moving
+                ),
+            )
             self._postpone(pids, now)
             return None
         if verdict.culprit is not None:

@@ -1,0 +1,229 @@
+"""Your script, unchanged (issue 37): ``steadfast launch`` with no ``--ft-*`` flag and no
+config file, on a torchrun script that imports nothing of steadfast
+(``unchanged_train.py``: DDP, Adam, a DataLoader, its own snapshot), gets hang detection
+with a named culprit, steps and goodput, and stragglers.
+
+Each fault test checks the detection (``hang_confirmed`` and ``rank_hung`` naming the
+rank, within 10 s of the fault), the recovery (an in-job restart from the script's own
+snapshot, exit 0) and the final parameters against the fault-free run bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sfharness import assert_bit_exact, assert_none_left, launch_run
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "unchanged_train.py"
+STEPS = "40"
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+@pytest.fixture(autouse=True)
+def no_worker_outlives_its_launcher(tmp_path: Path):
+    yield
+    assert_none_left(str(tmp_path))
+
+
+def script_args(workdir: Path, *extra: str) -> list[str]:
+    return [
+        str(SCRIPT), "--out", str(workdir / "out.pt"), "--snapshot", str(workdir / "snap.pt"),
+        "--trace", str(workdir / "trace"), *extra,
+    ]  # fmt: skip
+
+
+def launch(workdir: Path, *extra: str, nproc: int = 2) -> tuple[int, list[dict[str, Any]]]:
+    return launch_run(
+        workdir, f"--nproc-per-node={nproc}", "--max-restarts=2", *script_args(workdir, *extra)
+    )
+
+
+def kinds(evs: list[dict[str, Any]], kind: str, **match: Any) -> list[dict[str, Any]]:
+    return [e for e in evs if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())]
+
+
+def trace_times(workdir: Path, word: str) -> list[float]:
+    lines = (workdir / "trace").read_text().splitlines()
+    return [float(line.split()[1]) for line in lines if line.startswith(word + " ")]
+
+
+def report(workdir: Path) -> tuple[dict[str, Any], str]:
+    def run(*flags: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "steadfast.cli", "report", *flags, "--no-timeline",
+             str(workdir / "events.jsonl")],
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+
+    return json.loads(run("--json")), run()
+
+
+def steps_seen(evs: list[dict[str, Any]]) -> int:
+    return sum(len(e["ends"]) for e in kinds(evs, "steps_seen"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    root = tmp_path_factory.mktemp("reference")
+    code, evs = launch(root, "--steps", STEPS)
+    assert code == 0
+    assert not kinds(evs, "rank_hung") and not kinds(evs, "hang_confirmed")
+    assert steps_seen(evs) == int(STEPS)  # the lowest rank's, counted once
+    return torch.load(root / "out.pt")
+
+
+def assert_one_hang(evs: list[dict[str, Any]], rank: int, fault_time: float) -> dict[str, Any]:
+    """One confirmed hang, its culprit ``rank``, detected within 10 s of the fault."""
+    [confirmed] = kinds(evs, "hang_confirmed")
+    assert confirmed["culprit"] == rank, confirmed
+    [hung] = kinds(evs, "rank_hung")
+    assert hung["rank"] == rank and hung["cause"] == "no_progress"
+    assert 0 < hung["time"] - fault_time <= 10.0, hung["time"] - fault_time
+    assert kinds(evs, "restart", cause="worker_failure")
+    return confirmed
+
+
+def test_a_stopped_rank_is_named_and_the_run_goes_on_from_its_own_snapshot(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+):
+    """Rank 1's worker is SIGSTOPped mid-run by someone else (the test): its peer waits
+    in DDP's all-reduce. The launcher finds nothing moving, names the stopped rank,
+    ends it, and the restarted group finishes from the script's snapshot."""
+    events = tmp_path / "events.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(events),
+         "--nproc-per-node=2", "--max-restarts=2",
+         *script_args(tmp_path, "--steps", STEPS)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if (tmp_path / "trace").exists() and len(trace_times(tmp_path, "step")) >= 30:
+                break  # rank 0 and 1 each wrote 15 steps
+            time.sleep(0.05)
+        [started] = [
+            json.loads(line) for line in events.read_text().splitlines()
+            if '"workers_started"' in line
+        ]  # fmt: skip
+        os.kill(started["pids"][1], signal.SIGSTOP)
+        stopped_at = time.time()
+        code = proc.wait(180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0
+    evs = [json.loads(line) for line in events.read_text().splitlines()]
+    confirmed = assert_one_hang(evs, 1, stopped_at)
+    assert confirmed["where"] == "stopped (state T)"
+    assert confirmed["waiting"] == {"backward (DDP's all-reduce)": [0]}
+    assert_bit_exact(tmp_path / "out.pt", reference)
+    verdict, text = report(tmp_path)
+    # steps and goodput for a script that reports none: the launchers' count
+    assert verdict["steps_done"] == int(STEPS) and verdict["productive_time"] > 0
+    assert "rank 1 (" in text and "stopped (state T)" in text
+
+
+@pytest.mark.parametrize(
+    ("hang", "where"),
+    [
+        ("sleep", "main (unchanged_train.py"),  # asleep in its step, outside any collective
+        ("loader", "_BaseDataLoaderIter.__next__"),  # its DataLoader worker never answers
+    ],
+)
+def test_a_rank_stuck_outside_the_collective_is_the_culprit(
+    tmp_path: Path, reference: dict[str, torch.Tensor], hang: str, where: str
+):
+    extra = ["--loader-workers", "1"] if hang == "loader" else []
+    code, evs = launch(tmp_path, "--steps", STEPS, "--hang", f"{hang}:1:20", *extra)
+    assert code == 0
+    step_times = {int(n): t for n, t in _steps(tmp_path)}
+    fault_time = trace_times(tmp_path, "hang")[0] if hang == "sleep" else step_times[20]
+    confirmed = assert_one_hang(evs, 1, fault_time)
+    assert confirmed["where"].startswith(where), confirmed
+    assert confirmed["waiting"] == {"backward (DDP's all-reduce)": [0]}
+    assert any("unchanged_train.py" in frame for frame in confirmed["stack"])
+    assert_bit_exact(tmp_path / "out.pt", reference)
+    _, text = report(tmp_path)
+    assert "rank 1 (" in text and where.split(" ")[0] in text
+
+
+def _steps(workdir: Path) -> list[tuple[str, float]]:
+    """(step, time) of rank 1's first run (the first time each step was written)."""
+    seen: dict[str, float] = {}
+    for line in (workdir / "trace").read_text().splitlines():
+        word, *rest = line.split()
+        if word == "step":
+            seen.setdefault(rest[0], float(rest[1]))
+    return list(seen.items())
+
+
+@pytest.mark.slow
+def test_a_long_evaluation_and_a_rank_0_save_are_not_hangs(tmp_path: Path):
+    """A 25 s evaluation on every rank at step 30 (no forward: only the CPU moves) and a
+    20 s save on rank 0 alone at step 45 while the other waits in barrier() (only rank
+    0's writes move), both far past the learned bound (5 s): no hang, ever."""
+    code, evs = launch(
+        tmp_path, "--steps", "55", "--eval-every", "30", "--eval-seconds", "25",
+        "--save-at", "45", "--save-seconds", "20",
+    )  # fmt: skip
+    assert code == 0
+    assert not kinds(evs, "rank_hung") and not kinds(evs, "hang_confirmed")
+    assert not kinds(evs, "restart")
+    assert steps_seen(evs) == 55
+
+
+def test_a_rank_twice_as_slow_is_reported_within_2_s(tmp_path: Path):
+    """At the demo's pace (0.34 s a step), rank 1's forward takes twice as long from step
+    8 on: straggler_detected names it within 2 s, with nothing to configure."""
+    code, evs = launch(
+        tmp_path, "--steps", "16", "--pace", "0.34", "--slow-rank", "1", "--slow-from", "8"
+    )
+    assert code == 0
+    [slow_at] = trace_times(tmp_path, "slow")
+    found = kinds(evs, "straggler_detected")
+    assert found and found[0]["ranks"] == [1], found
+    assert 0 < found[0]["time"] - slow_at <= 2.0, found[0]["time"] - slow_at
+    assert all(e["ranks"] == [1] for e in found)
+    assert not kinds(evs, "rank_hung")
+
+
+def test_compiled_model_and_step_are_counted_once_with_no_graph_break_or_recompile(
+    tmp_path: Path,
+):
+    """torch.compile on the model and on the optimizer's step: each iteration counted
+    once (the step hooks are not traced: the compiled step is counted by its training
+    forward), and dynamo's counters (graphs, graph breaks, recompiles) are those of the
+    same run without the hooks (``--ft-watch-progress false``)."""
+    counters = {}
+    for name, flags in (("hooks", []), ("none", ["--ft-watch-progress", "false"])):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        code, evs = launch_run(
+            workdir, "--nproc-per-node=1", *flags,
+            *script_args(workdir, "--steps", "12", "--pace", "0", "--compile"),
+        )  # fmt: skip
+        assert code == 0
+        lines = (workdir / "trace").read_text().splitlines()
+        [line] = [x for x in lines if x.startswith("dynamo ")]
+        counters[name] = json.loads(line.removeprefix("dynamo "))
+        if name == "hooks":
+            assert steps_seen(evs) == 12
+        else:
+            assert not kinds(evs, "steps_seen")
+    assert counters["hooks"].get("graph_break", {}) == counters["none"].get("graph_break", {})
+    assert counters["hooks"]["stats"] == counters["none"]["stats"]
+    assert counters["hooks"].get("recompiles", {}) == counters["none"].get("recompiles", {})
