@@ -446,3 +446,19 @@ def test_the_agents_grace_is_passed_only_to_a_torch_that_takes_it() -> None:
 
     takes = "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
     assert seam.agent_grace(7) == ({"shutdown_timeout": 7} if takes else {})
+
+
+def test_thread_frame_is_another_threads_current_frame() -> None:
+    """steadfast.progress's stack thread reads the main thread's frame while it waits."""
+    import threading
+
+    from steadfast import seam
+
+    seen: list[object] = []
+    main = threading.get_ident()
+    reader = threading.Thread(target=lambda: seen.append(seam.thread_frame(main)))
+    reader.start()
+    reader.join()
+    frame = seen[0]
+    assert frame is not None and frame.f_code.co_name == "join"  # type: ignore[attr-defined]
+    assert seam.thread_frame(-1) is None

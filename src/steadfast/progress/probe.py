@@ -114,13 +114,15 @@ def format_stack(frame: Any) -> str:
     inner = []
     while frame is not None:
         code = frame.f_code
-        if code.co_filename.startswith(_OURS) or "runpy" in code.co_filename:
-            break  # the worker template's or the boot's frames: not the script's
+        place = code.co_filename
         inner.append(
-            f"{code.co_filename}:{frame.f_lineno} {getattr(code, 'co_qualname', code.co_name)}"
+            (place, f"{place}:{frame.f_lineno} {getattr(code, 'co_qualname', code.co_name)}")
         )
         frame = frame.f_back
-    lines.extend(reversed(inner))
+    outer = list(reversed(inner))
+    while outer and (outer[0][0].startswith(_OURS) or "runpy" in outer[0][0]):
+        outer.pop(0)  # the worker template's or the boot's frames: not the script's
+    lines.extend(line for _, line in outer)
     return "\n".join(lines)
 
 
@@ -141,8 +143,10 @@ class Probe:
         self._flags = 0
         self._last_mark = 0.0
         self._searching = 0
+        self._opt_handles: list[Any] = []
         self._search_handles: list[Any] = []
         self._top_handles: list[Any] = []
+        self._thread: threading.Thread | None = None
         self._started: float | None = None  # perf_counter at the top forward's start
         self._cuda_current: tuple[Any, Any] | None = None  # the forward in flight
         self._cuda_pending: deque[tuple[Any, Any]] = deque()
@@ -165,15 +169,36 @@ class Probe:
         self._is_compiling = torch.compiler.is_compiling
         self._grad_enabled = torch.is_grad_enabled
         self.slots[PID] = float(self.pid)
-        register_optimizer_step_pre_hook(self._opt_pre)
-        register_optimizer_step_post_hook(self._opt_post)
-        self._search_handles = [
-            register_module_forward_pre_hook(self._search),
+        self._opt_handles = [
+            register_optimizer_step_pre_hook(self._opt_pre),
+            register_optimizer_step_post_hook(self._opt_post),
         ]
+        self._search_handles = [register_module_forward_pre_hook(self._search)]
         writer.on_step_done = self._own_step
         os.register_at_fork(after_in_child=self._forked)
-        thread = threading.Thread(target=self._serve, name="steadfast-progress", daemon=True)
-        thread.start()
+        self._thread = threading.Thread(target=self._serve, name="steadfast-progress", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Remove the hooks and end the thread (a worker never needs to: they end with
+        it; tests do)."""
+        from ..events import writer
+
+        self.active = False
+        for handle in (*self._opt_handles, *self._search_handles, *self._top_handles):
+            handle.remove()
+        self._opt_handles, self._search_handles, self._top_handles = [], [], []
+        if writer.on_step_done == self._own_step:
+            writer.on_step_done = None
+        if self._thread is not None:
+            with contextlib.suppress(OSError):
+                fd = os.open(self.ask, os.O_WRONLY | os.O_NONBLOCK)
+                try:
+                    os.write(fd, b"q")
+                finally:
+                    os.close(fd)
+            self._thread.join(5)
+            self._thread = None
 
     def _forked(self) -> None:
         """A process forked from the worker (a DataLoader worker) is not the rank: it
@@ -348,8 +373,8 @@ class Probe:
         from .. import seam
 
         try:
-            while self.active:
-                if not os.read(fd, 64):
+            while True:
+                if not os.read(fd, 64) or not self.active:
                     return
                 asked = self.slots[ASK]
                 frame = seam.thread_frame(self._main)
