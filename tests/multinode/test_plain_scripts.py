@@ -325,3 +325,46 @@ def test_under_c10d_the_lost_store_host_ends_every_survivor_with_75(bed_factory)
     assert ends["node2"] == ends["node3"] == 75
     (isolated,) = bed.events("node_isolated", host="node2")
     assert isolated["cause"] == "partition" and "rendezvous store" in isolated["how"]
+
+
+def test_a_frozen_rank_on_node2_is_the_one_agreed_culprit_in_every_nodes_log(bed_factory):
+    """3 nodes on c10d (the torchrun command line), each with a log of its own, no
+    --ft-* flag: a rank of node2 is SIGSTOPped mid-run. Its peers on every node wait in
+    DDP's all-reduce; node1 and node3 see nothing move but no culprit of their own and
+    wait, node2 sees its rank stopped, names it and ends it (issue 37). Every node's log
+    and report name node2's rank as the one culprit; the job restarts from the script's
+    snapshot and every epoch runs."""
+    bed = bed_factory(3)
+    flags, args = job("3", backend="c10d"), script(bed)
+    nodes = ("node1", "node2", "node3")
+    launches = [bed.launch(n, *flags, script=args, program=PLAIN, own_log=True) for n in nodes]
+    started = bed.wait_event("workers_started", host="node2")
+    victim, pid = started["ranks"][1], started["pids"][1]
+    wait_epoch(bed, KILL_AT)
+    bed.do("run", "node2", "kill", "-STOP", str(pid))
+    stopped = time.time()
+    codes = wait_all(launches)
+    assert codes == dict.fromkeys(nodes, 0), bed.logs()
+    [confirmed] = bed.events("hang_confirmed")
+    assert confirmed["host"] == "node2" and confirmed["culprit"] == victim, confirmed
+    assert confirmed["where"] == "stopped (state T)"
+    [hung] = bed.events("rank_hung")
+    assert (hung["host"], hung["rank"]) == ("node2", victim)
+    assert hung["time"] - stopped <= 10.0, hung["time"] - stopped
+    for host in nodes:
+        [agreed] = bed.events("fault_culprit", host=host)
+        assert (agreed["node"], agreed["culprit_rank"]) == ("node2", victim), agreed
+        assert agreed["what"] == "rank hung", agreed
+    assert_every_epoch_ran_and_launchers_ended(bed, launches)
+
+    from steadfast.report import compute_report, format_report, load_events
+
+    for host in nodes:
+        evs, _ = load_events(bed.shared / f"events-{host}.jsonl")
+        report = compute_report(evs)
+        assert report.launchers is not None
+        assert [(f.node, f.rank, f.what) for f in report.launchers.faults] == [
+            ("node2", victim, "rank hung")
+        ]
+        if host == "node2":
+            assert f"rank {victim} (node2) stopped (state T)" in format_report(report)
