@@ -10,6 +10,7 @@ snapshot, exit 0) and the final parameters against the fault-free run bit for bi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -74,6 +75,36 @@ def steps_seen(evs: list[dict[str, Any]]) -> int:
     return sum(len(e["ends"]) for e in kinds(evs, "steps_seen"))
 
 
+def stop_rank_1_after(
+    workdir: Path, lines: int, *args: str
+) -> tuple[int, list[dict[str, Any]], float]:
+    """``steadfast launch ARGS``; once the script's trace has ``lines`` step lines, rank
+    1's worker is SIGSTOPped: (exit status, the events, when it was stopped)."""
+    events = workdir / "events.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(events), *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if (workdir / "trace").exists() and len(trace_times(workdir, "step")) >= lines:
+                break
+            time.sleep(0.05)
+        [started] = [
+            json.loads(line) for line in events.read_text().splitlines()
+            if '"workers_started"' in line
+        ]  # fmt: skip
+        os.kill(started["pids"][1], signal.SIGSTOP)
+        stopped_at = time.time()
+        code = proc.wait(180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return code, [json.loads(line) for line in events.read_text().splitlines()], stopped_at
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     root = tmp_path_factory.mktemp("reference")
@@ -101,32 +132,11 @@ def test_a_stopped_rank_is_named_and_the_run_goes_on_from_its_own_snapshot(
     """Rank 1's worker is SIGSTOPped mid-run by someone else (the test): its peer waits
     in DDP's all-reduce. The launcher finds nothing moving, names the stopped rank,
     ends it, and the restarted group finishes from the script's snapshot."""
-    events = tmp_path / "events.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(events),
-         "--nproc-per-node=2", "--max-restarts=2",
-         *script_args(tmp_path, "--steps", STEPS)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    code, evs, stopped_at = stop_rank_1_after(
+        tmp_path, 30, "--nproc-per-node=2", "--max-restarts=2",
+        *script_args(tmp_path, "--steps", STEPS),
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if (tmp_path / "trace").exists() and len(trace_times(tmp_path, "step")) >= 30:
-                break  # rank 0 and 1 each wrote 15 steps
-            time.sleep(0.05)
-        [started] = [
-            json.loads(line) for line in events.read_text().splitlines()
-            if '"workers_started"' in line
-        ]  # fmt: skip
-        os.kill(started["pids"][1], signal.SIGSTOP)
-        stopped_at = time.time()
-        code = proc.wait(180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert code == 0
-    evs = [json.loads(line) for line in events.read_text().splitlines()]
     confirmed = assert_one_hang(evs, 1, stopped_at)
     assert confirmed["where"] == "stopped (state T)"
     assert confirmed["waiting"] == {"backward (DDP's all-reduce)": [0]}
@@ -227,3 +237,35 @@ def test_compiled_model_and_step_are_counted_once_with_no_graph_break_or_recompi
     assert counters["hooks"].get("graph_break", {}) == counters["none"].get("graph_break", {})
     assert counters["hooks"]["stats"] == counters["none"]["stats"]
     assert counters["hooks"].get("recompiles", {}) == counters["none"].get("recompiles", {})
+
+
+FRAMEWORKS = {"lightning": "lightning", "transformers": "transformers"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_a_framework_run_without_our_callbacks_gets_steps_goodput_and_its_hang_caught(
+    tmp_path: Path, framework: str
+):
+    """Lightning's Trainer and the Hugging Face Trainer, with none of steadfast's
+    callbacks (``plain_frameworks.py`` imports nothing of steadfast): the report has
+    their steps and goodput from the optimizer hooks, and rank 1 SIGSTOPped mid-run is
+    caught, named, and the run resumes from the framework's own checkpoint."""
+    if importlib.util.find_spec(FRAMEWORKS[framework]) is None:
+        reason = f"{framework} is not installed (`make test` installs the dev extra)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    code, evs, stopped_at = stop_rank_1_after(
+        tmp_path, 30, "--nproc-per-node=2", "--max-restarts=2",
+        str(HERE / "plain_frameworks.py"), framework, "--ckpt", str(tmp_path / "ck"),
+        "--trace", str(tmp_path / "trace"),
+    )  # fmt: skip
+    assert code == 0
+    confirmed = assert_one_hang(evs, 1, stopped_at)
+    assert confirmed["where"] == "stopped (state T)"
+    assert not kinds(evs, "step_done")  # nothing of steadfast in the script
+    verdict, text = report(tmp_path)
+    assert verdict["steps_done"] >= 30 and verdict["productive_time"] > 0
+    assert verdict["goodput"] > 0
+    assert "rank 1 (" in text and "stopped (state T)" in text
