@@ -47,8 +47,11 @@ def test_quick_demo_detects_and_recovers_every_fault_bit_exact(tmp_path: Path):
     assert rollback <= burst
     killed = [e for e in kinds("rank_failed") if e["cause"] == "signal SIGKILL"]
     assert killed[0]["rank"] == 1
-    hung = [e for e in kinds("rank_hung") if e["rank"] == 1]
-    assert hung and hung[0]["cause"] == "section:step"  # the calculated step timeout
+    hung = kinds("rank_hung")  # one fault, its culprit rank 1: rank 0 only waited for it
+    assert [e["rank"] for e in hung] == [1] and hung[0]["cause"] == "section:step"
+    [confirmed] = kinds("hang_confirmed")
+    assert confirmed["culprit"] == 1 and confirmed["where"].startswith("_strike (faults.py")
+    assert [ranks for ranks in confirmed["waiting"].values()] == [[0]], confirmed
     assert [e["restart_count"] for e in kinds("restart")] == [1, 2]
     assert any(1 in e["ranks"] for e in kinds("straggler_detected"))
     assert [e["rank"] for e in kinds("shutdown_requested") if e["rank"] == 1]
