@@ -150,6 +150,12 @@ def main() -> None:
             trace.write("dynamo " + json.dumps(counters, sort_keys=True) + "\n")
     if rank == 0:
         torch.save(dict(model.state_dict()), args.out)
+    # DDP's reducer first, while c10d still holds the group: a reducer that drops the
+    # group's last reference joins gloo's threads holding the GIL, and one of them may
+    # need it to free a finished work (torch 2.13; seen in forked workers: see
+    # docs/architecture.md)
+    del net, step_fn
+    dist.barrier()
     dist.destroy_process_group()
     del world
 
