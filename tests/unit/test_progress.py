@@ -200,6 +200,8 @@ def test_the_culprit_is_the_rank_not_where_the_others_are():
     assert culprit([*waiting, _look(4, state="T", answered=None)]).local == 4  # stopped
     assert culprit([*waiting, _look(4, answered=False)]).local == 4  # holds the GIL
     assert culprit([*waiting, _look(4, where="__next__")]).local == 4  # outside them
+    # a stopped rank before one that did not answer (a busy machine may delay an answer)
+    assert culprit([*waiting, _look(4, answered=False), _look(5, state="T")]).local == 5
     assert culprit(waiting) is None  # every rank in the same collective: no guess
     odd = [*waiting[:3], _look(3, where="barrier", waiting=True)]
     assert culprit(odd).local == 3  # alone in another collective

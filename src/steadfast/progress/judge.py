@@ -40,8 +40,10 @@ __all__ = ["Look", "Verdict", "Judge", "summarize_stack"]
 
 #: The confirmation window (seconds): two stack samples this far apart.
 WINDOW = 1.0
-#: How long a rank's thread has to answer a stack request.
-ANSWER_WAIT = 0.3
+#: How long a rank's thread has to answer a stack request (it answers in ~1 ms; a
+#: machine busy with other work may leave it unscheduled for a while: only a rank that
+#: does not answer this long is taken for one that holds the GIL).
+ANSWER_WAIT = 1.0
 #: A main thread computing at least this share of the window moves (no CUDA).
 CPU_SHARE = 0.2
 
@@ -166,7 +168,7 @@ class Judge:
         begun = time.monotonic()
         first = self._samples(pids)
         if window > 0:
-            time.sleep(max(0.0, begun + window - ANSWER_WAIT - time.monotonic()))
+            time.sleep(max(0.0, begun + window - time.monotonic()))
             second = self._samples(pids)
         else:  # where the ranks are, not whether they move: one sample
             second = first
@@ -215,8 +217,9 @@ def culprit(looks: list[Look]) -> Look | None:
     be told apart."""
     live = [look for look in looks if look.state not in ("Z", "?")]
     stuck = [look for look in live if look.stuck]
-    if stuck:
-        return min(stuck, key=lambda look: look.local)
+    if stuck:  # stopped first, then in D, then not answering: the surest signs first
+        order = {"T": 0, "t": 0, "D": 1}
+        return min(stuck, key=lambda look: (order.get(look.state, 2), look.local))
     outside = [look for look in live if not look.waiting]
     if outside and len(outside) < len(live):
         return min(outside, key=lambda look: look.local)
