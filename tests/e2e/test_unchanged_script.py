@@ -269,3 +269,33 @@ def test_a_framework_run_without_our_callbacks_gets_steps_goodput_and_its_hang_c
     assert verdict["steps_done"] >= 30 and verdict["productive_time"] > 0
     assert verdict["goodput"] > 0
     assert "rank 1 (" in text and "stopped (state T)" in text
+
+
+def test_a_worker_started_as_a_plain_process_gets_the_hooks_and_keeps_its_sitecustomize(
+    tmp_path: Path,
+):
+    """Without the worker template (``--numa-binding`` has the same effect) each worker
+    is a new interpreter, started as ``python -m steadfast.progress.boot script.py``:
+    the hang is caught and named as in a forked worker, and the user's own
+    ``sitecustomize`` still runs in every worker (nothing of ours is put in its way)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    marker = tmp_path / "sitecustomize-ran"
+    (site / "sitecustomize.py").write_text(
+        f"with open({str(marker)!r}, 'a') as f:\n    f.write('ran\\n')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    events = tmp_path / "events.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(events),
+         "--nproc-per-node=2", "--max-restarts=2", "--ft-worker-template", "false",
+         *script_args(tmp_path, "--steps", STEPS, "--hang", "sleep:1:20")],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    evs = [json.loads(line) for line in events.read_text().splitlines()]
+    confirmed = assert_one_hang(evs, 1, trace_times(tmp_path, "hang")[0])
+    assert confirmed["where"].startswith("main (unchanged_train.py")
+    assert confirmed["stack"][0].startswith(str(SCRIPT))  # the boot's frames left out
+    workers = sum(len(e["pids"]) for e in kinds(evs, "workers_started"))
+    assert marker.read_text().count("ran") >= workers  # the launcher's own too

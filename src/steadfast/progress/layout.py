@@ -54,6 +54,7 @@ FLAG_OWN_STEPS = 2  # the script emits its own step_done: its steps are its own
 FLAG_DDP = 4  # the top module is DistributedDataParallel's (its backward holds collectives)
 FLAG_FORWARD_STEPS = 8  # no optimizer step seen outside compiled code: forwards are counted
 FLAG_TOP = 16  # the top module is found and hooked
+FLAG_OWN_STRAGGLERS = 32  # the script runs steadfast's straggler Detector: its reports rule
 
 assert FWD_RING + RING <= TEXT_OFFSET // 8
 

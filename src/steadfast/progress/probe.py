@@ -50,6 +50,7 @@ from .layout import (
     FLAG_DDP,
     FLAG_FORWARD_STEPS,
     FLAG_OWN_STEPS,
+    FLAG_OWN_STRAGGLERS,
     FLAG_TOP,
     FLAGS,
     FORWARDS,
@@ -68,7 +69,7 @@ from .layout import (
     TEXT_OFFSET,
 )
 
-__all__ = ["PROGRESS_ENV", "Probe", "format_stack", "install"]
+__all__ = ["PROGRESS_ENV", "Probe", "format_stack", "install", "note_own_stragglers"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,13 @@ def install() -> Probe | None:
         return None
     _installed = probe
     return probe
+
+
+def note_own_stragglers() -> None:
+    """This worker runs steadfast's straggler ``Detector``: the launcher leaves the
+    straggler reports to it (they would otherwise be written twice)."""
+    if _installed is not None:
+        _installed.note(FLAG_OWN_STRAGGLERS)
 
 
 def format_stack(frame: Any) -> str:
@@ -206,8 +214,12 @@ class Probe:
         self.active = False
 
     def _own_step(self) -> None:
-        if self.active and not self._flags & FLAG_OWN_STEPS:
-            self._flags |= FLAG_OWN_STEPS
+        self.note(FLAG_OWN_STEPS)
+
+    def note(self, flag: int) -> None:
+        """Set ``flag`` in the row (the script does that part itself)."""
+        if self.active and not self._flags & flag:
+            self._flags |= flag
             self.slots[FLAGS] = float(self._flags)
 
     # ------------------------------------------------------------------ marks

@@ -12,7 +12,8 @@ stragglers from the forward times, for a script that reports neither.
   :data:`THRESHOLD` (Megatron Bridge's 0.7) is a straggler, written as
   ``straggler_detected`` when the set of stragglers changes. A rank slowed 2x at a pace
   p is seen after its second slow forward: ~2 x 2p after the slowdown (1.4 s at the
-  demo's 0.34 s). The ranks compared are one node's: across nodes each node compares
+  demo's 0.34 s). A script that runs steadfast's own straggler ``Detector`` keeps its
+  reports (none from here). The ranks compared are one node's: across nodes each node compares
   its own (a job of one rank per node has no straggler report from here).
 """
 
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import events
-from .layout import FLAG_OWN_STEPS, forward_times, read, step_times
+from .layout import FLAG_OWN_STEPS, FLAG_OWN_STRAGGLERS, forward_times, read, step_times
 
 __all__ = ["Reporter"]
 
@@ -166,6 +167,8 @@ class Reporter:
             g = read(self.slots[local])
             if g.pid != pid:
                 continue
+            if g.flags & FLAG_OWN_STRAGGLERS:  # the script's own Detector reports them
+                return None
             window = self._fwd[local]
             window.extend(forward_times(self.slots[local], self._fwd_read[local], g.forwards))
             self._fwd_read[local] = g.forwards

@@ -69,6 +69,7 @@ from typing import Any, TypeVar
 
 from ..config import require_number
 from ..dist import all_gather_object, member_index
+from ..progress.probe import note_own_stragglers
 from .reporting import Report
 from .scores import individual_scores, relative_scores
 
@@ -237,6 +238,7 @@ class Detector:
         self._next_report = FIRST_REPORT_CALLS
         self._last_report_time = time.monotonic()
         self._last_report_calls = 0
+        note_own_stragglers()  # the launcher leaves the straggler reports to this one
 
     # ------------------------------------------------------------------ NVRx's class API
     @classmethod
