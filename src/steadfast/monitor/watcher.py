@@ -50,6 +50,9 @@ __all__ = ["Hang", "Watcher", "next_deadline", "shortest_timeout"]
 
 logger = logging.getLogger(__name__)
 
+_FIELDS = FaultToleranceConfig.__dataclass_fields__
+_INITIAL_DEFAULT = _FIELDS["initial_rank_heartbeat_timeout"].default
+
 #: How long a hung rank gets to write its stacks before it is terminated.
 STACK_DUMP_GRACE = 0.1
 #: How long the other ranks of a hang may outlive its culprit before each is judged on
@@ -323,11 +326,12 @@ class Watcher:
                 plain = self._plain(snap, local, pid)
                 deadline, what, since, timeout = self._bound(snap, local, started, plain)
                 if deadline <= now:
-                    hang = Hang(local, what, now - since, timeout, plain or what in learned)
+                    judged = plain and not what.startswith("initial_heartbeat")
+                    hang = Hang(local, what, now - since, timeout, judged or what in learned)
                     if self.progress_watch is None:
                         self._detect(hang, pid, snap.pid == pid)
                         continue
-                    self._judge(hang, pids, started, explicit=not plain)
+                    self._judge(hang, pids, started, explicit=not judged)
                     break  # what is handled changed: read again
                 # a deadline that starts after this read ends no sooner than this
                 soonest = min(soonest, deadline, now + shortest_timeout(snap))
@@ -365,10 +369,16 @@ class Watcher:
     def _bound(
         self, snap: RowSnapshot, local: int, started: float, plain: bool
     ) -> tuple[float, str, float, float]:
-        if plain:
-            assert self.progress_watch is not None
-            return self.progress_watch.deadline(local, started)
-        return next_deadline(snap, started, self.cfg.num_warmup_iterations)
+        client = next_deadline(snap, started, self.cfg.num_warmup_iterations)
+        if not plain:
+            return client
+        assert self.progress_watch is not None
+        progress = self.progress_watch.deadline(local, started)
+        # a first heartbeat the config asks for (a script that attaches a client later):
+        # its timeout still holds, where it is the sooner
+        if self.cfg.initial_rank_heartbeat_timeout != _INITIAL_DEFAULT and client < progress:
+            return client
+        return progress
 
     def _judge(self, hang: Hang, pids: Mapping[int, int], started: float, explicit: bool) -> None:
         """A bound passed: look at every rank before acting, and act on the culprit."""
