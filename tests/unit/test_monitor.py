@@ -391,6 +391,7 @@ def test_a_table_left_by_a_killed_launcher_is_removed(tmp_path: Path):
     orphan = tmp_path / f"steadfast-hb-{dead}-deadbeef"
     orphan.write_bytes(b"\0" * 4096)
     os.mkfifo(tmp_path / f"steadfast-hbwake-{dead}-deadbeef")  # its wake channel, just made
+    os.mkfifo(tmp_path / f"steadfast-hbask-{dead}-deadbeef-0")  # and its row's ask channel
     mine = HeartbeatTable.create(rows=1, directory=tmp_path)
     try:
         assert not orphan.exists() and mine.path.exists()

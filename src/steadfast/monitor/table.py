@@ -119,6 +119,8 @@ def _remove_orphans(base: Path) -> None:
             os.close(fd)
         entry.unlink(missing_ok=True)
         wake_path(entry).unlink(missing_ok=True)
+        for ask in base.glob(f"{_ASK_PREFIX}{entry.name.removeprefix(_TABLE_PREFIX)}-*"):
+            ask.unlink(missing_ok=True)  # its rows' ask channels, at once too
     for fifo in [*base.glob(_WAKE_PREFIX + "*"), *base.glob(_ASK_PREFIX + "*")]:
         # a channel whose table is gone
         name = fifo.name.removeprefix(_WAKE_PREFIX)
