@@ -325,3 +325,31 @@ def test_a_generation_with_no_end_recorded_runs_at_most_until_the_next_one(
     assert [(g.start, g.end) for g in view.generations] == [(1.0, None), (5.0, None), (9.0, 10.0)]
     assert view.running == pytest.approx(9.0)  # 1 -> 5 -> 9 -> 10
     assert view.running <= view.wall_time
+
+
+def test_a_plain_scripts_steps_and_a_hang_with_no_culprit_told_apart(tmp_path: Path):
+    """A script that reports nothing: its launcher's steps_seen give the steps and the
+    goodput; a hang where every rank waited in the same collective is printed as such,
+    with no culprit guessed."""
+    lines = [
+        _line(0.0, "launcher_start", rank=None, pid=50, nnodes="1:1", nproc_per_node="2"),
+        _line(1.0, "workers_started", rank=None, pid=50, generation=1, restart_count=0,
+              node_rank=0, nodes=1, world_size=2, ranks=[0, 1], pids=[A, A + 1]),
+        _line(12.0, "steps_seen", rank=0, pid=50, local_rank=0, worker_pid=A, generation=1,
+              first=1, ends=[2.0, 3.0, 4.0, 5.0], base=None),
+        _line(10.2, "hang_confirmed", rank=None, pid=50, cause="no_progress", culprit=None,
+              where=None, waiting={"all_reduce": [0, 1]}, moving=[], stack=[],
+              summary="no culprit could be told apart; 2 ranks waited in `all_reduce`"),
+        _line(10.2, "rank_hung", rank=0, pid=50, local_rank=0, section="no_progress",
+              elapsed=5.2, timeout=5.0, learned=True, worker_pid=A),
+        _line(10.3, "workers_exited", rank=None, pid=50, generation=1, exits=[], seconds=9.3),
+        _line(12.5, "launcher_end", rank=None, pid=50, exit_code=1, reason="failed"),
+    ]  # fmt: skip
+    evs, problems = load_events(_write(tmp_path, lines))
+    assert not problems, problems
+    report = compute_report(evs)
+    assert report.steps_done == 4 and report.steps_redone is None
+    assert report.productive_time == pytest.approx(3.0)  # the first counts as start-up
+    text = format_report(report)
+    assert "re-done unknown" in text
+    assert "no culprit could be told apart; 2 ranks waited in `all_reduce`" in text
