@@ -196,7 +196,7 @@ def assert_the_report_tells_the_launchers_story(
     """`steadfast report` on the shared run directory, checked against the launchers'
     own events: the true wall time, the two generations, the loss (node, cause, its
     detection latency, the time to the next generation, the spare), the wall time split,
-    and what the user adds for productive time; and the timeline by node."""
+    and the steps and goodput the launchers saw; and the timeline by node."""
     from steadfast.report import compute_report, format_report, load_events, plot_timeline
 
     evs, problems = load_events(bed.shared)
@@ -207,7 +207,7 @@ def assert_the_report_tells_the_launchers_story(
     assert len(starts) == 4 and len(ends) == 3  # node2's launcher died with its node
     assert report.wall_time == pytest.approx(max(ends) - min(starts), abs=1e-6)
     view = report.launchers
-    assert view is not None and not report.reports_steps
+    assert view is not None and report.reports_steps  # the steps its launchers saw
     # by node rank (the first round's by arrival): steadfast's rendezvous gives the spare
     # the lost node's seat, and the survivors keep theirs; torch's sorts them again
     first, second = (g.nodes for g in view.generations)
@@ -233,7 +233,7 @@ def assert_the_report_tells_the_launchers_story(
     split = view.startup + view.running + view.lost + view.ending
     assert split == pytest.approx(report.wall_time, abs=0.5)  # a fault's windows overlap
     text = format_report(report)
-    assert "productive time  unknown" in text and 'emit("step_done"' in text
+    assert "goodput" in text and "steps kept" in text  # with no line of steadfast
     assert "node lost      node2" in text and "node4" in text
     assert "verdict: 1 fault(s) seen, each followed by a new generation" in text
     picture = plot_timeline(evs, bed.root / "timeline.png")

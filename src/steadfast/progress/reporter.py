@@ -6,8 +6,10 @@ stragglers from the forward times, for a script that reports neither.
   generation ends: 8 ranks at 10 ms steps would otherwise write 800 lines a second. A
   rank whose script emits its own ``step_done`` is left to it (and the report prefers
   ``step_done`` where both exist).
-- **Stragglers.** Every :data:`PERIOD` each rank's median forward time over its last
-  :data:`SAMPLES` forwards is scored against the fastest rank's of the node (NVRx's
+- **Stragglers.** Every :data:`PERIOD` each rank's median forward time over its newest
+  forwards (at least :data:`SAMPLES` of them, and :data:`WINDOW_SECONDS` of forward
+  time: a sub-millisecond forward's median is then over hundreds, which a descheduled
+  burst on a busy machine does not move) is scored against the fastest rank's of the node (NVRx's
   relative score: the reference over the rank's median); a rank below
   :data:`THRESHOLD` (Megatron Bridge's 0.7) is a straggler, written as
   ``straggler_detected`` when the set of stragglers changes. A rank slowed 2x at a pace
@@ -31,14 +33,30 @@ from .layout import FLAG_OWN_STEPS, FLAG_OWN_STRAGGLERS, forward_times, read, st
 
 __all__ = ["Reporter"]
 
-PERIOD = 0.5
+PERIOD = 0.25
 FLUSH = 10.0
 SAMPLES = 3
 THRESHOLD = 0.7
 #: A straggler's median forward is at least this much (seconds) over the fastest's: below
 #: it, a sub-millisecond forward's scheduling noise would make stragglers of healthy ranks.
 MIN_EXCESS = 0.005
+WINDOW_SECONDS = 0.25
+_KEEP = 1024  # forward times kept per rank (a window of fast forwards holds many)
 _MAX_ENDS = 2000  # a steps_seen event stays well under the log's line limit
+
+
+def _window(seen: deque[float]) -> list[float]:
+    """The newest forwards that make at least SAMPLES and WINDOW_SECONDS of forward time
+    (as the in-loop detector's window: a burst of short hiccups is not a straggler), or
+    none when too few were seen."""
+    out: list[float] = []
+    total = 0.0
+    for seconds in reversed(seen):
+        out.append(seconds)
+        total += seconds
+        if len(out) >= SAMPLES and total >= WINDOW_SECONDS:
+            return out
+    return []
 
 
 class Reporter:
@@ -84,7 +102,7 @@ class Reporter:
             self._generation += 1
             self._steps_read, self._ends, self._first, self._base = 0, [], 0, None
             self._fwd_read = dict.fromkeys(pids, 0)
-            self._fwd = {local: deque(maxlen=SAMPLES) for local in pids}
+            self._fwd = {local: deque(maxlen=_KEEP) for local in pids}
             self._stragglers = frozenset()
 
     def unwatch(self) -> None:
@@ -169,10 +187,11 @@ class Reporter:
                 continue
             if g.flags & FLAG_OWN_STRAGGLERS:  # the script's own Detector reports them
                 return None
-            window = self._fwd[local]
-            window.extend(forward_times(self.slots[local], self._fwd_read[local], g.forwards))
+            seen = self._fwd[local]
+            seen.extend(forward_times(self.slots[local], self._fwd_read[local], g.forwards))
             self._fwd_read[local] = g.forwards
-            if len(window) >= SAMPLES:
+            window = _window(seen)
+            if window:
                 medians[local] = statistics.median(window)
         if len(medians) < 2 or min(medians.values()) <= 0:
             return None
