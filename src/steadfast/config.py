@@ -206,8 +206,7 @@ class FaultToleranceConfig:
         progress_cap: The most a worker may go on without a step or a forward while
             it moves (a livelock, an evaluation that never ends), in seconds, and the
             most a node whose ranks all wait in collectives waits for another node to
-            name the culprit; at least ``learned_timeout_margin`` x 20 the longest
-            interval seen is allowed.
+            name the culprit (a learned or start-up bound is never longer).
     """
 
     workload_check_interval: float = 5.0

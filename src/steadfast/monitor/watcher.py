@@ -323,11 +323,10 @@ class Watcher:
                 snap, learned = effective(self.table.snapshot(local), self.cfg)
                 if snap.closed:
                     continue
-                plain = self._plain(snap, local, pid)
-                deadline, what, since, timeout = self._bound(snap, local, started, plain)
+                deadline, hang, plain, judged = self._account(
+                    snap, learned, local, pid, started, now
+                )
                 if deadline <= now:
-                    judged = plain and not what.startswith("initial_heartbeat")
-                    hang = Hang(local, what, now - since, timeout, judged or what in learned)
                     if self.progress_watch is None:
                         self._detect(hang, pid, snap.pid == pid)
                         continue
@@ -357,28 +356,34 @@ class Watcher:
             del self._held[local]
             return None
 
-    def _plain(self, snap: RowSnapshot, local: int, pid: int) -> bool:
-        """Whether ``local``'s progress is judged from the script's own progress (no
-        client attached, the progress hooks in)."""
-        return (
-            self.progress_watch is not None
-            and snap.pid != pid
-            and self.progress_watch.attached(local, pid)
+    def _account(
+        self,
+        snap: RowSnapshot,
+        learned: set[str],
+        local: int,
+        pid: int,
+        started: float,
+        now: float,
+    ) -> tuple[float, Hang, bool, bool]:
+        """A rank's nearest deadline and the hang it would be at ``now``; whether its
+        progress hooks are in with no client attached (``plain``), and whether its
+        silence is then judged from the script's own progress rather than by a timeout
+        of the script's client (``judged``)."""
+        deadline, what, since, timeout = next_deadline(
+            snap, started, self.cfg.num_warmup_iterations
         )
-
-    def _bound(
-        self, snap: RowSnapshot, local: int, started: float, plain: bool
-    ) -> tuple[float, str, float, float]:
-        client = next_deadline(snap, started, self.cfg.num_warmup_iterations)
-        if not plain:
-            return client
-        assert self.progress_watch is not None
-        progress = self.progress_watch.deadline(local, started)
-        # a first heartbeat the config asks for (a script that attaches a client later):
-        # its timeout still holds, where it is the sooner
-        if self.cfg.initial_rank_heartbeat_timeout != _INITIAL_DEFAULT and client < progress:
-            return client
-        return progress
+        watch = self.progress_watch
+        plain = watch is not None and snap.pid != pid and watch.attached(local, pid)
+        if plain:
+            assert watch is not None
+            progress = watch.deadline(local, started)
+            # a first heartbeat the config asks for (a script that attaches a client
+            # later) still holds, where it is the sooner
+            asked = self.cfg.initial_rank_heartbeat_timeout != _INITIAL_DEFAULT
+            if not (asked and (deadline, what, since, timeout) < progress):
+                deadline, what, since, timeout = progress
+                return deadline, Hang(local, what, now - since, timeout, True), True, True
+        return deadline, Hang(local, what, now - since, timeout, what in learned), plain, False
 
     def _judge(self, hang: Hang, pids: Mapping[int, int], started: float, explicit: bool) -> None:
         """A bound passed: look at every rank before acting, and act on the culprit."""
@@ -396,9 +401,9 @@ class Watcher:
         local = decision.local if decision.local is not None else min(pids)
         if local != hang.local_rank:  # the culprit's own account of its silence
             snap, learned = effective(self.table.snapshot(local), self.cfg)
-            plain = self._plain(snap, local, pids[local])
-            _, what, since, timeout = self._bound(snap, local, started, plain)
-            hang = Hang(local, what, time.monotonic() - since, timeout, plain or what in learned)
+            _, hang, _, _ = self._account(
+                snap, learned, local, pids[local], started, time.monotonic()
+            )
         if decision.cause == "progress_cap":
             hang = Hang(hang.local_rank, "progress_cap", hang.elapsed, self.cfg.progress_cap)
         record(decision, self.global_rank)
