@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -53,10 +55,23 @@ def no_leaks(rank_template: int | None) -> Iterator[None]:
         if not (kids or threads or sockets > 0 or shm) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert not kids, f"child processes left behind: {sorted(kids)}"
+    if kids:  # named, then killed: one leak fails its own test, not every later one
+        named = {pid: _command_line(pid) for pid in sorted(kids)}
+        for pid in kids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"child processes left behind (now killed): {named}")
     assert not threads, f"threads left behind: {[t.name for t in threads]}"
     assert sockets <= 0, f"{sockets} socket(s) left open"
     assert not shm, f"shared-memory segments left behind: {sorted(shm)}"
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return "?"
 
 
 @pytest.fixture(autouse=True)

@@ -5,6 +5,7 @@ loses a member (any member: no single point of failure) while nodes join."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shutil
@@ -28,14 +29,22 @@ pytestmark = pytest.mark.timeout(120)
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports: every socket stays bound until all are
+    chosen (one closed before the next is bound may be handed out again: two members on
+    one port, one of them dead before it answers)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 class Cluster:
-    """``size`` etcd members on this machine, each its own process and data directory."""
+    """``size`` etcd members on this machine, each its own process, data directory and
+    log (``root/NAME.log``). A cluster that does not start stops every member it started
+    before it fails (a failed fixture gets no teardown: its members would outlive the
+    test) and names the member, its exit status and its log's last lines."""
 
     def __init__(self, root: Path, size: int) -> None:
         if shutil.which("etcd") is None:
@@ -43,26 +52,40 @@ class Cluster:
                 pytest.fail("etcd is not installed; CI must run the etcd tests")
             pytest.skip("etcd is not installed (`make test` installs etcd-server)")
         self.names = [f"m{i}" for i in range(size)]
-        self.client = {n: _free_port() for n in self.names}
-        peer = {n: _free_port() for n in self.names}
+        ports = _free_ports(2 * size)
+        self.client = dict(zip(self.names, ports[:size], strict=True))
+        peer = dict(zip(self.names, ports[size:], strict=True))
         initial = ",".join(f"{n}=http://127.0.0.1:{peer[n]}" for n in self.names)
+        self.logs = {n: root / f"{n}.log" for n in self.names}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        for n in self.names:
-            url = f"http://127.0.0.1:{self.client[n]}"
-            self.procs[n] = subprocess.Popen(
-                ["etcd", "--name", n, "--data-dir", str(root / n),
-                 "--listen-client-urls", url, "--advertise-client-urls", url,
-                 "--listen-peer-urls", f"http://127.0.0.1:{peer[n]}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer[n]}",
-                 "--initial-cluster", initial, "--initial-cluster-state", "new",
-                 "--heartbeat-interval", "50", "--election-timeout", "500"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-        deadline = time.monotonic() + 30
-        for n in self.names:
-            while not self._healthy(n):
-                assert time.monotonic() < deadline, f"etcd member {n} did not start"
-                time.sleep(0.1)
+        try:
+            for n in self.names:
+                url = f"http://127.0.0.1:{self.client[n]}"
+                with open(self.logs[n], "wb") as log:
+                    self.procs[n] = subprocess.Popen(
+                        ["etcd", "--name", n, "--data-dir", str(root / n),
+                         "--listen-client-urls", url, "--advertise-client-urls", url,
+                         "--listen-peer-urls", f"http://127.0.0.1:{peer[n]}",
+                         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer[n]}",
+                         "--initial-cluster", initial, "--initial-cluster-state", "new",
+                         "--heartbeat-interval", "50", "--election-timeout", "500"],
+                        stdout=subprocess.DEVNULL, stderr=log,
+                    )  # fmt: skip
+            deadline = time.monotonic() + 60
+            for n in self.names:
+                while not self._healthy(n):
+                    if self.procs[n].poll() is not None or time.monotonic() > deadline:
+                        raise AssertionError(f"etcd member {n} did not start: {self._why(n)}")
+                    time.sleep(0.1)
+        except BaseException:
+            self.close()
+            raise
+
+    def _why(self, name: str) -> str:
+        code = self.procs[name].poll()
+        state = "still running, not healthy" if code is None else f"exited {code}"
+        tail = self.logs[name].read_text(errors="replace").splitlines()[-5:]
+        return f"{state}; its log ends:\n" + "\n".join(tail)
 
     def _healthy(self, name: str) -> bool:
         try:
@@ -190,3 +213,22 @@ def test_the_simulator_counts_the_same_per_node_figures_on_etcd(three: Cluster) 
     run = simulate_join(8, "steadfast", keep_alive=1, window=1, processes=0, etcd=endpoints)
     tcp = simulate_join(8, "steadfast", keep_alive=1, window=1, processes=0)
     assert run.join.count == tcp.join.count <= 8, (run.join, tcp.join)
+
+
+def test_a_cluster_that_does_not_start_names_the_member_and_leaves_none_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The harness itself: a member whose client port is taken exits, the cluster fails
+    naming it and its log, and the members that did start are stopped (the no_leaks
+    check around this test sees no child left)."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = _free_ports(6)
+    ports[1] = int(taken.getsockname()[1])  # m1's client port
+    monkeypatch.setattr(f"{__name__}._free_ports", lambda count: ports[:count])
+    try:
+        with pytest.raises(AssertionError, match=r"etcd member m1 did not start: exited"):
+            Cluster(tmp_path, 3)
+    finally:
+        taken.close()
