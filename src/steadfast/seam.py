@@ -49,6 +49,12 @@ Touch points and why each is needed:
   the launcher's flags take a value.
 - :func:`thread_frame`: the frame a thread runs now (``sys._current_frames``), for a
   rank's stack read by steadfast.progress's thread while the main thread waits in C.
+- :func:`on_compile`: torch.compile's own start and end callbacks
+  (``torch._dynamo.callback_handler``: the outermost compilation of a frame, a lazy
+  backward's), for the compile phase of a worker's start (steadfast.progress.phases).
+- :func:`dataloader_iterator_type`: the base class of every ``DataLoader`` iterator
+  (``torch.utils.data.dataloader._BaseDataLoaderIter``), whose ``__next__`` the phases
+  time until the first iteration (the first batch), then restore.
 - :func:`interpreter_exit`: what the interpreter does at exit (``threading._shutdown``
   then ``atexit._run_exitfuncs``), for a worker forked from the template that returns
   instead of exiting.
@@ -81,7 +87,9 @@ __all__ = [
     "expire_rendezvous_nodes",
     "foreach_inf_norms",
     "import_dynamo",
+    "dataloader_iterator_type",
     "interpreter_exit",
+    "on_compile",
     "launch_agent",
     "option_actions",
     "process_group_stores",
@@ -313,6 +321,42 @@ def import_dynamo() -> bool:
     except Exception:
         return False
     return True
+
+
+def on_compile(start: Callable[[], None], end: Callable[[], None]) -> Callable[[], None] | None:
+    """Call ``start`` and ``end`` around each outermost torch.compile compilation (torch's
+    callback handler counts nested ones once); returns the function that removes them,
+    or None where ``torch._dynamo`` is not imported (nothing can compile yet without
+    importing it, which this never does: 1.6 s)."""
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo")
+    handler = getattr(dynamo, "callback_handler", None)
+    if handler is None:
+        return None
+
+    def on_start(_args: Any) -> None:
+        start()
+
+    def on_end(_args: Any) -> None:
+        end()
+
+    handler.register_start_callback(on_start)
+    handler.register_end_callback(on_end)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            handler.remove_start_callback(on_start)
+        with contextlib.suppress(ValueError):
+            handler.remove_end_callback(on_end)
+
+    return remove
+
+
+def dataloader_iterator_type() -> type[Any]:
+    """The base class of ``DataLoader``'s iterators (single- and multi-process), which
+    defines the ``__next__`` they share."""
+    return _module("torch.utils.data.dataloader")._BaseDataLoaderIter  # type: ignore[no-any-return]
 
 
 # ------------------------------------------------------------------------ the stdlib

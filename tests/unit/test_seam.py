@@ -462,3 +462,34 @@ def test_thread_frame_is_another_threads_current_frame() -> None:
     frame = seen[0]
     assert frame is not None and frame.f_code.co_filename.endswith("threading.py")  # type: ignore[attr-defined]
     assert seam.thread_frame(-1) is None
+
+
+def test_on_compile_brackets_each_outermost_compilation_once() -> None:
+    import torch
+
+    seam.import_dynamo()
+    calls: list[str] = []
+    remove = seam.on_compile(lambda: calls.append("start"), lambda: calls.append("end"))
+    assert remove is not None
+    try:
+        fn = torch.compile(lambda x: x * 2 + 1, backend="eager")
+        fn(torch.ones(3))
+        fn(torch.ones(3))  # cached: no compilation
+    finally:
+        remove()
+    assert calls == ["start", "end"]
+    torch.compile(lambda x: x - 1, backend="eager")(torch.ones(3))
+    assert calls == ["start", "end"]  # removed
+
+
+def test_dataloader_iterator_type_defines_every_iterators_next() -> None:
+    import torch
+    import torch.utils.data as data
+
+    base = seam.dataloader_iterator_type()
+    dataset = data.TensorDataset(torch.arange(4.0))
+    for workers in (0, 1):
+        it = iter(data.DataLoader(dataset, batch_size=2, num_workers=workers))
+        assert isinstance(it, base) and type(it).__next__ is base.__next__
+        assert next(it)[0].tolist() == [0.0, 1.0]
+        del it

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..config import ConfigError, require_number
 from ..dist import group_rank
+from ..progress.phases import loading
 from .collectives import Coordinator
 from .fencing import CheckpointFenced
 from .layout import MANIFEST, STATE_FILE, CheckpointError, remove_stale, verify, write_manifest
@@ -285,7 +286,7 @@ class CheckpointManager:
             return None
         step, state = loaded
         gpu = gpu_job()  # then into the live GPU tensors, through pinned chunks
-        with Uploader() as up:
+        with loading(), Uploader() as up:
             for key, obj in objects.items():
                 if key not in state:
                     logger.warning("checkpoint step %d has no %r; it is not restored", step, key)
@@ -299,7 +300,8 @@ class CheckpointManager:
 
     def _load(self, request: LoadRequest) -> tuple[int, dict[str, Any]] | None:
         self.wait()
-        loaded = self._loader.load(request)
+        with loading():  # the checkpoint-load phase of a worker's start
+            loaded = self._loader.load(request)
         if loaded is None:
             return None
         step, state, self.loaded_path = loaded

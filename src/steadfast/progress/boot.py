@@ -13,15 +13,17 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 
 from .probe import install
 
 
 def main() -> None:
+    began = time.monotonic()  # the interpreter's own start before it: a few ms
     args = sys.argv[1:]
     if not args:
         raise SystemExit("usage: python -m steadfast.progress.boot (script.py | -m module) ...")
-    install()
+    install(began)
     if args[0] == "-m" and len(args) >= 2:
         sys.argv = [args[1], *args[2:]]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)

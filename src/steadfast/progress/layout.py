@@ -46,6 +46,21 @@ TEXT_LEN = 13  # bytes of the stack text
 STEP_RING = 16  # STEP_RING + (n % RING): the monotonic end of iteration n
 RING = 64
 FWD_RING = STEP_RING + RING  # FWD_RING + (n % RING): the n-th forward's seconds
+# the phases of the worker's start (steadfast.progress.phases), until its first iteration
+PH_STARTED = FWD_RING + RING  # monotonic time the hooks went in (the process's start)
+PH_WALL = PH_STARTED + 1  # time.time() - time.monotonic() in the worker at that moment
+PH_IMPORTS = PH_STARTED + 2  # seconds in the main thread's outermost imports
+PH_PG_BEGIN = PH_STARTED + 3  # monotonic: the first init_process_group called
+PH_PG = PH_STARTED + 4  # seconds in init_process_group (every call)
+PH_LOAD = PH_STARTED + 5  # seconds loading a checkpoint (torch.load, steadfast's loads)
+PH_COMPILE = PH_STARTED + 6  # seconds in torch.compile's compilations
+PH_BATCH = PH_STARTED + 7  # seconds getting batches from a DataLoader
+PH_FIRST_FORWARD = PH_STARTED + 8  # monotonic: the top module's first forward began
+PH_LOAD_AT = PH_STARTED + 9  # PH_LOAD, PH_COMPILE, PH_BATCH as they were at that moment
+PH_COMPILE_AT = PH_STARTED + 10
+PH_BATCH_AT = PH_STARTED + 11
+PH_DONE = PH_STARTED + 12  # 1: the first iteration ended and the phases are final
+PH_END = PH_STARTED + 13
 TEXT_OFFSET = 2048  # bytes: the stack text, frames outermost first, one per line
 TEXT_BYTES = 2048
 
@@ -56,7 +71,7 @@ FLAG_FORWARD_STEPS = 8  # no optimizer step seen outside compiled code: forwards
 FLAG_TOP = 16  # the top module is found and hooked
 FLAG_OWN_STRAGGLERS = 32  # the script runs steadfast's straggler Detector: its reports rule
 
-assert FWD_RING + RING <= TEXT_OFFSET // 8
+assert PH_END <= TEXT_OFFSET // 8
 
 
 @dataclass(frozen=True)

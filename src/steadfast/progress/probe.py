@@ -85,10 +85,12 @@ _installed: Probe | None = None
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-def install() -> Probe | None:
+def install(began: float | None = None) -> Probe | None:
     """Install the hooks and the stack thread in this worker, once, where the launcher
     asked for them (``$STEADFAST_WATCH_PROGRESS=1`` and a heartbeat table); never raises:
-    a worker runs its script whatever happens here."""
+    a worker runs its script whatever happens here. ``began``: the monotonic time the
+    process began, where that was before this call (a plain process imports torch
+    first: imports, in its phases)."""
     global _installed
     if _installed is not None or os.environ.get(PROGRESS_ENV) != "1":
         return _installed
@@ -100,7 +102,7 @@ def install() -> Probe | None:
         row = int(os.environ.get("LOCAL_RANK", "0"))
         table = HeartbeatTable.attach(path, row)
         probe = Probe(table, row, str(ask_path(path, row)))
-        probe.start()
+        probe.start(began)
     except Exception as exc:  # no table (a plain run), no torch: nothing to watch
         logger.debug("progress hooks not installed: %s", exc)
         return None
@@ -162,9 +164,15 @@ class Probe:
         self._main = threading.main_thread().ident or 0
         self._is_compiling: Any = None
         self._grad_enabled: Any = None
+        self.phases: Any = None  # the PhaseClock of this worker's start
 
     # ------------------------------------------------------------------ set-up
-    def start(self) -> None:
+    def start(self, began: float | None = None) -> None:
+        from .phases import PhaseClock
+
+        self.phases = PhaseClock(self.slots)
+        with contextlib.suppress(Exception):  # the phases are a report, never in the way
+            self.phases.start(began)
         import torch
         from torch.nn.modules.module import register_module_forward_pre_hook
         from torch.optim.optimizer import (
@@ -193,6 +201,8 @@ class Probe:
         from ..events import writer
 
         self.active = False
+        if self.phases is not None:
+            self.phases.finish()
         for handle in (*self._opt_handles, *self._search_handles, *self._top_handles):
             handle.remove()
         self._opt_handles, self._search_handles, self._top_handles = [], [], []
@@ -212,6 +222,8 @@ class Probe:
         """A process forked from the worker (a DataLoader worker) is not the rank: it
         writes nothing into the rank's row."""
         self.active = False
+        if self.phases is not None:
+            self.phases.done = True  # its timers write nothing either
 
     def _own_step(self) -> None:
         self.note(FLAG_OWN_STEPS)
@@ -240,6 +252,8 @@ class Probe:
         s[STEP_RING + n % RING] = now
         if n == 1:
             s[FIRST_STEP] = now
+            if self.phases is not None:
+                self.phases.finish()
         s[LAST_STEP] = now
         self._steps = n
         s[STEPS] = float(n)  # published after its ring entry
@@ -324,7 +338,10 @@ class Probe:
     def _fwd_pre(self, module: Any, args: Any) -> None:
         if self._is_compiling() or not self.active:
             return
-        self._mark(time.monotonic())
+        now = time.monotonic()
+        self._mark(now)
+        if self._forwards == 0 and self.phases is not None:
+            self.phases.first_forward(now)
         if self._flags & FLAG_CUDA:
             self._collect_cuda()
             pair = self._cuda_free.pop() if self._cuda_free else self._cuda_pair()
