@@ -59,6 +59,7 @@ class Kind(str, Enum):
     NODE_ISOLATED = "node_isolated"
     LAUNCHER_START = "launcher_start"
     WORKERS_STARTED = "workers_started"
+    FIRST_STEP = "first_step"
     WORKERS_EXITED = "workers_exited"
     LAUNCHER_END = "launcher_end"
     EXIT_BARRIER = "exit_barrier"
@@ -259,6 +260,26 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "node_rank": "this node's rank in the round", "nodes": "nodes in the round",
         "world_size": "ranks in the round", "ranks": "the global ranks started here",
         "pids": "their process ids",
+        "health_check": "seconds of the node's health check before the rendezvous",
+        "rendezvous": "[began, ended] epoch seconds of the rendezvous that formed this round",
+        "spawn": "epoch seconds the launcher began starting the workers",
+    }),
+    (Kind.FIRST_STEP, "a node's lowest rank finished the first iteration of a generation: "
+     "where its time went from its process start (steadfast.progress.phases; seconds, "
+     "and epoch seconds for the points in time)", {
+        "local_rank": _WORKER["local_rank"], "worker_pid": _WORKER["worker_pid"],
+        "generation": "the launcher's generation",
+        "process_start": "epoch seconds the worker began",
+        "first_forward": "epoch seconds its top module's first forward began",
+        "first_step_end": "epoch seconds its first iteration ended",
+        "imports": "seconds in the main thread's outermost imports",
+        "init_process_group": "seconds in init_process_group",
+        "checkpoint_load": "seconds loading a checkpoint (torch.load, DCP, steadfast's)",
+        "compile": "seconds in torch.compile's compilations",
+        "first_batch": "seconds getting batches from a DataLoader",
+        "setup": "the rest before the first forward: model build and the script's other "
+        "work, not told apart",
+        "first_step": "the rest from the first forward to the first iteration's end",
     }),
     (Kind.WORKERS_EXITED, "this node's workers of a generation ended (cause: succeeded, "
      "failed, stopped: by the launcher after a fault elsewhere, a lost node or a node "

@@ -67,8 +67,8 @@ from .failures import (
     first_failures,
     rerun_exit_code,
     stopped_failures,
-    worker_exits,
 )
+from .generations import Generations, wall_times
 from .job_end import exit_barrier, hung_at_end
 from .nodes import Loss, NodeRoster, health_check
 from .nodes.culprit import Verdict, node_claim, rank_claim
@@ -148,9 +148,7 @@ class FTAgent(LocalElasticAgent):
         self.no_progress_restarts = 0
         self.restarts = 0
         self._client_seen = False
-        # the running generation's workers_started (time, pids by local rank, its
-        # group), until its workers_exited is written
-        self._generation: tuple[float, dict[int, int], WorkerGroup] | None = None
+        self.generations = Generations()  # workers_started / workers_exited, once each
         self.template: Template | None = None
         if ft.worker_template:  # importing torch, in parallel with the rendezvous
             self.template = take_prestarted() or Template()
@@ -205,8 +203,8 @@ class FTAgent(LocalElasticAgent):
         ``_shutdown`` on a signal or an error, not ``_stop_workers``): otherwise the log
         never ends it and the report counts it running until the launcher's end, past
         the generations after it."""
-        if self._generation is not None:
-            group = self._generation[2]
+        group = self.generations.group()
+        if group is not None:
             self._workers_exited(group, "stopped", stopped_failures(group))
 
     def _exit_barrier(self) -> None:
@@ -222,7 +220,7 @@ class FTAgent(LocalElasticAgent):
         ``job_end_timeout``, and this node's still run: a hang at the job's end (see
         :func:`.job_end.hung_at_end`). The workers are stopped, this node says goodbye
         (it is not a lost node) and the launcher ends: a restart would find no round."""
-        pids = self._generation[1] if self._generation is not None else {}
+        pids = self.generations.pids()
         exited = self.watcher.exit_times()
         running = [w for w in worker_group.workers if int(w.local_rank) not in exited]
         ranks = hung_at_end(running, pids, overrun, self.ft.job_end_timeout)
@@ -245,19 +243,24 @@ class FTAgent(LocalElasticAgent):
     # ------------------------------------------------------------------ life cycle hooks
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         handler = self.rendezvous.wrapped
-        problem = health_check(self.ft, self._gpus)
+        with self.generations.health_check():
+            problem = health_check(self.ft, self._gpus)
         if problem is not None:
             self._leave_unhealthy(*problem)
         if self.roster is not None:
             self.roster.leave_round()
         lost, self.lost = self.lost, []
         if not lost:
-            super()._rendezvous(worker_group)
+            with self.generations.rendezvous():
+                super()._rendezvous(worker_group)
         else:
             names = _nodes(loss.peer.host for loss in lost)
             hosts = sorted({loss.peer.host for loss in lost})
             try:
-                with self.rendezvous.join_timeout(self.ft.node_lost_timeout):
+                with (
+                    self.rendezvous.join_timeout(self.ft.node_lost_timeout),
+                    self.generations.rendezvous(),
+                ):
                     super()._rendezvous(worker_group)
             except RendezvousTimeoutError as exc:
                 raise NodeLostError(
@@ -312,6 +315,7 @@ class FTAgent(LocalElasticAgent):
             )
         from .template import template_start_processes
 
+        self.generations.spawning()
         # for this call, torch's agent starts script workers from the template (or as
         # plain processes with the progress hooks' boot)
         with seam.start_processes_from(template_start_processes(self.template)):
@@ -326,44 +330,17 @@ class FTAgent(LocalElasticAgent):
         return ids  # type: ignore[no-any-return]
 
     def _workers_started(self, worker_group: WorkerGroup, pids: Mapping[int, int]) -> None:
-        """``workers_started``: what this node runs in this round, for any script."""
-        self._generation = (time.time(), dict(pids), worker_group)
-        workers = sorted(worker_group.workers, key=lambda w: int(w.local_rank))
-        events.emit(
-            "workers_started",
-            generation=self.rounds,
-            restart_count=max(
-                0, worker_group.spec.max_restarts - seam.agent_remaining_restarts(self)
-            ),
-            node_rank=int(worker_group.group_rank or 0),
-            nodes=int(worker_group.group_world_size or 1),
-            world_size=int(workers[0].world_size) if workers else 0,
-            ranks=[int(w.global_rank) for w in workers],
-            pids=[pids.get(int(w.local_rank)) for w in workers],
-        )
+        restarts = worker_group.spec.max_restarts - seam.agent_remaining_restarts(self)
+        self.generations.started(worker_group, pids, self.rounds, max(0, restarts))
 
     def _workers_exited(
         self, worker_group: WorkerGroup, cause: str, failures: Mapping[int, Any] | None = None
     ) -> None:
-        """``workers_exited``: how and when each of this generation's workers ended
-        (once per generation; the exit times are the watcher's, ms resolution)."""
-        if self._generation is None:
-            return
-        started, pids, _ = self._generation
-        self._generation = None
-        self._keep_learned()
-        now_wall = time.time()
-        exits_at = _wall_times(self.watcher.exit_times())
-        stopped_at = now_wall if cause == "stopped" else None  # no longer watched
-        exits = worker_exits(worker_group, pids, failures or {}, exits_at, stopped_at)
-        last = max((float(t) for t in exits_at.values()), default=now_wall)
-        events.emit(
-            "workers_exited",
-            cause=cause,
-            generation=self.rounds,
-            exits=exits,
-            seconds=round(last - started, 6),
-        )
+        """``workers_exited`` of the running generation (once; the exit times are the
+        watcher's, ms resolution), after what its ranks learned is kept."""
+        if self.generations.running:
+            self._keep_learned()
+            self.generations.exited(cause, self.rounds, self.watcher.exit_times(), failures)
 
     def _keep_learned(self) -> None:
         """A generation ended: take in what its ranks learned (and, for a hang caught by
@@ -383,7 +360,7 @@ class FTAgent(LocalElasticAgent):
             logger.warning("could not keep the learned timeouts: %s", exc)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        running = self._generation is not None
+        running = self.generations.running
         self.watcher.unwatch()
         timeout = max(1, math.ceil(self.ft.workers_stop_timeout))
         seam.agent_shutdown(self, signal.SIGTERM, timeout)
@@ -466,7 +443,7 @@ class FTAgent(LocalElasticAgent):
                 self.roster.name,
                 int(self.get_worker_group().group_rank or 0),
                 failures,
-                _wall_times(exits),
+                wall_times(exits),
                 self.watcher.hung(),
                 first_failures(failures, exits),
                 detected=seen,
@@ -569,12 +546,6 @@ def _worker_stops(worker_group: WorkerGroup) -> dict[int, dict[str, Any]]:
     """The group's workers as stops (global rank -> their fields) for a fault's events,
     where the launcher stopped them itself (no exit code of their own)."""
     return {int(w.global_rank): {"local_rank": int(w.local_rank)} for w in worker_group.workers}
-
-
-def _wall_times(times: Mapping[int, float]) -> dict[int, float]:
-    """``time.monotonic()`` values (the watcher's) as epoch seconds."""
-    now_wall, now_mono = time.time(), time.monotonic()
-    return {k: now_wall - (now_mono - t) for k, t in times.items()}
 
 
 def _learned_path() -> Path | None:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import events
+from . import phases
 from .layout import FLAG_OWN_STEPS, FLAG_OWN_STRAGGLERS, forward_times, read, step_times
 
 __all__ = ["Reporter"]
@@ -80,6 +81,7 @@ class Reporter:
         self._fwd_read: dict[int, int] = {}
         self._fwd: dict[int, deque[float]] = {}
         self._stragglers: frozenset[int] = frozenset()
+        self._phases_written = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="steadfast-progress", daemon=True)
@@ -104,6 +106,7 @@ class Reporter:
             self._fwd_read = dict.fromkeys(pids, 0)
             self._fwd = {local: deque(maxlen=_KEEP) for local in pids}
             self._stragglers = frozenset()
+            self._phases_written = False
 
     def unwatch(self) -> None:
         """The generation ends: what it did is written now."""
@@ -126,6 +129,7 @@ class Reporter:
             if not self._pids:
                 return
             self._read_steps()
+            self._first_step()
             scores = self._scores()
         if time.monotonic() - self._flushed >= FLUSH:
             self.flush()
@@ -159,6 +163,7 @@ class Reporter:
         """Write the steps read and not yet written."""
         with self._lock:
             self._read_steps()
+            self._first_step()
             self._flush_locked()
 
     def _flush_locked(self) -> None:
@@ -177,6 +182,24 @@ class Reporter:
             base=self._base,
         )
         self._ends = []
+
+    def _first_step(self) -> None:
+        """``first_step`` once per generation: the lowest rank's phases, once final."""
+        if self._phases_written or not self._pids:
+            return
+        local = self._lowest()
+        found = phases.read(self.slots[local]) if local is not None else None
+        if local is None or found is None:
+            return
+        self._phases_written = True
+        events.emit(
+            "first_step",
+            rank=self.global_rank(local),
+            local_rank=local,
+            worker_pid=self._pids.get(local),
+            generation=self._generation,
+            **found,
+        )
 
     # ------------------------------------------------------------------ stragglers
     def _scores(self) -> dict[int, float] | None:
