@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from .goodput import (
     BADPUT_CAUSES,
     DETECTION_KINDS,
@@ -81,6 +83,7 @@ def format_report(report: GoodputReport, title: str = "") -> str:
         lines.extend(_generations(view))
     if view is not None and view.faults:
         lines.extend(_faults_seen(view))
+    lines.extend(_restarts(report))
     if report.faults:
         lines.append(f"  faults ({len(report.faults)} injected):")
         lines.append(
@@ -101,6 +104,27 @@ def format_report(report: GoodputReport, title: str = "") -> str:
         lines.append(f"  note: {problem}")
     lines.append(f"  verdict: {_verdict(report)}")
     return "\n".join(lines)
+
+
+def _restarts(report: GoodputReport) -> list[str]:
+    """Each restart: what it was for, its seconds to the first step, its phases."""
+    if not report.restarts_phases:
+        return []
+    lines = [f"  restarts, fault to first step ({len(report.restarts_phases)}):"]
+    for i, r in enumerate(report.restarts_phases, 1):
+        nodes = len(r["nodes"])
+        where = f"{r['node']}" + (f", last of {nodes} nodes" if nodes > 1 else "")
+        total = "not back" if r["seconds"] is None else f"{r['seconds']:.2f} s"
+        lines.append(f"    {i}. {r['kind']}, {r['what']} ({where}): {total}")
+        parts = [
+            f"{name} {seconds:.3f}"
+            + (f" ({r['tier']})" if name == "checkpoint_load" and r["tier"] else "")
+            for name, seconds in r["phases"].items()
+        ]
+        lines.extend(textwrap.wrap(", ".join(parts), 96, initial_indent=" " * 7,
+                                   subsequent_indent=" " * 7))  # fmt: skip
+        lines.extend(f"       note: {note}" for note in r["notes"])
+    return lines
 
 
 def _launchers_split(view: LauncherView, wall: float) -> list[str]:

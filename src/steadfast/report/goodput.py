@@ -41,6 +41,7 @@ from typing import Any
 from .. import events as ev
 from ..faults import FaultKind
 from .launchers import LauncherView, launcher_view
+from .restarts import restarts as restart_phases
 from .steps import seen_steps
 
 __all__ = [
@@ -126,6 +127,8 @@ class GoodputReport:
     #: what the launchers recorded (any script): generations, faults seen, the wall
     #: time's split; None for a run without ``steadfast launch`` (or an older log)
     launchers: LauncherView | None = None
+    #: every restart, phase by phase (:mod:`.restarts`; ``Restart.to_dict()`` each)
+    restarts_phases: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def reports_steps(self) -> bool:
@@ -309,6 +312,7 @@ def compute_report(
         nodes=nodes,
         incarnations=_incarnations(evs),
         launchers=view,
+        restarts_phases=[r.to_dict() for r in restart_phases(evs)],
     )
 
 

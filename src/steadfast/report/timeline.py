@@ -15,6 +15,7 @@ from typing import Any
 from .. import events as ev
 from .goodput import DETECTION_KINDS
 from .launchers import as_list
+from .restarts import Restart, restarts
 from .timeline_nodes import (
     CULPRIT,
     MARK_COLOURS,
@@ -23,6 +24,7 @@ from .timeline_nodes import (
     is_multinode,
     node_layout,
 )
+from .timeline_restarts import LABEL, draw_restarts
 
 __all__ = ["plot_timeline"]
 
@@ -44,17 +46,18 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
         raise ImportError("the timeline needs matplotlib: pip install 'steadfast[report]'") from exc
     if not events:
         raise ValueError("no events to draw")
+    found = restarts(sorted(events, key=lambda e: e.time))
     if is_multinode(events):
-        return _plot_multinode(plt, node_layout(events), Path(path), title)
+        return _plot_multinode(plt, node_layout(events), Path(path), title, found)
     if not any(e.kind == ev.Kind.STEP_DONE for e in events) and any(
         e.kind == ev.Kind.WORKERS_STARTED for e in events
     ):
-        return _plot_nodes(plt, events, Path(path), title)
+        return _plot_nodes(plt, events, Path(path), title, found)
     starts = [e.get("process_start") for e in events if e.kind == ev.Kind.JOB_START]
     t0 = min([events[0].time] + [float(s) for s in starts if s is not None])
     ranks = sorted({e.rank for e in events if e.rank is not None})
     lane = {r: i for i, r in enumerate(ranks)}
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.9 * max(1, len(ranks))))
+    fig, ax = plt.subplots(figsize=(12, 2.2 * bool(found) + 1.2 + 0.9 * max(1, len(ranks))))
     try:
         for r in ranks:
             mine = [e for e in events if e.rank == r]
@@ -89,8 +92,10 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
                 ax.axvline(e.time - t0, color="red", linestyle=":", linewidth=1)
             if e.kind == ev.Kind.RESTART:
                 ax.axvline(e.time - t0, color="purple", linestyle="--", linewidth=1)
-        ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
-        ax.set_ylim(-0.8, len(ranks) - 0.2 + 0.6)
+        phases = draw_restarts(ax, found, t0, -1)
+        ax.set_yticks(range(-1 if found else 0, len(ranks)),
+                      [LABEL] * bool(found) + [f"rank {r}" for r in ranks])  # fmt: skip
+        ax.set_ylim(-1.8 if found else -0.8, len(ranks) - 0.2 + 0.6)
         ax.set_xlabel("seconds since the first process started")
         ax.set_title(title or "steadfast run timeline", fontsize=10)
         from matplotlib.lines import Line2D
@@ -106,6 +111,7 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
                     [], [], marker=">", color="black", linestyle="", label="process start, start-up"
                 ),
                 Line2D([], [], color="purple", linestyle="--", label="in-job restart"),
+                *phases,
             ],
             loc="upper center",
             bbox_to_anchor=(0.5, -0.25),
@@ -116,7 +122,7 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
         fig.tight_layout()
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=110)
+        fig.savefig(out, dpi=110, bbox_inches="tight")
         return out
     finally:
         plt.close(fig)
@@ -125,7 +131,9 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
 _NODE_OUTCOME_COLOURS = {"succeeded": "tab:blue", "stopped": "tab:gray", "failed": "tab:red"}
 
 
-def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path:
+def _plot_nodes(
+    plt: Any, events: list[ev.Event], out: Path, title: str, found: list[Restart]
+) -> Path:
     """One lane per node, from the launchers' events (a script that reports no steps)."""
     t0 = min(e.time for e in events)
     nodes = list(
@@ -142,7 +150,7 @@ def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path
         for e in events
         if e.kind == ev.Kind.NODE_LOST
     }
-    fig, ax = plt.subplots(figsize=(12, 1.4 + 0.8 * max(1, len(nodes))))
+    fig, ax = plt.subplots(figsize=(12, 2.2 * bool(found) + 1.4 + 0.8 * max(1, len(nodes))))
     try:
         started: dict[tuple[str, int], float] = {}
         open_bars: dict[tuple[str, int], float] = {}  # started, never seen to exit
@@ -200,8 +208,9 @@ def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path
                     ax.plot(x, lane[node], "D", color="green", markersize=8)
                     ax.annotate(f"{node} joins", (x, lane[node] - 0.48), fontsize=7,
                                 color="green")  # fmt: skip
-        ax.set_yticks([lane[n] for n in nodes], nodes)
-        ax.set_ylim(-0.8, len(nodes) - 0.2 + 0.6)
+        phases = draw_restarts(ax, found, t0, -1)
+        ax.set_yticks([-1] * bool(found) + [lane[n] for n in nodes], [LABEL] * bool(found) + nodes)
+        ax.set_ylim(-1.8 if found else -0.8, len(nodes) - 0.2 + 0.6)
         ax.set_xlabel("seconds since the first launcher started")
         ax.set_title(title or "steadfast run timeline (by node: the script reports no steps)",
                      fontsize=10)  # fmt: skip
@@ -219,6 +228,7 @@ def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path
                 Line2D([], [], marker="D", color="green", linestyle="", label="node joined"),
                 Line2D([], [], marker=">", color="black", linestyle="", label="launcher start"),
                 Line2D([], [], marker="|", color="black", linestyle="", label="launcher end"),
+                *phases,
             ],
             loc="upper center",
             bbox_to_anchor=(0.5, -0.25),
@@ -228,7 +238,7 @@ def _plot_nodes(plt: Any, events: list[ev.Event], out: Path, title: str) -> Path
         )
         fig.tight_layout()
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=110)
+        fig.savefig(out, dpi=110, bbox_inches="tight")
         return out
     finally:
         plt.close(fig)
@@ -258,7 +268,9 @@ def _pale(colour: str, alpha: float) -> tuple[float, float, float]:
     return (1 - alpha + alpha * r, 1 - alpha + alpha * g, 1 - alpha + alpha * b)
 
 
-def _plot_multinode(plt: Any, layout: NodeLayout, out: Path, title: str) -> Path:
+def _plot_multinode(
+    plt: Any, layout: NodeLayout, out: Path, title: str, found: list[Restart]
+) -> Path:
     """Draw ``layout`` (see :mod:`.timeline_nodes`): a band per node, a lane per seat."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -266,6 +278,7 @@ def _plot_multinode(plt: Any, layout: NodeLayout, out: Path, title: str) -> Path
     lanes = layout.lanes
     rows = max((m.tier for m in layout.marks), default=-1) + 1
     low, high = min(lane.y for lane in lanes), max(lane.y for lane in lanes)
+    low -= bool(found)  # the restarts' lane below the lowest
     top = high + 0.55 + 0.42 * rows
     height = 1.9 + 0.36 * (top - low + 1)
     fig, ax = plt.subplots(figsize=(12, height))
@@ -316,7 +329,9 @@ def _plot_multinode(plt: Any, layout: NodeLayout, out: Path, title: str) -> Path
                         va="center", fontsize=8, color=CULPRIT, fontweight="bold", zorder=7,
                         bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": CULPRIT,
                               "alpha": 0.9})  # fmt: skip
-        ax.set_yticks([lane.y for lane in lanes], [lane.label for lane in lanes], fontsize=8)
+        handles_phases = draw_restarts(ax, found, layout.t0, low)
+        ticks = [(low, LABEL)] * bool(found) + [(lane.y, lane.label) for lane in lanes]
+        ax.set_yticks([y for y, _ in ticks], [label for _, label in ticks], fontsize=8)
         ax.set_ylim(low - 0.7, top + 0.3)
         ax.set_xlim(-0.01 * layout.end, layout.end * 1.01)
         ax.set_xlabel("seconds since the first launcher started")
@@ -337,6 +352,7 @@ def _plot_multinode(plt: Any, layout: NodeLayout, out: Path, title: str) -> Path
         for what in dict.fromkeys(m.what for m in layout.marks):
             handles.append(Line2D([], [], color=MARK_COLOURS[what], linestyle="--",
                                   label=_MARK_NAMES[what]))  # fmt: skip
+        handles.extend(handles_phases)
         below = -0.5 / (height - 1.2)  # under the axis' label, however tall the axes
         ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, below), ncol=4,
                   fontsize=8, frameon=False)  # fmt: skip

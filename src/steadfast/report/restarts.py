@@ -1,0 +1,345 @@
+"""Every restart, phase by phase: from the fault to the first iteration after it, each
+second put in exactly one phase, from what the launchers and the workers' progress
+hooks wrote (no line of the script needed).
+
+A restart is seen on each node that restarted: a launcher's generation after one that
+failed or was stopped (an in-job restart, a lost node's survivors, a spare's first
+round), a launcher's first generation after an earlier incarnation of the job ended (a
+Slurm requeue), or an in-process restart (``inprocess_restart``). The nodes' restarts of
+one fault are one job restart; its figure is the node that was back last (the job steps
+again only when every rank does).
+
+The phases, in order (:data:`PHASES`); each is measured, never estimated. What cannot
+be told apart is one phase, named for all it holds (``setup``, ``launcher``), and a
+phase the log does not time is absent, not zero: an older log, a script whose first
+iteration no hook saw. The launcher's phases come from ``workers_started`` (health
+check, rendezvous, spawn) and ``workers_exited`` (the old workers' exits); the worker's
+from ``first_step`` (steadfast.progress.phases); the fault and its detection from the
+first of ``fault_injected``, ``fault_culprit``, ``rank_hung``, ``hang_confirmed``,
+``rank_failed``, ``node_lost``, ``node_isolated``, a preemption's signal or a node
+joining.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import events as ev
+
+__all__ = ["PHASES", "NodeRestart", "Restart", "restarts"]
+
+#: Every phase a restart's time is split into, in order, with what it holds.
+PHASES: dict[str, str] = {
+    "detection": "the fault to its detection",
+    "stopping": "stopping the old workers (the detection to the last one's exit)",
+    "requeue": "Slurm: the old incarnation's end, the queue, the new launcher's start",
+    "health_check": "the node's health check before the rendezvous",
+    "rendezvous": "the rendezvous that formed the new round",
+    "launcher": "the launcher's own work between the phases above (not told apart)",
+    "process_start": "the spawn to the worker's first instruction",
+    "imports": "the main thread's imports",
+    "init_process_group": "init_process_group",
+    "setup": "model build and the script's other work before its first forward (not told apart)",
+    "checkpoint_load": "loading the checkpoint (with its tier)",
+    "first_batch": "the DataLoader's first batches",
+    "compile": "torch.compile's compilations",
+    "first_step": "the first iteration, less the compile and batches inside it",
+    "inprocess_restart": "in-process: abort, barrier and re-entry of the wrapped function "
+    "(not told apart)",
+    "inprocess_first_step": "in-process: the re-entry to the first step (the process group, "
+    "the restore and the step, not told apart)",
+}
+
+_WORKER_PHASES = (
+    "imports", "init_process_group", "setup", "checkpoint_load", "first_batch", "compile",
+    "first_step",
+)  # fmt: skip
+
+
+@dataclass
+class NodeRestart:
+    """One node's restart: its launcher (host, pid), what it restarted for, the fault's
+    time, the first iteration's end (None: never seen), and the phases' seconds."""
+
+    kind: str  # in-job, requeue, in-process
+    host: str
+    launcher_pid: int | None
+    generation: int | None
+    what: str
+    fault_time: float
+    end: float | None
+    phases: dict[str, float] = field(default_factory=dict)
+    tier: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.end is None else self.end - self.fault_time
+
+
+@dataclass
+class Restart:
+    """One job restart: its nodes' restarts, and the one that was back last."""
+
+    nodes: list[NodeRestart]
+
+    @property
+    def last(self) -> NodeRestart:
+        done = [n for n in self.nodes if n.end is not None]
+        return max(done, key=lambda n: n.end or 0.0) if done else self.nodes[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        last = self.last
+        return {
+            "kind": last.kind,
+            "what": last.what,
+            "fault_time": last.fault_time,
+            "seconds": last.seconds,
+            "phases": last.phases,
+            "tier": last.tier,
+            "notes": last.notes,
+            "node": last.host,
+            "nodes": [_node_dict(n) for n in self.nodes],
+        }
+
+
+def _node_dict(n: NodeRestart) -> dict[str, Any]:
+    return {
+        "kind": n.kind, "host": n.host, "generation": n.generation, "what": n.what,
+        "fault_time": n.fault_time, "end": n.end, "seconds": n.seconds,
+        "phases": n.phases, "tier": n.tier, "notes": n.notes,
+    }  # fmt: skip
+
+
+def restarts(evs: list[ev.Event]) -> list[Restart]:
+    """The run's restarts, in order (``evs`` sorted by time)."""
+    by_launcher: dict[tuple[str, int | None], list[ev.Event]] = defaultdict(list)
+    for e in evs:
+        by_launcher[(str(e.fields.get("host") or ""), e.fields.get("pid"))].append(e)
+    found: list[NodeRestart] = []
+    for key, own in by_launcher.items():
+        found.extend(_in_job(key, own, evs))
+        found.extend(_in_process(key, own, evs))
+    return _group(found)
+
+
+def _group(found: list[NodeRestart]) -> list[Restart]:
+    """Node restarts whose windows overlap are one job restart."""
+    out: list[Restart] = []
+    reach = float("-inf")
+    for n in sorted(found, key=lambda n: n.fault_time):
+        if out and n.fault_time <= reach:
+            out[-1].nodes.append(n)
+        else:
+            out.append(Restart([n]))
+            reach = float("-inf")
+        reach = max(reach, n.end or n.fault_time)
+    return out
+
+
+# ---------------------------------------------------------------------- in-job, requeue
+def _in_job(
+    key: tuple[str, int | None], own: list[ev.Event], evs: list[ev.Event]
+) -> list[NodeRestart]:
+    started = [e for e in own if e.kind == ev.Kind.WORKERS_STARTED]
+    exited = [e for e in own if e.kind == ev.Kind.WORKERS_EXITED]
+    firsts = {e.get("worker_pid"): e for e in own if e.kind == ev.Kind.FIRST_STEP}
+    out = []
+    for ws in started:
+        before = [x for x in exited if x.time <= ws.time]
+        requeue_from: ev.Event | None = None
+        if before:
+            prev = before[-1]
+        else:  # this launcher's first round: after an earlier incarnation of the job?
+            earlier = _previous_incarnation(own, evs)
+            if earlier is None:
+                continue
+            prev = requeue_from = earlier
+        if prev.cause == "succeeded":
+            continue
+        prev_key = (str(prev.fields.get("host") or ""), prev.fields.get("pid"))
+        window_start = _generation_start(evs, prev_key, prev)
+        what, fault, detected = _fault(evs, prev_key, window_start, prev, ws)
+        first = next((firsts[p] for p in ws.get("pids") or [] if p in firsts), None)
+        out.append(_phases(key, ws, prev, first, requeue_from, what, fault, detected, own))
+    return out
+
+
+def _previous_incarnation(own: list[ev.Event], evs: list[ev.Event]) -> ev.Event | None:
+    """The last generation another launcher ended before this one started, where that
+    launcher's job went on in this one (a requeue: the same run, another incarnation)."""
+    start = next((e for e in own if e.kind == ev.Kind.LAUNCHER_START), None)
+    if start is None or start.fields.get("slurm_restart") in (None, 0):
+        return None
+    pid = start.fields.get("pid")
+    ended = [
+        e
+        for e in evs
+        if e.kind == ev.Kind.WORKERS_EXITED and e.time <= start.time and e.fields.get("pid") != pid
+    ]
+    return ended[-1] if ended else None
+
+
+def _generation_start(evs: list[ev.Event], key: tuple[str, int | None], exited: ev.Event) -> float:
+    starts = [
+        e.time
+        for e in evs
+        if e.kind == ev.Kind.WORKERS_STARTED
+        and (str(e.fields.get("host") or ""), e.fields.get("pid")) == key
+        and e.get("generation") == exited.get("generation")
+        and e.time <= exited.time
+    ]
+    return starts[-1] if starts else exited.time
+
+
+def _exit_time(exited: ev.Event, rank: int | None) -> float | None:
+    for x in exited.get("exits") or []:
+        if x.get("rank") == rank and x.get("time"):
+            return float(x["time"])
+    return None
+
+
+def _fault(
+    evs: list[ev.Event],
+    key: tuple[str, int | None],
+    since: float,
+    exited: ev.Event,
+    restarted: ev.Event,
+) -> tuple[str, float, float]:
+    """What the restart was for, when the fault happened and when it was detected."""
+    faults: list[tuple[float, float, str]] = []  # (fault, detected, what)
+    injected: list[float] = []
+    for e in evs:
+        if e.time < since or e.time > restarted.time:
+            continue
+        mine = (str(e.fields.get("host") or ""), e.fields.get("pid")) == key
+        t = e.time
+        if e.kind == ev.Kind.FAULT_INJECTED and e.time <= exited.time:
+            injected.append(t)
+        elif not mine:
+            if e.kind in (ev.Kind.PREEMPTION_SIGNAL, ev.Kind.SHUTDOWN_REQUESTED):
+                faults.append((t, t, f"{e.kind} ({e.cause})"))
+            continue
+        elif e.kind == ev.Kind.FAULT_CULPRIT and e.time <= exited.time:
+            faults.append((float(e.get("fault_time") or t), float(e.get("detected") or t),
+                           f"{e.get('what')} on {e.get('node')} ({e.cause})"))  # fmt: skip
+        elif e.kind == ev.Kind.RANK_HUNG:
+            faults.append((t - float(e.get("elapsed") or 0.0), t, f"rank {e.rank} hung"))
+        elif e.kind == ev.Kind.HANG_CONFIRMED:
+            faults.append((t, t, f"rank {e.get('culprit')} hung ({e.cause})"))
+        elif e.kind == ev.Kind.RANK_FAILED:
+            at = _exit_time(exited, e.rank) or t
+            faults.append((min(at, t), t, f"rank {e.rank} failed ({e.cause})"))
+        elif e.kind == ev.Kind.NODE_LOST:
+            faults.append((t - float(e.get("latency") or 0.0), t, f"node {e.get('node')} lost"))
+        elif e.kind == ev.Kind.NODE_ISOLATED:
+            faults.append((t, t, f"this node cut off ({e.cause})"))
+        elif e.kind == ev.Kind.RESTART and e.cause == "membership_change":
+            faults.append((t, t, "a node joined"))
+    if not faults:
+        at = exited.time
+        return f"workers {exited.cause}", min([at, *injected]), at
+    fault = min([f for f, _, _ in faults] + injected)
+    detected = min(d for _, d, _ in faults)
+    what = min(faults, key=lambda f: f[1])[2]
+    return what, fault, max(detected, fault)
+
+
+def _phases(
+    key: tuple[str, int | None],
+    ws: ev.Event,
+    prev: ev.Event,
+    first: ev.Event | None,
+    requeue_from: ev.Event | None,
+    what: str,
+    fault: float,
+    detected: float,
+    own: list[ev.Event],
+) -> NodeRestart:
+    exits = [float(x["time"]) for x in prev.get("exits") or [] if x.get("time")]
+    stopped = max(exits, default=prev.time)
+    n = NodeRestart(
+        kind="requeue" if requeue_from is not None else "in-job",
+        host=key[0], launcher_pid=key[1], generation=ws.get("generation"), what=what,
+        fault_time=round(fault, 6), end=None,
+    )  # fmt: skip
+    p = n.phases
+    p["detection"] = detected - fault
+    p["stopping"] = max(0.0, stopped - detected)
+    start = next((e for e in own if e.kind == ev.Kind.LAUNCHER_START), None)
+    if requeue_from is not None and start is not None:
+        p["requeue"] = max(0.0, start.time - stopped)
+    rendezvous, spawn = ws.get("rendezvous"), ws.get("spawn")
+    if ws.get("health_check") is not None:
+        p["health_check"] = float(ws.get("health_check"))
+    if rendezvous:
+        p["rendezvous"] = float(rendezvous[1]) - float(rendezvous[0])
+    if first is None or spawn is None:
+        n.notes.append("no first iteration seen after it (or an older log): phases to the "
+                       "spawn only")  # fmt: skip
+        last = float(spawn) if spawn is not None else ws.time
+        p["launcher"] = max(0.0, last - fault - sum(p.values()))
+        return _rounded(n)
+    p["process_start"] = float(first.get("process_start")) - float(spawn)
+    for name in _WORKER_PHASES:
+        p[name] = float(first.get(name) or 0.0)
+    n.end = round(float(first.get("first_step_end")), 6)
+    rest = n.end - fault - sum(p.values())
+    p["launcher"] = max(0.0, rest)
+    if rest < -0.001:
+        n.notes.append(f"phases overlap by {-rest:.3f} s (clocks of different processes)")
+    loaded = [e for e in own if e.kind == ev.Kind.CHECKPOINT_LOADED and ws.time <= e.time <= n.end]
+    if loaded:
+        n.tier = str(loaded[0].get("tier") or "disk")
+    return _rounded(n)
+
+
+def _rounded(n: NodeRestart) -> NodeRestart:
+    n.phases = {k: round(n.phases[k], 6) for k in PHASES if k in n.phases}
+    return n
+
+
+# ---------------------------------------------------------------------- in-process
+def _in_process(
+    key: tuple[str, int | None], own: list[ev.Event], evs: list[ev.Event]
+) -> list[NodeRestart]:
+    """The in-process restarts of a worker process (its events: ``pid`` is the worker's):
+    the lowest rank's only, one per restart."""
+    ranks = [e.rank for e in own if e.kind == ev.Kind.INPROCESS_RESTART and e.rank is not None]
+    lowest = min((e.rank for e in evs if e.kind == ev.Kind.INPROCESS_RESTART
+                  and e.rank is not None), default=None)  # fmt: skip
+    if not ranks or lowest not in ranks:
+        return []
+    out = []
+    since = float("-inf")
+    for r in (e for e in own if e.kind == ev.Kind.INPROCESS_RESTART):
+        interrupted = [
+            e for e in own if e.kind == ev.Kind.INPROCESS_INTERRUPTED and since < e.time <= r.time
+        ]
+        detected = interrupted[0].time if interrupted else r.time
+        injected = [
+            e.time for e in evs if e.kind == ev.Kind.FAULT_INJECTED and since < e.time <= detected
+        ]
+        fault = min([detected, *injected])
+        what = f"in-process ({interrupted[0].cause})" if interrupted else "in-process"
+        step = next((e for e in own if e.kind == ev.Kind.STEP_DONE and e.time > r.time), None)
+        n = NodeRestart("in-process", key[0], key[1], r.get("iteration"), what, round(fault, 6),
+                        None)  # fmt: skip
+        n.phases["detection"] = detected - fault
+        n.phases["inprocess_restart"] = r.time - detected
+        if step is None:
+            n.notes.append("no step after it")
+        else:
+            n.end = round(step.time, 6)
+            loads = [e for e in own if e.kind == ev.Kind.CHECKPOINT_LOADED
+                     and r.time <= e.time <= step.time]  # fmt: skip
+            load = sum(float(e.get("seconds") or 0.0) for e in loads)
+            if loads:
+                n.tier = str(loads[0].get("tier") or "disk")
+                n.phases["checkpoint_load"] = load
+            n.phases["inprocess_first_step"] = max(0.0, step.time - r.time - load)
+        out.append(_rounded(n))
+        since = r.time
+    return out
