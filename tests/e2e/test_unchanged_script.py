@@ -145,6 +145,32 @@ def test_a_stopped_rank_is_named_and_the_run_goes_on_from_its_own_snapshot(
     # steps and goodput for a script that reports none: the launchers' count
     assert verdict["steps_done"] == int(STEPS) and verdict["productive_time"] > 0
     assert "rank 1 (" in text and "stopped (state T)" in text
+    assert_restart_phases(verdict, stopped_at, "rank 1 hung")
+    assert "restarts, fault to first step (1):" in text
+
+
+#: the phases of an in-job restart of this script: every one timed
+IN_JOB_PHASES = [
+    "detection", "stopping", "health_check", "rendezvous", "launcher", "process_start",
+    "imports", "init_process_group", "setup", "checkpoint_load", "first_batch", "compile",
+    "first_step",
+]  # fmt: skip
+
+
+def assert_restart_phases(verdict: dict[str, Any], fault_time: float, what: str) -> None:
+    """One in-job restart in the report, from the fault to the first iteration after it,
+    every second of it in one of its phases, the ones this script goes through seen."""
+    [restart] = verdict["restarts_phases"]
+    assert restart["kind"] == "in-job" and restart["what"].startswith(what), restart
+    phases = restart["phases"]
+    assert list(phases) == IN_JOB_PHASES, phases
+    assert all(seconds >= 0 for seconds in phases.values()), phases
+    assert sum(phases.values()) == pytest.approx(restart["seconds"], abs=1e-3)
+    assert abs(restart["fault_time"] - fault_time) < 1.0, (restart["fault_time"], fault_time)
+    # what the script did to start again: a process group, its snapshot, its batches
+    for name in ("process_start", "init_process_group", "checkpoint_load", "first_batch"):
+        assert phases[name] > 0, (name, phases)
+    assert phases["detection"] > 0 and phases["first_step"] > 0
 
 
 @pytest.mark.parametrize(
@@ -232,6 +258,8 @@ def test_compiled_model_and_step_are_counted_once_with_no_graph_break_or_recompi
         counters[name] = json.loads(line.removeprefix("dynamo "))
         if name == "hooks":
             assert steps_seen(evs) == 12
+            [first] = kinds(evs, "first_step")  # where the first iteration's time went
+            assert first["compile"] > 0 and first["first_step"] > 0, first
         else:
             assert not kinds(evs, "steps_seen")
     assert counters["hooks"].get("graph_break", {}) == counters["none"].get("graph_break", {})
