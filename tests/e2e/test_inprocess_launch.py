@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sfharness import read_events
+from steadfast.report import compute_report, load_events
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -69,3 +70,11 @@ def test_exception_is_recovered_in_process_under_steadfast_launch(
     got = torch.load(out, weights_only=True)
     for key, want in _reference().items():
         assert torch.equal(got[key], want), key
+    # the report's restart: the fault, the restart inside the processes, the next step
+    loaded, _ = load_events(event_log)
+    [restart] = compute_report(loaded).restarts_phases
+    assert restart["kind"] == "in-process" and "exception" in restart["what"], restart
+    phases = restart["phases"]
+    assert list(phases) == ["detection", "inprocess_restart", "inprocess_first_step"]
+    assert phases["inprocess_restart"] > 0 and phases["inprocess_first_step"] > 0, phases
+    assert sum(phases.values()) == pytest.approx(restart["seconds"], abs=1e-3)

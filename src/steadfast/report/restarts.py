@@ -315,16 +315,21 @@ def _in_process(
     out = []
     since = float("-inf")
     for r in (e for e in own if e.kind == ev.Kind.INPROCESS_RESTART):
+        # any rank's first record of the interruption: the one that saw the fault
         interrupted = [
-            e for e in own if e.kind == ev.Kind.INPROCESS_INTERRUPTED and since < e.time <= r.time
+            e for e in evs if e.kind == ev.Kind.INPROCESS_INTERRUPTED and since < e.time <= r.time
         ]
         detected = interrupted[0].time if interrupted else r.time
         injected = [
             e.time for e in evs if e.kind == ev.Kind.FAULT_INJECTED and since < e.time <= detected
         ]
         fault = min([detected, *injected])
-        what = f"in-process ({interrupted[0].cause})" if interrupted else "in-process"
-        step = next((e for e in own if e.kind == ev.Kind.STEP_DONE and e.time > r.time), None)
+        what = (
+            f"rank {interrupted[0].rank} interrupted ({interrupted[0].cause})"
+            if interrupted
+            else "interrupted"
+        )
+        step = _next_step(own, evs, str(key[0]), r.time)
         n = NodeRestart("in-process", key[0], key[1], r.get("iteration"), what, round(fault, 6),
                         None)  # fmt: skip
         n.phases["detection"] = detected - fault
@@ -332,14 +337,30 @@ def _in_process(
         if step is None:
             n.notes.append("no step after it")
         else:
-            n.end = round(step.time, 6)
+            n.end = round(step, 6)
             loads = [e for e in own if e.kind == ev.Kind.CHECKPOINT_LOADED
-                     and r.time <= e.time <= step.time]  # fmt: skip
+                     and r.time <= e.time <= step]  # fmt: skip
             load = sum(float(e.get("seconds") or 0.0) for e in loads)
             if loads:
                 n.tier = str(loads[0].get("tier") or "disk")
                 n.phases["checkpoint_load"] = load
-            n.phases["inprocess_first_step"] = max(0.0, step.time - r.time - load)
+            n.phases["inprocess_first_step"] = max(0.0, step - r.time - load)
         out.append(_rounded(n))
         since = r.time
     return out
+
+
+def _next_step(own: list[ev.Event], evs: list[ev.Event], host: str, after: float) -> float | None:
+    """When the first step after ``after`` ended: the process's own ``step_done``, else
+    the one its launcher saw (``steps_seen`` of the same host)."""
+    for e in own:
+        if e.kind == ev.Kind.STEP_DONE and e.time > after:
+            return e.time
+    ends = [
+        float(t)
+        for e in evs
+        if e.kind == ev.Kind.STEPS_SEEN and str(e.fields.get("host") or "") == host
+        for t in e.get("ends") or []
+        if float(t) > after
+    ]
+    return min(ends, default=None)
