@@ -236,6 +236,16 @@ def assert_the_report_tells_the_launchers_story(
     assert "goodput" in text and "steps kept" in text  # with no line of steadfast
     assert "node lost      node2" in text and "node4" in text
     assert "verdict: 1 fault(s) seen, each followed by a new generation" in text
+    # the restart, phase by phase: the survivors' (the spare's round is its first), from
+    # the loss to the first epoch's first iteration again, every second in one phase
+    (restart,) = report.restarts_phases
+    assert restart["kind"] == "in-job" and "node2" in restart["what"], restart
+    assert sorted(n["host"] for n in restart["nodes"]) == ["node1", "node3"], restart
+    phases = restart["phases"]
+    assert sum(phases.values()) == pytest.approx(restart["seconds"], abs=1e-3), phases
+    for name in ("detection", "rendezvous", "process_start", "init_process_group", "first_step"):
+        assert phases[name] > 0, (name, phases)
+    assert "restarts, fault to first step (1):" in text
     picture = plot_timeline(evs, bed.root / "timeline.png")
     assert picture.stat().st_size > 10_000
 
