@@ -144,6 +144,17 @@ def test_restarts_spent_the_job_requeues_itself_and_resumes(
     assert (summary["steps_done"], summary["generations"]) == (30, 3), summary
     assert (summary["restarts"], summary["requeues"]) == (1, 1), summary
     assert summary["all_recovered"] and len(summary["faults"]) == 2, summary
+    # both restarts phase by phase: in-job, then the requeue (its queue and the new
+    # launcher's start, its own phase), each from the kill to the first step again
+    kinds = [(r["kind"], r["what"]) for r in summary["restarts_phases"]]
+    assert kinds == [("in-job", "rank 1 failed (signal SIGKILL)")] * 1 + [
+        ("requeue", "rank 1 failed (signal SIGKILL)")
+    ], kinds
+    for restart in summary["restarts_phases"]:
+        phases = restart["phases"]
+        assert sum(phases.values()) == pytest.approx(restart["seconds"], abs=1e-3), restart
+        assert phases["checkpoint_load"] > 0 and restart["tier"] == "disk", restart
+    assert summary["restarts_phases"][1]["phases"]["requeue"] > 0
 
 
 def test_preemption_signal_saves_and_the_requeued_job_resumes(

@@ -163,7 +163,7 @@ def _in_job(
         window_start = _generation_start(evs, prev_key, prev)
         what, fault, detected = _fault(evs, prev_key, window_start, prev, ws)
         first = next((firsts[p] for p in ws.get("pids") or [] if p in firsts), None)
-        out.append(_phases(key, ws, prev, first, requeue_from, what, fault, detected, own))
+        out.append(_phases(key, ws, prev, first, requeue_from, what, fault, detected, own, evs))
     return out
 
 
@@ -210,6 +210,7 @@ def _fault(
 ) -> tuple[str, float, float]:
     """What the restart was for, when the fault happened and when it was detected."""
     faults: list[tuple[float, float, str]] = []  # (fault, detected, what)
+    signals: list[tuple[float, float, str]] = []  # a preemption's: when no fault is seen
     injected: list[float] = []
     for e in evs:
         if e.time < since or e.time > restarted.time:
@@ -220,7 +221,7 @@ def _fault(
             injected.append(t)
         elif not mine:
             if e.kind in (ev.Kind.PREEMPTION_SIGNAL, ev.Kind.SHUTDOWN_REQUESTED):
-                faults.append((t, t, f"{e.kind} ({e.cause})"))
+                signals.append((t, t, f"{e.kind} ({e.cause})"))
             continue
         elif e.kind == ev.Kind.FAULT_CULPRIT and e.time <= exited.time:
             faults.append((float(e.get("fault_time") or t), float(e.get("detected") or t),
@@ -238,6 +239,7 @@ def _fault(
             faults.append((t, t, f"this node cut off ({e.cause})"))
         elif e.kind == ev.Kind.RESTART and e.cause == "membership_change":
             faults.append((t, t, "a node joined"))
+    faults = faults or signals  # a signal to a worker: the cause only when no fault is
     if not faults:
         at = exited.time
         return f"workers {exited.cause}", min([at, *injected]), at
@@ -257,6 +259,7 @@ def _phases(
     fault: float,
     detected: float,
     own: list[ev.Event],
+    evs: list[ev.Event],
 ) -> NodeRestart:
     exits = [float(x["time"]) for x in prev.get("exits") or [] if x.get("time")]
     stopped = max(exits, default=prev.time)
@@ -290,7 +293,14 @@ def _phases(
     p["launcher"] = max(0.0, rest)
     if rest < -0.001:
         n.notes.append(f"phases overlap by {-rest:.3f} s (clocks of different processes)")
-    loaded = [e for e in own if e.kind == ev.Kind.CHECKPOINT_LOADED and ws.time <= e.time <= n.end]
+    loaded = [  # the node's lowest rank's, written by the worker itself
+        e
+        for e in evs
+        if e.kind == ev.Kind.CHECKPOINT_LOADED
+        and e.rank == first.rank
+        and str(e.fields.get("host") or "") == key[0]
+        and ws.time <= e.time <= n.end
+    ]
     if loaded:
         n.tier = str(loaded[0].get("tier") or "disk")
     return _rounded(n)
