@@ -44,7 +44,9 @@ Touch points and why each is needed:
   dtype) group, not one per parameter.
 - :func:`import_dynamo`: the worker template imports ``torch._dynamo`` ahead of the
   workers it forks (torch's optimizers import it on their first construction, ~1.6 s
-  per worker); optional, a worker that needs it imports it itself.
+  per worker) and Inductor's compiler (``torch._inductor.compile_fx``: ``torch.compile``
+  imports it on its first call, ~1.4 s per worker); optional, a worker that needs them
+  imports them itself.
 - :func:`option_actions`: argparse's option table of torchrun's parser, to know which of
   the launcher's flags take a value.
 - :func:`thread_frame`: the frame a thread runs now (``sys._current_frames``), for a
@@ -52,6 +54,9 @@ Touch points and why each is needed:
 - :func:`on_compile`: torch.compile's own start and end callbacks
   (``torch._dynamo.callback_handler``: the outermost compilation of a frame, a lazy
   backward's), for the compile phase of a worker's start (steadfast.progress.phases).
+- :func:`inductor_header_dir`: where Inductor keeps its precompiled C++ header
+  (``torch._inductor.codecache._HEADER_DIR``), which the job's compile cache shares
+  with spares (steadfast.launcher.compile_cache).
 - :func:`dataloader_iterator_type`: the base class of every ``DataLoader`` iterator
   (``torch.utils.data.dataloader._BaseDataLoaderIter``), whose ``__next__`` the phases
   time until the first iteration (the first batch), then restore.
@@ -70,6 +75,7 @@ import argparse
 import contextlib
 import signal
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 
@@ -87,6 +93,7 @@ __all__ = [
     "expire_rendezvous_nodes",
     "foreach_inf_norms",
     "import_dynamo",
+    "inductor_header_dir",
     "dataloader_iterator_type",
     "interpreter_exit",
     "on_compile",
@@ -315,9 +322,12 @@ def foreach_inf_norms(tensors: list[Any]) -> list[Any]:
 
 def import_dynamo() -> bool:
     """Import ``torch._dynamo`` now (ahead of forking workers that would each import it
-    on their first optimizer); False if it cannot be imported here (it is optional)."""
+    on their first optimizer), and Inductor's compiler (``torch._inductor.compile_fx``,
+    which ``torch.compile`` imports on its first call: 1.4 s a worker, in every
+    restart); False if they cannot be imported here (they are optional)."""
     try:
         _module("torch._dynamo")
+        _module("torch._inductor.compile_fx")
     except Exception:
         return False
     return True
@@ -351,6 +361,24 @@ def on_compile(start: Callable[[], None], end: Callable[[], None]) -> Callable[[
             handler.remove_end_callback(on_end)
 
     return remove
+
+
+def inductor_header_dir() -> Path:
+    """Where Inductor keeps its precompiled C++ header (``codecache._HEADER_DIR``: the
+    default cache folder, ``<tmp>/torchinductor_<user>/precompiled_headers``, whatever
+    ``TORCHINDUCTOR_CACHE_DIR`` says). Computed by the same rule, without importing
+    Inductor (2 s in a launcher that compiles nothing); a contract test compares."""
+    import getpass
+    import os
+    import re
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    user = re.sub(r'[\\/:*?"<>|]', "_", user)
+    return Path(tempfile.gettempdir()) / f"torchinductor_{user}" / "precompiled_headers"
 
 
 def dataloader_iterator_type() -> type[Any]:

@@ -15,7 +15,8 @@ The faults and loads a test asks for are the script's own doing, never steadfast
   save on slow storage) while the others wait in ``barrier()``.
 - ``--slow-rank R --slow-from S``: rank R's forward takes twice the pace from step S on
   (the time it began goes into ``--trace``).
-- ``--compile``: ``torch.compile`` on the model and on the optimizer's step (no DDP);
+- ``--compile``: ``torch.compile`` on the model and on the optimizer's step (no DDP),
+  with ``--compile-backend`` (``aot_eager`` by default: no C++ build in the tests);
   dynamo's counters go into ``--trace`` at the end.
 
 Rank 0 writes the final parameters to ``--out``.
@@ -82,6 +83,7 @@ def main() -> None:
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-from", type=int, default=-1)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile-backend", default="aot_eager")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -102,8 +104,8 @@ def main() -> None:
     if hangs:
         open(marker, "w").close()  # once per run: the restarted group does not hang
     if args.compile:
-        net = torch.compile(model, backend="aot_eager")
-        step_fn = torch.compile(optimizer.step, backend="aot_eager")
+        net = torch.compile(model, backend=args.compile_backend)
+        step_fn = torch.compile(optimizer.step, backend=args.compile_backend)
     else:
         net = DistributedDataParallel(model)
         step_fn = optimizer.step

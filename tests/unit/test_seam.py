@@ -429,7 +429,7 @@ def test_import_dynamo_imports_torch_dynamo() -> None:
         from steadfast import seam
         assert "torch._dynamo" not in sys.modules
         assert seam.import_dynamo() is True
-        assert "torch._dynamo" in sys.modules
+        assert "torch._dynamo" in sys.modules and "torch._inductor.compile_fx" in sys.modules
         print("ok")
         """
     )
@@ -493,3 +493,15 @@ def test_dataloader_iterator_type_defines_every_iterators_next() -> None:
         assert isinstance(it, base) and type(it).__next__ is base.__next__
         assert next(it)[0].tolist() == [0.0, 1.0]
         del it
+
+
+def test_inductor_header_dir_is_inductors_own() -> None:
+    done = _run_python(
+        """
+        from torch._inductor import codecache
+        from steadfast import seam
+        assert str(seam.inductor_header_dir()) == codecache._HEADER_DIR, codecache._HEADER_DIR
+        print("ok")
+        """
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -58,6 +58,7 @@ from ..config import ConfigError, FaultToleranceConfig
 from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
 from ..monitor.learned import LEARNED_FILE, Learned, learn_bits
 from ..progress.probe import PROGRESS_ENV
+from .compile_cache import CACHE_ENV, SHARED_NAME, CompileCache
 from .errors import JobEndHangError, NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
 from .failures import (
     describe,
@@ -138,7 +139,14 @@ class FTAgent(LocalElasticAgent):
         os.environ[MEMORY_DIR_ENV] = str(self.memory_dir.path)
         if ft.watch_progress:  # every worker's progress hooks (steadfast.progress)
             os.environ[PROGRESS_ENV] = "1"
+        run_dir = _run_dir()
+        self.compile_cache = CompileCache(
+            str(spec.rdzv_handler.get_run_id()), run_dir / SHARED_NAME if run_dir else None
+        )
+        os.environ.update(self.compile_cache.env())  # the workers' torch.compile cache
         self.watcher = Watcher(self.table, ft, global_rank=self._global_rank, whole_job=nnodes == 1)
+        if self.watcher.progress_watch is not None:  # shared once the first step compiled
+            self.watcher.progress_watch.reporter.on_first_step = self.compile_cache.publish_soon
         self.watcher.start()
         # learned hang timeouts, kept beside the event log across job restarts
         self.learned = Learned(
@@ -157,13 +165,15 @@ class FTAgent(LocalElasticAgent):
         """Stop the watcher and the node roster, and remove the heartbeat table and the
         memory tier's snapshots."""
         self.watcher.stop()
+        self.compile_cache.close()
         if self.roster is not None:
             self.roster.close()
         if self.template is not None:
             self.template.close()
         self.table.close()
         self.memory_dir.remove()
-        for name in (HB_TABLE_ENV, FT_CONFIG_ENV, MEMORY_DIR_ENV, PROGRESS_ENV):
+        own_cache = () if self.compile_cache.users else (CACHE_ENV,)  # a user's is kept
+        for name in (HB_TABLE_ENV, FT_CONFIG_ENV, MEMORY_DIR_ENV, PROGRESS_ENV, *own_cache):
             os.environ.pop(name, None)
 
     def _global_rank(self, local_rank: int) -> int:
@@ -315,6 +325,7 @@ class FTAgent(LocalElasticAgent):
             )
         from .template import template_start_processes
 
+        self.compile_cache.seed()  # a spare's, a requeued job's: warm from the run's
         self.generations.spawning()
         # for this call, torch's agent starts script workers from the template (or as
         # plain processes with the progress hooks' boot)
@@ -340,6 +351,7 @@ class FTAgent(LocalElasticAgent):
         watcher's, ms resolution), after what its ranks learned is kept."""
         if self.generations.running:
             self._keep_learned()
+            self.compile_cache.publish_soon()
             self.generations.exited(cause, self.rounds, self.watcher.exit_times(), failures)
 
     def _keep_learned(self) -> None:
@@ -548,12 +560,18 @@ def _worker_stops(worker_group: WorkerGroup) -> dict[int, dict[str, Any]]:
     return {int(w.global_rank): {"local_rank": int(w.local_rank)} for w in worker_group.workers}
 
 
-def _learned_path() -> Path | None:
-    """Where the learned timeouts are kept: beside the run's event log (none without)."""
+def _run_dir() -> Path | None:
+    """The run directory: the event log's folder (none without a log)."""
     log = os.environ.get(events.EVENTS_ENV)
     if not log or log == events.EVENTS_OFF:
         return None
-    return Path(log).parent / LEARNED_FILE
+    return Path(log).parent
+
+
+def _learned_path() -> Path | None:
+    """Where the learned timeouts are kept: in the run directory."""
+    run_dir = _run_dir()
+    return run_dir / LEARNED_FILE if run_dir else None
 
 
 def _nodes(hosts: Iterable[str]) -> str:

@@ -82,6 +82,9 @@ class Reporter:
         self._fwd: dict[int, deque[float]] = {}
         self._stragglers: frozenset[int] = frozenset()
         self._phases_written = False
+        #: called (on this thread) once a generation's first_step is written: its
+        #: compilations are done (the launcher shares its compile cache then)
+        self.on_first_step: Callable[[], None] | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="steadfast-progress", daemon=True)
@@ -200,6 +203,8 @@ class Reporter:
             generation=self._generation,
             **found,
         )
+        if self.on_first_step is not None:
+            self.on_first_step()
 
     # ------------------------------------------------------------------ stragglers
     def _scores(self) -> dict[int, float] | None:
