@@ -157,8 +157,8 @@ def _in_job(
             if earlier is None:
                 continue
             prev = requeue_from = earlier
-        if prev.cause == "succeeded":
-            continue
+        if prev.cause == "succeeded" and requeue_from is None:
+            continue  # (a job relaunched after a planned stop, a preemption's, goes on)
         prev_key = (str(prev.fields.get("host") or ""), prev.fields.get("pid"))
         window_start = _generation_start(evs, prev_key, prev)
         what, fault, detected = _fault(evs, prev_key, window_start, prev, ws)
@@ -168,18 +168,32 @@ def _in_job(
 
 
 def _previous_incarnation(own: list[ev.Event], evs: list[ev.Event]) -> ev.Event | None:
-    """The last generation another launcher ended before this one started, where that
-    launcher's job went on in this one (a requeue: the same run, another incarnation)."""
+    """The last generation another launcher ended before this one started, where this
+    launcher is the job's next incarnation (a Slurm requeue, ``SLURM_RESTART_COUNT`` >
+    0; or a relaunch: every launcher that started before it had ended), not a spare
+    joining a running job."""
     start = next((e for e in own if e.kind == ev.Kind.LAUNCHER_START), None)
-    if start is None or start.fields.get("slurm_restart") in (None, 0):
+    if start is None:
         return None
-    pid = start.fields.get("pid")
-    ended = [
+
+    def launcher(e: ev.Event) -> tuple[Any, Any]:
+        return (e.fields.get("host"), e.fields.get("pid"))
+
+    if start.fields.get("slurm_restart") in (None, 0):
+        earlier = {launcher(e) for e in evs if e.kind == ev.Kind.LAUNCHER_START
+                   and e.time < start.time}  # fmt: skip
+        ended = {launcher(e) for e in evs if e.kind == ev.Kind.LAUNCHER_END
+                 and e.time <= start.time}  # fmt: skip
+        if not earlier or earlier - ended:
+            return None
+    exited = [
         e
         for e in evs
-        if e.kind == ev.Kind.WORKERS_EXITED and e.time <= start.time and e.fields.get("pid") != pid
+        if e.kind == ev.Kind.WORKERS_EXITED
+        and e.time <= start.time
+        and launcher(e) != launcher(start)
     ]
-    return ended[-1] if ended else None
+    return exited[-1] if exited else None
 
 
 def _generation_start(evs: list[ev.Event], key: tuple[str, int | None], exited: ev.Event) -> float:
@@ -231,8 +245,10 @@ def _fault(
         elif e.kind == ev.Kind.HANG_CONFIRMED:
             faults.append((t, t, f"rank {e.get('culprit')} hung ({e.cause})"))
         elif e.kind == ev.Kind.RANK_FAILED:
-            at = _exit_time(exited, e.rank) or t
-            faults.append((min(at, t), t, f"rank {e.rank} failed ({e.cause})"))
+            # seen when its launcher's watcher saw the process end (a pidfd, ms); the
+            # event itself comes after torch's agent stopped the others: stopping time
+            at = min(_exit_time(exited, e.rank) or t, t)
+            faults.append((at, at, f"rank {e.rank} failed ({e.cause})"))
         elif e.kind == ev.Kind.NODE_LOST:
             faults.append((t - float(e.get("latency") or 0.0), t, f"node {e.get('node')} lost"))
         elif e.kind == ev.Kind.NODE_ISOLATED:
@@ -243,6 +259,8 @@ def _fault(
     if not faults:
         at = exited.time
         return f"workers {exited.cause}", min([at, *injected]), at
+    # the fault injected last before the detection: an earlier one was another fault's
+    injected = [t for t in injected if t <= min(d for _, d, _ in faults)][-1:]
     fault = min([f for f, _, _ in faults] + injected)
     detected = min(d for _, d, _ in faults)
     what = min(faults, key=lambda f: f[1])[2]
