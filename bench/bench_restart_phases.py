@@ -99,13 +99,12 @@ def main() -> None:
     print(f"  warm restart on the same node          {warm_same:7.2f} s   "
           f"{100 * warm_same / cold:5.1f} % of cold (target <= 25 %)")  # fmt: skip
     print(f"  warm start on a spare (run dir's copy) {warm_spare:7.2f} s   "
-          f"{100 * warm_spare / cold:5.1f} % of cold (target <= 25 %; {shared} files shared)")  # fmt: skip
-    print(
-        f"  uncompiled restart, total              {sum(plain_restart['phases'].values()):7.2f} s"
-    )
-    print(
-        f"  compiled restart, total                {sum(compiled_restart['phases'].values()):7.2f} s"
-    )
+          f"{100 * warm_spare / cold:5.1f} % of cold (target <= 25 %; "
+          f"{shared} files shared)")  # fmt: skip
+    plain_total = sum(plain_restart["phases"].values())
+    compiled_total = sum(compiled_restart["phases"].values())
+    print(f"  uncompiled restart, total              {plain_total:7.2f} s")
+    print(f"  compiled restart, total                {compiled_total:7.2f} s")
 
 
 if __name__ == "__main__":

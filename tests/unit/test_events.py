@@ -192,6 +192,8 @@ def _sample(name: str) -> object:
         return {"0": 1.0}
     if name == "exits":
         return [{"rank": 0, "local_rank": 0, "pid": 5, "exit_code": 0, "signal": None, "time": 1.5}]
+    if name == "rendezvous":
+        return [1.0, 1.5]
     if name in ("ranks", "pids", "replaced", "terminated"):
         return [0] if name != "replaced" else ["h"]
     if name in ("resumed_from", "path", "section", "reason", "detail", "source", "action",

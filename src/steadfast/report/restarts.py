@@ -295,7 +295,7 @@ def _phases(
     rendezvous, spawn = ws.get("rendezvous"), ws.get("spawn")
     if ws.get("health_check") is not None:
         p["health_check"] = float(ws.get("health_check"))
-    if rendezvous:
+    if isinstance(rendezvous, list) and len(rendezvous) == 2:
         p["rendezvous"] = float(rendezvous[1]) - float(rendezvous[0])
     if first is None or spawn is None:
         n.notes.append("no first iteration seen after it (or an older log): phases to the "
