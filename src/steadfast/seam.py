@@ -42,15 +42,11 @@ Touch points and why each is needed:
 - :func:`foreach_inf_norms`: ``torch._foreach_norm``, the infinity norms of many tensors
   in one fused kernel: the NaN check of every gradient costs one kernel per (device,
   dtype) group, not one per parameter.
-- :func:`import_dynamo`: the worker template imports ``torch._dynamo`` ahead of the
-  workers it forks (torch's optimizers import it on their first construction, ~1.6 s
+- :func:`preload` (:data:`PRELOADED`, :func:`import_dynamo`): the worker template imports
+  ``torch._dynamo`` (torch's optimizers import it on their first construction, ~1.6 s
   per worker) and Inductor's compiler (``torch._inductor.compile_fx``: ``torch.compile``
-  imports it on its first call, ~1.4 s per worker); optional, a worker that needs them
-  imports them itself.
-- :func:`option_actions`: argparse's option table of torchrun's parser, to know which of
-  the launcher's flags take a value.
-- :func:`thread_frame`: the frame a thread runs now (``sys._current_frames``), for a
-  rank's stack read by steadfast.progress's thread while the main thread waits in C.
+  imports it on its first call, ~1.4 s per worker) for the workers it forks; optional,
+  a worker that needs them imports them itself.
 - :func:`on_compile`: torch.compile's own start and end callbacks
   (``torch._dynamo.callback_handler``: the outermost compilation of a frame, a lazy
   backward's), for the compile phase of a worker's start (steadfast.progress.phases).
@@ -92,6 +88,7 @@ __all__ = [
     "agent_shutdown",
     "expire_rendezvous_nodes",
     "foreach_inf_norms",
+    "PRELOADED",
     "import_dynamo",
     "inductor_header_dir",
     "dataloader_iterator_type",
@@ -99,6 +96,7 @@ __all__ = [
     "on_compile",
     "launch_agent",
     "option_actions",
+    "preload",
     "process_group_stores",
     "process_groups",
     "rendezvous_join_timeout",
@@ -320,17 +318,26 @@ def foreach_inf_norms(tensors: list[Any]) -> list[Any]:
     return list(foreach_norm(tensors, math.inf))
 
 
-def import_dynamo() -> bool:
-    """Import ``torch._dynamo`` now (ahead of forking workers that would each import it
-    on their first optimizer), and Inductor's compiler (``torch._inductor.compile_fx``,
-    which ``torch.compile`` imports on its first call: 1.4 s a worker, in every
-    restart); False if they cannot be imported here (they are optional)."""
+#: What the worker template imports for its workers once it serves them, one module at a
+#: time while no worker is asked for (steadfast.launcher.template): torch's optimizers
+#: import dynamo on their first construction (~1.6 s a worker), ``torch.compile`` imports
+#: Inductor's compiler on its first call (~1.4 s a worker, in every restart).
+PRELOADED = ("torch._dynamo", "torch._inductor.compile_fx")
+
+
+def preload(name: str) -> bool:
+    """Import ``name`` (one of :data:`PRELOADED`) now; False if it cannot be imported here
+    (each is optional: a worker that needs it imports it itself)."""
     try:
-        _module("torch._dynamo")
-        _module("torch._inductor.compile_fx")
+        _module(name)
     except Exception:
         return False
     return True
+
+
+def import_dynamo() -> bool:
+    """Import every module of :data:`PRELOADED` now (False if one cannot be)."""
+    return all([preload(name) for name in PRELOADED])
 
 
 def on_compile(start: Callable[[], None], end: Callable[[], None]) -> Callable[[], None] | None:

@@ -429,7 +429,8 @@ def test_import_dynamo_imports_torch_dynamo() -> None:
         from steadfast import seam
         assert "torch._dynamo" not in sys.modules
         assert seam.import_dynamo() is True
-        assert "torch._dynamo" in sys.modules and "torch._inductor.compile_fx" in sys.modules
+        assert all(name in sys.modules for name in seam.PRELOADED)
+        assert seam.PRELOADED == ("torch._dynamo", "torch._inductor.compile_fx")
         print("ok")
         """
     )

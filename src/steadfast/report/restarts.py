@@ -237,7 +237,10 @@ def _fault(
             if e.kind in (ev.Kind.PREEMPTION_SIGNAL, ev.Kind.SHUTDOWN_REQUESTED):
                 signals.append((t, t, f"{e.kind} ({e.cause})"))
             continue
-        elif e.kind == ev.Kind.FAULT_CULPRIT and e.time <= exited.time:
+        elif e.kind == ev.Kind.FAULT_CULPRIT and e.get("generation") in (
+            None,
+            exited.get("generation"),
+        ):  # agreed after the stop, for the generation that ended
             faults.append((float(e.get("fault_time") or t), float(e.get("detected") or t),
                            f"{e.get('what')} on {e.get('node')} ({e.cause})"))  # fmt: skip
         elif e.kind == ev.Kind.RANK_HUNG:
