@@ -74,6 +74,9 @@ def test_a_spare_is_seeded_with_what_a_node_published(tmp_path: Path, monkeypatc
     spare = CompileCache("job", shared)
     assert spare.local != node1.local
     assert spare.seed() == 1 and files(spare.local) == {"fxgraph/entry": b"graph"}
+    assert not node1.local.exists()  # its launcher ended: the run directory has the copy
+    spare.close()
+    assert not spare.local.exists() and files(shared / "inductor") == {"fxgraph/entry": b"graph"}
 
 
 COMPILE = textwrap.dedent(

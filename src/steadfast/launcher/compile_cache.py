@@ -10,7 +10,8 @@ inductor compile on this machine: 17 s cold, 1.6 s warm). Here:
 - **A directory per job and node**: ``TORCHINDUCTOR_CACHE_DIR`` is set for the workers to
   ``<tmp>/steadfast-compile-<uid>-<run id>`` (a user's own ``TORCHINDUCTOR_CACHE_DIR`` is
   kept and used as that directory). It is node-local: compiling writes many small
-  files, which a shared file system serves slowly.
+  files, which a shared file system serves slowly. The launcher removes it when it ends
+  once the run directory holds its copy.
 - **And Inductor's precompiled C++ header** (CPU kernels: built once per node, 150 MB,
   ~9 s; torch keeps it in its default folder whatever ``TORCHINDUCTOR_CACHE_DIR`` says,
   :func:`steadfast.seam.inductor_header_dir`): a spare with the cached graphs but not the
@@ -142,8 +143,12 @@ class CompileCache:
         self._thread.start()
 
     def close(self) -> None:
-        """Publish what is left, and wait for it."""
+        """Publish what is left, wait for it, and remove this node's folder where the run
+        directory holds its copy (the next launcher on this node seeds from there; a
+        user's own folder is kept)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         self.publish()
+        if self.shared is not None and not self.users:
+            shutil.rmtree(self.local, ignore_errors=True)
