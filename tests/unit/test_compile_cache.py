@@ -117,3 +117,26 @@ def test_a_cache_of_another_torch_or_another_model_is_not_used(tmp_path: Path):
     assert compile_("relu", "this").get("fxgraph_cache_miss") == 1  # another model
     other = compile_("linear", "another torch")
     assert other.get("fxgraph_cache_miss") == 1 and not other.get("fxgraph_cache_hit"), other
+
+
+def test_the_precompiled_header_goes_along_only_with_cpu_kernels(tmp_path: Path, monkeypatch):
+    """Inductor's CPU header (150 MB) is shared only by a job that built CPU kernels."""
+    shared = tmp_path / "run" / "compile-cache"
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    node_tmp(monkeypatch, tmp_path / "node1")
+    node1 = CompileCache("job", shared)
+    headers = tmp_path / "node1" / "torchinductor_root" / "precompiled_headers"
+    headers.mkdir(parents=True)
+    (headers / "h.h.gch").write_bytes(b"pch")
+    (node1.local / "fxgraph").mkdir(parents=True)
+    (node1.local / "fxgraph" / "entry").write_bytes(b"graph")
+    assert node1.publish() == 1  # the graph alone: no CPU kernel, no header
+    (node1.local / "c2").mkdir()
+    (node1.local / "c2" / "k.so").write_bytes(b"kernel")
+    assert node1.publish() == 2 and files(shared / "precompiled_headers") == {"h.h.gch": b"pch"}
+    node_tmp(monkeypatch, tmp_path / "spare")
+    spare = CompileCache("job", shared)
+    assert spare.seed() == 3
+    assert files(tmp_path / "spare" / "torchinductor_root" / "precompiled_headers") == {
+        "h.h.gch": b"pch"
+    }

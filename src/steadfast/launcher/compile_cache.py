@@ -109,12 +109,7 @@ class CompileCache:
         self.shared = shared
         if shared is not None and shared.resolve() == self.local.resolve():
             self.shared = None  # the user's directory is the shared one: nothing to copy
-        #: (node-local folder, its copy in the run directory)
-        self._pairs: list[tuple[Path, Path]] = []
-        if self.shared is not None:
-            headers = seam.inductor_header_dir()
-            self._pairs = [(self.local, self.shared / "inductor"),
-                           (headers, self.shared / headers.name)]  # fmt: skip
+        self._headers = seam.inductor_header_dir()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -124,13 +119,23 @@ class CompileCache:
 
     def seed(self) -> int:
         """Copy in what the run directory has and this node lacks (before workers start)."""
+        if self.shared is None:
+            return 0
         with self._lock:
-            return sum(sync(shared, local) for local, shared in self._pairs)
+            copied = sync(self.shared / "inductor", self.local)
+            return copied + sync(self.shared / self._headers.name, self._headers)
 
     def publish(self) -> int:
         """Copy out what this node compiled and the run directory lacks."""
+        if self.shared is None:
+            return 0
         with self._lock:
-            return sum(sync(local, shared) for local, shared in self._pairs)
+            copied = sync(self.local, self.shared / "inductor")
+            # the header only with CPU kernels of this job's (150 MB: not for a job that
+            # compiled nothing, or only GPU kernels, however many headers the node has)
+            if any(self.local.glob("*/*.so")):
+                copied += sync(self._headers, self.shared / self._headers.name)
+            return copied
 
     def publish_soon(self) -> None:
         """:meth:`publish` on a thread of its own (one at a time), so that a slow shared
