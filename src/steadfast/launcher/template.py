@@ -200,9 +200,9 @@ def serve(fd: int) -> None:
     for name in ("torch", "torch.distributed", "torch.nn.parallel"):
         importlib.import_module(name)
     # what workers import later (dynamo: ~1.6 s each; Inductor's compiler: ~1.4 s), an
-    # optional speed-up: imported once ready, one at a time while no worker is asked for
-    # (a spare asked at once must not wait for them), never while forking (the main
-    # thread is the only one: no import lock is held at a fork)
+    # optional speed-up: imported once ready, one at a time after _PRELOAD_IDLE without a
+    # request (a spare asked at once must not wait for them, nor a group be split by
+    # one), never while forking (the main thread is the only one: no import lock held)
     preload = list(seam.PRELOADED)
 
     # From here on the signals are blocked and read with sigtimedwait (an ignored one is
@@ -226,9 +226,10 @@ def serve(fd: int) -> None:
     except OSError:  # the launcher closed it while we imported torch (not needed)
         return
     try:
+        asked = time.monotonic()  # the last request (a group's come one after another)
         while True:
-            ready = sel.select(0 if preload else _SIGNAL_POLL)
-            if not ready and preload:
+            ready = sel.select(_SIGNAL_POLL)
+            if not ready and preload and time.monotonic() - asked >= _PRELOAD_IDLE:
                 seam.preload(preload.pop(0))
             for key, _ in ready:
                 if key.fileobj == wake_r:
@@ -238,6 +239,7 @@ def serve(fd: int) -> None:
                 request = _recv(sock)
                 if request is None:  # the launcher is gone
                     return
+                asked = time.monotonic()
                 pid = os.fork()
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
@@ -268,6 +270,10 @@ def serve(fd: int) -> None:
 
 #: How often the template looks for a signal a worker sent it (seconds).
 _SIGNAL_POLL = 0.05
+#: Seconds without a request before the template imports the next preloaded module:
+#: a group's workers are asked for one after another, ms apart, and must not be split
+#: by an import (one worker started 1.6 s after the other).
+_PRELOAD_IDLE = 0.25
 
 
 def _pass_on_workers_signals(children: set[int]) -> None:
