@@ -200,9 +200,11 @@ def serve(fd: int) -> None:
     for name in ("torch", "torch.distributed", "torch.nn.parallel"):
         importlib.import_module(name)
     # what workers import later (dynamo: ~1.6 s each; Inductor's compiler: ~1.4 s), an
-    # optional speed-up: imported once ready, one at a time after _PRELOAD_IDLE without a
-    # request (a spare asked at once must not wait for them, nor a group be split by
-    # one), never while forking (the main thread is the only one: no import lock held)
+    # optional speed-up: imported once ready, one at a time, only while no worker runs
+    # (their CPU is theirs: a template importing beside a group's first steps made one
+    # rank a straggler) and after _PRELOAD_IDLE without a request (a spare asked at once
+    # must not wait for them, nor a group be split by one); never while forking (the main
+    # thread is the only one: no import lock is held at a fork)
     preload = list(seam.PRELOADED)
 
     # From here on the signals are blocked and read with sigtimedwait (an ignored one is
@@ -229,7 +231,8 @@ def serve(fd: int) -> None:
         asked = time.monotonic()  # the last request (a group's come one after another)
         while True:
             ready = sel.select(_SIGNAL_POLL)
-            if not ready and preload and time.monotonic() - asked >= _PRELOAD_IDLE:
+            idle = not children and time.monotonic() - asked >= _PRELOAD_IDLE
+            if not ready and preload and idle:
                 seam.preload(preload.pop(0))
             for key, _ in ready:
                 if key.fileobj == wake_r:
