@@ -399,3 +399,21 @@ def join_rendezvous(*handlers: Any) -> dict[str, Any]:
     for t in threads:
         t.join()
     return out
+
+
+@contextlib.contextmanager
+def started_probe() -> Iterator[Any]:
+    """A progress probe (steadfast.progress) started in this process on a fresh one-row
+    heartbeat table, as a worker has it; closed (its hooks removed) on exit."""
+    from steadfast.monitor.table import HeartbeatTable, ask_path
+    from steadfast.progress.probe import Probe
+
+    table = HeartbeatTable.create(rows=1)
+    table.reset(0, {}, None, None, None)
+    probe = Probe(table, 0, str(ask_path(table.path, 0)))
+    probe.start()
+    try:
+        yield probe
+    finally:
+        probe.close()
+        table.close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import builtins
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,25 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.utils.data as data
 
+from sfharness import started_probe
 from steadfast import seam
-from steadfast.monitor.table import HeartbeatTable, ask_path
 from steadfast.progress import layout, phases
 from steadfast.progress.probe import Probe
 
 PHASES = ("imports", "init_process_group", "checkpoint_load", "compile", "first_batch")
-
-
-@pytest.fixture
-def probe() -> Iterator[Probe]:
-    table = HeartbeatTable.create(rows=1)
-    table.reset(0, {}, None, None, None)
-    p = Probe(table, 0, str(ask_path(table.path, 0)))
-    p.start()
-    try:
-        yield p
-    finally:
-        p.close()
-        table.close()
 
 
 def originals() -> dict[str, object]:
@@ -48,11 +34,7 @@ def originals() -> dict[str, object]:
 
 def test_a_start_is_split_into_phases_that_add_up(tmp_path: Path):
     before = originals()
-    table = HeartbeatTable.create(rows=1)
-    table.reset(0, {}, None, None, None)
-    p = Probe(table, 0, str(ask_path(table.path, 0)))
-    p.start()
-    try:
+    with started_probe() as p:
         assert originals() != before  # timed until the first iteration
         sys.modules.pop("colorsys", None)
         import colorsys  # noqa: F401  (a module not yet imported: an import to time)
@@ -84,9 +66,6 @@ def test_a_start_is_split_into_phases_that_add_up(tmp_path: Path):
         seconds = p.slots[layout.PH_LOAD]
         torch.load(tmp_path / "ck.pt")
         assert p.slots[layout.PH_LOAD] == seconds
-    finally:
-        p.close()
-        table.close()
     assert originals() == before
 
 

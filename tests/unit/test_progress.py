@@ -7,32 +7,16 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from steadfast.events import Event
-from steadfast.monitor.table import HeartbeatTable, ask_path
 from steadfast.progress import layout
 from steadfast.progress.judge import Judge, Look, culprit, summarize_stack
 from steadfast.progress.probe import Probe
 from steadfast.report.steps import seen_steps
-
-
-@pytest.fixture
-def probe() -> Iterator[Probe]:
-    table = HeartbeatTable.create(rows=1)
-    table.reset(0, {}, None, None, None)
-    p = Probe(table, 0, str(ask_path(table.path, 0)))
-    p.start()
-    try:
-        yield p
-    finally:
-        p.close()
-        table.close()
 
 
 def progress(p: Probe) -> layout.Progress:
