@@ -42,7 +42,7 @@ Touch points and why each is needed:
 - :func:`foreach_inf_norms`: ``torch._foreach_norm``, the infinity norms of many tensors
   in one fused kernel: the NaN check of every gradient costs one kernel per (device,
   dtype) group, not one per parameter.
-- :func:`preload` (:data:`PRELOADED`, :func:`import_dynamo`): the worker template imports
+- :func:`preload` (:data:`PRELOADED`): the worker template imports
   ``torch._dynamo`` (torch's optimizers import it on their first construction, ~1.6 s
   per worker) and Inductor's compiler (``torch._inductor.compile_fx``: ``torch.compile``
   imports it on its first call, ~1.4 s per worker) for the workers it forks; optional,
@@ -89,7 +89,6 @@ __all__ = [
     "expire_rendezvous_nodes",
     "foreach_inf_norms",
     "PRELOADED",
-    "import_dynamo",
     "inductor_header_dir",
     "dataloader_iterator_type",
     "interpreter_exit",
@@ -333,11 +332,6 @@ def preload(name: str) -> bool:
     except Exception:
         return False
     return True
-
-
-def import_dynamo() -> bool:
-    """Import every module of :data:`PRELOADED` now (False if one cannot be)."""
-    return all([preload(name) for name in PRELOADED])
 
 
 def on_compile(start: Callable[[], None], end: Callable[[], None]) -> Callable[[], None] | None:

@@ -420,15 +420,15 @@ def test_foreach_inf_norms_is_one_fused_kernel_that_propagates_nan() -> None:
     assert float(norms[3]) == 0.0
 
 
-def test_import_dynamo_imports_torch_dynamo() -> None:
-    """import_dynamo imports torch._dynamo (what the worker template does before it forks
+def test_preload_imports_what_the_template_preloads() -> None:
+    """preload imports each module of PRELOADED (what the worker template does for the
     workers) and says whether it could."""
     done = _run_python(
         """
         import sys
         from steadfast import seam
         assert "torch._dynamo" not in sys.modules
-        assert seam.import_dynamo() is True
+        assert all([seam.preload(name) for name in seam.PRELOADED])
         assert all(name in sys.modules for name in seam.PRELOADED)
         assert seam.PRELOADED == ("torch._dynamo", "torch._inductor.compile_fx")
         print("ok")
@@ -468,7 +468,7 @@ def test_thread_frame_is_another_threads_current_frame() -> None:
 def test_on_compile_brackets_each_outermost_compilation_once() -> None:
     import torch
 
-    seam.import_dynamo()
+    seam.preload("torch._dynamo")
     calls: list[str] = []
     remove = seam.on_compile(lambda: calls.append("start"), lambda: calls.append("end"))
     assert remove is not None

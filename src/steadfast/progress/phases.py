@@ -49,7 +49,6 @@ from .layout import (
     PH_LOAD,
     PH_LOAD_AT,
     PH_PG,
-    PH_PG_BEGIN,
     PH_STARTED,
     PH_WALL,
 )
@@ -79,6 +78,7 @@ class PhaseClock:
         self._main = threading.main_thread().ident
         self._open: int | None = None  # the slot of the span in progress
         self._undo: list[Callable[[], None]] = []
+        self._compile_watched = False
         self._dcp = False
         self._compile_started = 0.0
         self.done = False
@@ -100,7 +100,7 @@ class PhaseClock:
         from .. import seam
 
         self._wrap(builtins, "__import__", self._timed_import)
-        self._wrap(dist, "init_process_group", self._timed_pg)
+        self._wrap(dist, "init_process_group", self._timed(PH_PG))
         self._wrap(torch, "load", self._timed(PH_LOAD))
         self._wrap(data.DataLoader, "__iter__", self._timed(PH_BATCH))
         self._wrap(seam.dataloader_iterator_type(), "__next__", self._timed(PH_BATCH))
@@ -114,11 +114,11 @@ class PhaseClock:
         forward, when the probe calls this again)."""
         from .. import seam
 
-        if self.done or any(getattr(u, "compile", False) for u in self._undo):
+        if self.done or self._compile_watched:
             return
         remove = seam.on_compile(self._compile_start, self._compile_end)
         if remove is not None:
-            remove.compile = True  # type: ignore[attr-defined]
+            self._compile_watched = True
             self._undo.append(remove)
 
     def _watch_dcp(self) -> None:
@@ -175,15 +175,6 @@ class PhaseClock:
             return module
 
         return timed_import
-
-    def _timed_pg(self, original: Any) -> Any:
-        def timed_pg(*args: Any, **kwargs: Any) -> Any:
-            if not self.slots[PH_PG_BEGIN] and threading.get_ident() == self._main:
-                self.slots[PH_PG_BEGIN] = time.monotonic()
-            with self.span(PH_PG):
-                return original(*args, **kwargs)
-
-        return timed_pg
 
     def _compile_start(self) -> None:
         if self._open is None and not self.done and threading.get_ident() == self._main:
