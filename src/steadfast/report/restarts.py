@@ -113,15 +113,26 @@ def _node_dict(n: NodeRestart) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _launcher(e: ev.Event) -> tuple[str, int | None]:
+    """The process that wrote ``e`` (a launcher, or a worker): its host and pid."""
+    return (str(e.fields.get("host") or ""), e.fields.get("pid"))
+
+
 def restarts(evs: list[ev.Event]) -> list[Restart]:
     """The run's restarts, in order (``evs`` sorted by time)."""
     by_launcher: dict[tuple[str, int | None], list[ev.Event]] = defaultdict(list)
     for e in evs:
-        by_launcher[(str(e.fields.get("host") or ""), e.fields.get("pid"))].append(e)
+        by_launcher[_launcher(e)].append(e)
+    # the in-process restarts' figure is the lowest rank's (every rank restarts)
+    lowest = min((e.rank for e in evs if e.kind == ev.Kind.INPROCESS_RESTART
+                  and e.rank is not None), default=None)  # fmt: skip
     found: list[NodeRestart] = []
     for key, own in by_launcher.items():
         found.extend(_in_job(key, own, evs))
-        found.extend(_in_process(key, own, evs))
+        if lowest is not None and any(
+            e.kind == ev.Kind.INPROCESS_RESTART and e.rank == lowest for e in own
+        ):
+            found.extend(_in_process(key, own, evs))
     return _group(found)
 
 
@@ -149,21 +160,17 @@ def _in_job(
     out = []
     for ws in started:
         before = [x for x in exited if x.time <= ws.time]
-        requeue_from: ev.Event | None = None
-        if before:
-            prev = before[-1]
-        else:  # this launcher's first round: after an earlier incarnation of the job?
-            earlier = _previous_incarnation(own, evs)
-            if earlier is None:
-                continue
-            prev = requeue_from = earlier
-        if prev.cause == "succeeded" and requeue_from is None:
+        requeue = not before  # this launcher's first round: after an earlier incarnation?
+        prev = before[-1] if before else _previous_incarnation(own, evs)
+        if prev is None:
+            continue
+        if prev.cause == "succeeded" and not requeue:
             continue  # (a job relaunched after a planned stop, a preemption's, goes on)
-        prev_key = (str(prev.fields.get("host") or ""), prev.fields.get("pid"))
+        prev_key = _launcher(prev)
         window_start = _generation_start(evs, prev_key, prev)
         what, fault, detected = _fault(evs, prev_key, window_start, prev, ws)
         first = next((firsts[p] for p in ws.get("pids") or [] if p in firsts), None)
-        out.append(_phases(key, ws, prev, first, requeue_from, what, fault, detected, own, evs))
+        out.append(_phases(key, ws, prev, first, requeue, what, fault, detected, own, evs))
     return out
 
 
@@ -176,13 +183,10 @@ def _previous_incarnation(own: list[ev.Event], evs: list[ev.Event]) -> ev.Event 
     if start is None:
         return None
 
-    def launcher(e: ev.Event) -> tuple[Any, Any]:
-        return (e.fields.get("host"), e.fields.get("pid"))
-
     if start.fields.get("slurm_restart") in (None, 0):
-        earlier = {launcher(e) for e in evs if e.kind == ev.Kind.LAUNCHER_START
+        earlier = {_launcher(e) for e in evs if e.kind == ev.Kind.LAUNCHER_START
                    and e.time < start.time}  # fmt: skip
-        ended = {launcher(e) for e in evs if e.kind == ev.Kind.LAUNCHER_END
+        ended = {_launcher(e) for e in evs if e.kind == ev.Kind.LAUNCHER_END
                  and e.time <= start.time}  # fmt: skip
         if not earlier or earlier - ended:
             return None
@@ -191,7 +195,7 @@ def _previous_incarnation(own: list[ev.Event], evs: list[ev.Event]) -> ev.Event 
         for e in evs
         if e.kind == ev.Kind.WORKERS_EXITED
         and e.time <= start.time
-        and launcher(e) != launcher(start)
+        and _launcher(e) != _launcher(start)
     ]
     return exited[-1] if exited else None
 
@@ -201,7 +205,7 @@ def _generation_start(evs: list[ev.Event], key: tuple[str, int | None], exited: 
         e.time
         for e in evs
         if e.kind == ev.Kind.WORKERS_STARTED
-        and (str(e.fields.get("host") or ""), e.fields.get("pid")) == key
+        and _launcher(e) == key
         and e.get("generation") == exited.get("generation")
         and e.time <= exited.time
     ]
@@ -229,7 +233,7 @@ def _fault(
     for e in evs:
         if e.time < since or e.time > restarted.time:
             continue
-        mine = (str(e.fields.get("host") or ""), e.fields.get("pid")) == key
+        mine = _launcher(e) == key
         t = e.time
         if e.kind == ev.Kind.FAULT_INJECTED and e.time <= exited.time:
             injected.append(t)
@@ -275,7 +279,7 @@ def _phases(
     ws: ev.Event,
     prev: ev.Event,
     first: ev.Event | None,
-    requeue_from: ev.Event | None,
+    requeue: bool,
     what: str,
     fault: float,
     detected: float,
@@ -285,7 +289,7 @@ def _phases(
     exits = [float(x["time"]) for x in prev.get("exits") or [] if x.get("time")]
     stopped = max(exits, default=prev.time)
     n = NodeRestart(
-        kind="requeue" if requeue_from is not None else "in-job",
+        kind="requeue" if requeue else "in-job",
         host=key[0], launcher_pid=key[1], generation=ws.get("generation"), what=what,
         fault_time=round(fault, 6), end=None,
     )  # fmt: skip
@@ -293,7 +297,7 @@ def _phases(
     p["detection"] = detected - fault
     p["stopping"] = max(0.0, stopped - detected)
     start = next((e for e in own if e.kind == ev.Kind.LAUNCHER_START), None)
-    if requeue_from is not None and start is not None:
+    if requeue and start is not None:
         p["requeue"] = max(0.0, start.time - stopped)
     rendezvous, spawn = ws.get("rendezvous"), ws.get("spawn")
     if ws.get("health_check") is not None:
@@ -319,7 +323,7 @@ def _phases(
         for e in evs
         if e.kind == ev.Kind.CHECKPOINT_LOADED
         and e.rank == first.rank
-        and str(e.fields.get("host") or "") == key[0]
+        and _launcher(e)[0] == key[0]
         and ws.time <= e.time <= n.end
     ]
     if loaded:
@@ -336,13 +340,8 @@ def _rounded(n: NodeRestart) -> NodeRestart:
 def _in_process(
     key: tuple[str, int | None], own: list[ev.Event], evs: list[ev.Event]
 ) -> list[NodeRestart]:
-    """The in-process restarts of a worker process (its events: ``pid`` is the worker's):
-    the lowest rank's only, one per restart."""
-    ranks = [e.rank for e in own if e.kind == ev.Kind.INPROCESS_RESTART and e.rank is not None]
-    lowest = min((e.rank for e in evs if e.kind == ev.Kind.INPROCESS_RESTART
-                  and e.rank is not None), default=None)  # fmt: skip
-    if not ranks or lowest not in ranks:
-        return []
+    """The in-process restarts of a worker process (its events: ``pid`` is the worker's),
+    one per restart."""
     out = []
     since = float("-inf")
     for r in (e for e in own if e.kind == ev.Kind.INPROCESS_RESTART):
@@ -390,7 +389,7 @@ def _next_step(own: list[ev.Event], evs: list[ev.Event], host: str, after: float
     ends = [
         float(t)
         for e in evs
-        if e.kind == ev.Kind.STEPS_SEEN and str(e.fields.get("host") or "") == host
+        if e.kind == ev.Kind.STEPS_SEEN and _launcher(e)[0] == host
         for t in e.get("ends") or []
         if float(t) > after
     ]
