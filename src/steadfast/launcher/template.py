@@ -352,6 +352,7 @@ class Template:
         self._cond = threading.Condition()
         self._exits: dict[int, int] = {}
         self._spawned: dict[int, int] = {}
+        self._workers: set[int] = set()  # every worker's pid (its exit is in _exits)
         self._next_id = 0
         self._ready = threading.Event()
         self._closed = False
@@ -376,6 +377,7 @@ class Template:
                     pid = int(message["spawned"])
                     self._exits.pop(pid, None)  # a recycled pid: the old exit is not this one
                     self._spawned[int(message["id"])] = pid
+                    self._workers.add(pid)
                 elif "exited" in message:
                     self._exits[int(message["exited"])] = int(message["code"])
                 self._cond.notify_all()
@@ -443,7 +445,11 @@ class Template:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
-        if not self._ready.is_set():  # still importing torch: nothing of it is needed
+        with self._cond:  # every worker's exit seen: nothing left for it to stop
+            idle = self._workers.issubset(self._exits)
+        # still importing torch, or a preload (seconds it cannot be woken from): nothing
+        # of it is needed
+        if not self._ready.is_set() or idle:
             self._proc.kill()
         try:
             self._proc.wait(30)
