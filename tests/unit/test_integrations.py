@@ -146,3 +146,49 @@ def test_steadfast_checkpoint_io_round_trip_and_fall_backs(tmp_path):
     assert SteadfastCheckpointIO().load_checkpoint(tmp_path / "plain.ckpt")["global_step"] == 4
     with pytest.raises(FileNotFoundError):
         SteadfastCheckpointIO().load_checkpoint(tmp_path / "never.ckpt")
+
+
+def test_the_step_timer_times_training_forwards_and_whole_steps_when_it_sees_none():
+    """The Trainer's straggler timer: with a module, its training forwards are the
+    samples (an evaluation's forward and a whole step are not); with no forward seen in a
+    step (a compiled model), the next steps are timed whole; ``close`` removes the hooks."""
+    import time
+
+    import torch
+
+    from steadfast.integrations._common import StepTimer
+    from steadfast.straggler.manager import NVRxStragglerDetectionConfig
+
+    class Slow(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.02)
+            return super().forward(x)
+
+    def samples(timer: StepTimer) -> list[float]:
+        section = timer.manager.detector._sections["train_step"]
+        return [took / 1e9 for _, took, _ in section.samples]
+
+    timer = StepTimer(NVRxStragglerDetectionConfig(enabled=True, report_time_interval=1e6))
+    net = Slow(2, 2)
+    timer.time_forwards(net)
+    timer.begin()
+    began = time.perf_counter()
+    net(torch.ones(1, 2))
+    forward = time.perf_counter() - began
+    time.sleep(0.05)  # the rest of the step: not a forward
+    with torch.no_grad():
+        net.eval()
+        net(torch.ones(1, 2))  # an evaluation
+        net.train()
+    timer.end(1)
+    [sample] = samples(timer)
+    assert 0.02 <= sample <= forward
+    timer.begin()
+    time.sleep(0.03)  # a step whose forward is not seen
+    timer.end(2)
+    timer.begin()
+    time.sleep(0.06)  # so this one is timed whole
+    timer.end(3)
+    assert len(samples(timer)) == 2 and samples(timer)[1] >= 0.06
+    timer.close()
+    assert not net._forward_pre_hooks and not net._forward_hooks

@@ -155,9 +155,16 @@ class NaNGuard:
 
 
 class StepTimer:
-    """The straggler detector of ``config`` (NVRx's fields), a ``train_step`` section
-    opened and closed around each step, and the periodic check (a collective: every
-    rank, the same step)."""
+    """The straggler detector of ``config`` (NVRx's fields), its ``train_step`` section,
+    and the periodic check (a collective: every rank, the same step).
+
+    The section times the training forwards of the module given to
+    :meth:`time_forwards` (where no collective makes a fast rank wait for a slow one, so
+    the *relative* scores single out a slow rank), and whole steps (:meth:`begin` to
+    :meth:`end`) when no module was given or a step ran no forward it could see (a
+    compiled one): a whole step's gradient all-reduce makes every rank wait for the
+    slowest, and what a rank does between steps alone (rank 0 writing a checkpoint)
+    lands in the next step of the ranks that wait for it."""
 
     def __init__(self, config: NVRxStragglerDetectionConfig) -> None:
         if not (config.calc_relative_gpu_perf or config.calc_individual_gpu_perf):
@@ -165,16 +172,52 @@ class StepTimer:
                 "calc_relative_gpu_perf, calc_individual_gpu_perf: at least one must be True"
             )
         self.manager = StragglerDetectionManager(config)
-        self._timing: Any = None
+        self._timing: Any = None  # the whole step being timed
+        self._forward: Any = None  # the forward being timed
+        self._forwards = 0  # forwards timed in this step
+        self._whole = True  # time whole steps (no forward seen in the last one)
+        self._hooks: list[Any] = []
+
+    def time_forwards(self, module: Any) -> None:
+        """Time ``module``'s training forwards (hooks, removed by :meth:`close`)."""
+        if not self._hooks:
+            self._hooks = [
+                module.register_forward_pre_hook(self._forward_begins),
+                module.register_forward_hook(self._forward_ends, always_call=True),
+            ]
+
+    def close(self) -> None:
+        """Remove the forward hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _forward_begins(self, module: Any, args: Any) -> None:
+        import torch
+
+        if torch.compiler.is_compiling() or self._forward is not None:
+            return  # traced by a compile, or a forward nested in the timed one
+        if module.training and torch.is_grad_enabled():  # not an evaluation's forward
+            self._forward = self.manager.detector.detection_section("train_step")
+            self._forward.__enter__()
+
+    def _forward_ends(self, module: Any, args: Any, output: Any) -> None:
+        timing, self._forward = self._forward, None
+        if timing is not None:
+            timing.__exit__(None, None, None)
+            self._forwards += 1
 
     def begin(self) -> None:
-        """The step starts: time it as ``train_step``."""
-        self._timing = self.manager.detector.detection_section("train_step")
-        self._timing.__enter__()
+        """The step starts: time it whole if its forwards cannot be."""
+        self._forwards = 0
+        if self._whole:
+            self._timing = self.manager.detector.detection_section("train_step")
+            self._timing.__enter__()
 
     def end(self, step: int) -> bool:
         """The step ended: the report if one is due; True when every rank should stop."""
         timing, self._timing = self._timing, None
-        if timing is not None:
+        if timing is not None and not self._forwards:
             timing.__exit__(None, None, None)
+        self._whole = not self._hooks or not self._forwards
         return self.manager.check(step)

@@ -32,15 +32,15 @@ step changes nothing, and no checkpoint is saved while NaN steps run in a row, s
 that after ``max_consecutive`` of them the ranks raise :class:`NaNRollback` and the
 launcher restarts them from the latest checkpoint *before* the burst.
 
-:class:`StragglerDetectionCallback` (NVRx's Lightning callback's arguments): every
-optimizer step timed on every rank (a callback sees only whole steps: their gradient
-all-reduce makes every rank wait for the slowest, so a slow rank lowers every rank's
-*individual* score, against its own best, while the *relative* scores, which compare
-ranks, cannot single it out as they can under Lightning, where the forward is timed),
-a report every ``report_time_interval`` seconds (``straggler_report`` /
-``straggler_detected`` events), and with ``stop_if_detected``
-the Trainer saves a checkpoint at that step and every rank exits 16 ("resume on other
-hardware": ``steadfast launch`` does not restart it in place, its Slurm script requeues).
+:class:`StragglerDetectionCallback` (NVRx's Lightning callback's arguments): the
+model's training forwards timed on every rank (hooks on the Trainer's model, inside its
+DDP wrapper, where no collective makes a fast rank wait for a slow one, so the
+*relative* scores single a slow rank out, as under Lightning; whole optimizer steps when
+no forward can be seen, a compiled one), a report every ``report_time_interval``
+seconds (``straggler_report`` / ``straggler_detected`` events), and with
+``stop_if_detected`` the Trainer saves a checkpoint at that step and every rank exits
+16 ("resume on other hardware": ``steadfast launch`` does not restart it in place, its
+Slurm script requeues).
 
 :class:`VerifiedCheckpointCallback` and :func:`last_verified_checkpoint`: the Trainer
 has no checkpoint-writer plugin (unlike Lightning's ``CheckpointIO``): it writes
@@ -390,6 +390,17 @@ class StragglerDetectionCallback(TrainerCallback):
             )
         )
         self._stopping = False
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if kw.get("model") is not None:  # the Trainer's own model, inside its DDP wrapper
+            self.timer.time_forwards(kw["model"])
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self.timer.close()
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
