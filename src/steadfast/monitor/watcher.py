@@ -196,6 +196,9 @@ class Watcher:
         self._exits: dict[int, float] = {}  # local rank -> monotonic time it exited
         # local rank -> (the pid of the culprit it waits for, until when; inf: it runs)
         self._held: dict[int, tuple[int, float]] = {}
+        # local rank -> until when it is not judged again: past its bound, it waits for
+        # a culprit that is within its own (see _judge)
+        self._deferred: dict[int, float] = {}
         # local rank -> (what timed out, epoch time of its last sign of life)
         self._hung: dict[int, tuple[str, float]] = {}
         # pidfd -> (local rank, generation), the watcher thread's
@@ -260,6 +263,7 @@ class Watcher:
             self._exits = {}
             self._hung = {}
             self._held = {}
+            self._deferred = {}
         if self.progress_watch is not None:
             self.progress_watch.new_generation(dict(pids))
         self._kick()
@@ -319,6 +323,10 @@ class Watcher:
                 held = self._hold(local, now)
                 if held is not None:  # the culprit of its hang is being ended
                     soonest = min(soonest, held)
+                    continue
+                deferred = self._deferred.get(local, 0.0)
+                if deferred > now:  # it waits for a culprit still within its own bound
+                    soonest = min(soonest, deferred)
                     continue
                 snap, learned = effective(self.table.snapshot(local), self.cfg)
                 if snap.closed:
@@ -401,9 +409,33 @@ class Watcher:
         local = decision.local if decision.local is not None else min(pids)
         if local != hang.local_rank:  # the culprit's own account of its silence
             snap, learned = effective(self.table.snapshot(local), self.cfg)
-            _, hang, _, _ = self._account(
-                snap, learned, local, pids[local], started, time.monotonic()
-            )
+            now = time.monotonic()
+            _, own, _, _ = self._account(snap, learned, local, pids[local], started, now)
+            left = own.timeout - own.elapsed
+            if (
+                decision.cause != "progress_cap"
+                and math.isfinite(left)
+                and left > 0
+                and hang.elapsed < self.cfg.progress_cap
+            ):
+                # the rank past its bound waits (in a collective) for one that is within
+                # its own: it started its section late (rank 0 writing a checkpoint
+                # while the others waited in the next step). Not a hang yet: judged
+                # again once the culprit's own bound passes, if the wait lasts that long
+                logger.info(
+                    "local rank %d past its bound (%s, %.2fs) waits for local rank %d, "
+                    "within its own (%.2fs left): judged again then",
+                    hang.local_rank,
+                    hang.what,
+                    hang.elapsed,
+                    local,
+                    left,
+                )
+                with self._lock:
+                    if self._pids == pids:
+                        self._deferred[hang.local_rank] = now + left
+                return
+            hang = own
         if decision.cause == "progress_cap":
             hang = Hang(hang.local_rank, "progress_cap", hang.elapsed, self.cfg.progress_cap)
         record(decision, self.global_rank)
