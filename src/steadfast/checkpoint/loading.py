@@ -13,7 +13,7 @@ import os
 import pickle
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from .layout import (
     read_manifest,
 )
 from .memory import MemoryTier
+from .proof import RestoreUnproven
 from .staging import to_state_dicts
 
 __all__ = ["LoadRequest", "Loader"]
@@ -53,6 +54,11 @@ class LoadRequest:
     fallback: bool = False
     weights_only: bool = True
     require_keys: frozenset[str] = frozenset()
+    #: the newest step the restore may take (a replay proof's ceiling; None: any)
+    at_most: int | None = None
+    #: tier -> the newest of its checkpoints that failed a replay proof (skipped with
+    #: every older one of that tier)
+    excluded: Mapping[str, int] = field(default_factory=dict)
 
 
 class Loader:
@@ -63,6 +69,10 @@ class Loader:
         self.folder = folder
         self.coord = coord
         self.memory = memory
+        #: the tier of the last load (disk, memory or replica)
+        self.tier = "disk"
+        #: the newest step the last load could have taken, but for its ceiling
+        self.newest = -1
 
     def load(self, request: LoadRequest) -> tuple[int, dict[str, Any], Path] | None:
         """The step, the state and the checkpoint read (see
@@ -78,12 +88,35 @@ class Loader:
         # every rank tries the same candidates in the same order: rank 0's view
         tries = [Path(p) for p in self.coord.from_rank0([str(p) for p in tries])]
         why = ""  # why not from the memory tier, said in the disk load's event
+        self.tier, excluded, at_most = "disk", request.excluded, request.at_most
+        found = False  # a checkpoint exists, whatever the proof's bounds
+        if path is None:
+            found = bool(tries)
+            tries = [p for p in tries if _step_of(p) > excluded.get("disk", -1)]
+            self.newest = max((_step_of(p) for p in tries), default=-1)
+            tries = [p for p in tries if at_most is None or _step_of(p) <= at_most]
         if path is None and self.memory is not None:
             newest = max((_step_of(p) for p in tries), default=-1)
-            from_memory, why = memory_restore.restore(self.memory, self.coord, newest, objects)
+            after = excluded.get("memory", -1)
+            held = [s.step for s in self.memory.holdings() if s.step > after]
+            found = found or bool(held)
+            self.newest = max([self.newest, *held])
+            from_memory, why = memory_restore.restore(
+                self.memory, self.coord, newest, objects, at_most, after
+            )
             if from_memory is not None:
                 self.memory.drop_after(from_memory[0])
+                self.tier = "replica" if "replica" in from_memory[2].parts else "memory"
                 return from_memory
+        if path is None and not tries and self.coord.from_rank0(found or bool(excluded)):
+            # something was there, but every candidate failed a replay proof (or is
+            # newer than the proof allows and nothing older is left): never a fresh start
+            raise RestoreUnproven(
+                f"no checkpoint in {self.folder} is left to restore from: "
+                + ", ".join(f"{t} up to step {s}" for t, s in sorted(excluded.items()))
+                + " failed a replay proof (restore_mismatch in the event log); the job "
+                "stops rather than train on a state that was not the one it lost"
+            )
         loaded = self._load_disk(tries, objects, weights_only, why)
         if self.memory is not None and path is None:
             # the writer must not publish behind drop_after

@@ -31,6 +31,7 @@ from .fencing import CheckpointFenced
 from .layout import MANIFEST, STATE_FILE, CheckpointError, remove_stale, verify, write_manifest
 from .loading import Loader, LoadRequest
 from .memory import MemoryTier, ring_group
+from .proof import Proof, RestoreMismatch, RestoreUnproven
 from .retention import Retention, remove
 from .saving import RNG_KEY, Saver, capture
 from .staging import Stager, fill_in_place, has_dtensor
@@ -42,6 +43,8 @@ __all__ = [
     "CheckpointFenced",
     "CheckpointManager",
     "MANIFEST",
+    "RestoreMismatch",
+    "RestoreUnproven",
     "STATE_FILE",
     "verify",
     "write_manifest",
@@ -150,6 +153,7 @@ class CheckpointManager:
                 self.dir, self._coord.rank, world, local, ring, agree=self._coord.from_rank0
             )
         self._loader = Loader(self.dir, self._coord, self._memory)
+        self._proof = Proof(self.dir, self._coord)
 
     # ------------------------------------------------------------------ public API
     def save(
@@ -178,6 +182,9 @@ class CheckpointManager:
         whole or not at all) and manifest, but ``latest`` does not move and
         ``keep_last_n`` leaves it alone (the framework keeps and deletes its own).
         """
+        self._proof.check(step)
+        if self._proof.holds(step):  # not before the restore is proven
+            return
         self._saver.save(step, state, rank_state, name, self.async_save, retain=name is None)
 
     def snapshot(
@@ -194,7 +201,8 @@ class CheckpointManager:
         if self._memory is None:
             raise ConfigError("CheckpointManager.snapshot needs memory_every > 0")
         require_number("CheckpointManager.snapshot step", step, minimum=0, integer=True)
-        if step % self.memory_every:
+        self._proof.check(step)
+        if step % self.memory_every or self._proof.holds(step):
             return
         replicated, local = capture(state, rank_state, self.rng)
         self._memory.snapshot(step, replicated, local, sharded=has_dtensor(replicated))
@@ -217,6 +225,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish the save in flight, release the staging buffers and the gloo group."""
+        self._proof.close()
         try:
             self.wait()
         finally:
@@ -281,10 +290,15 @@ class CheckpointManager:
         own (sharded) state dicts. Returns ``(step, state)`` like :meth:`load`, so plain
         values can be read from ``state``; None when there is no checkpoint yet.
         """
-        loaded = self._load(LoadRequest(path, objects))
+        proving = path is None and self.collective
+        at_most, excluded = self._proof.plan() if proving else (None, {})
+        loaded = self._load(LoadRequest(path, objects, at_most=at_most, excluded=excluded))
         if loaded is None:
             return None
         step, state = loaded
+        if proving:
+            where = str(self.loaded_path)
+            self._proof.armed(step, self._loader.tier, where, self._loader.newest)
         gpu = gpu_job()  # then into the live GPU tensors, through pinned chunks
         with loading(), Uploader() as up:
             for key, obj in objects.items():

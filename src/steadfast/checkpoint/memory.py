@@ -29,11 +29,12 @@ temporary folder and renamed into place: a process killed mid-copy leaves the pr
 snapshots as they were. The job's identity in every manifest (the launcher's run id and
 the checkpoint directory) keeps a snapshot of another job from ever being restored.
 
-Memory budget, per node: the three newest snapshots (a rank may publish a step while
+Memory budget, per node: the five newest snapshots (a rank may publish a step while
 another still writes the one before: with three, when one dies mid-write, every rank
-still holds a step all share) plus the one being written, and as many replica slots: at
-most ``8 x`` (one replicated state + every local rank's own state), or for sharded state
-``8 x`` every local rank's shards and own state, in ``/dev/shm``. The first snapshot
+still holds a step all share; a restore's replay proof takes a step two before the
+newest one logged: two more) plus the one being written, and as many replica slots: at
+most ``12 x`` (one replicated state + every local rank's own state), or for sharded
+state ``12 x`` every local rank's shards and own state, in ``/dev/shm``. The first snapshot
 checks that the file system has room for the node's bound and
 stops with one :class:`~steadfast.ConfigError` naming the sizes if not, instead of a
 failed write (or a SIGBUS) mid-run. What a kill mid-write left is cleared when the tier
@@ -77,6 +78,7 @@ from .layout import (
     remove_all,
     remove_stale,
 )
+from .proof import NEEDED
 from .snapshot_io import RANK, STATE, pack, unpack
 from .staging import Stager
 
@@ -95,8 +97,10 @@ MEMORY_DIR_ENV = "STEADFAST_MEMORY_DIR"
 _PREFIX = "steadfast-mem-"
 #: published snapshots kept per rank and per replicated rank (plus the one being
 #: written): a rank may publish a step while another is still writing the one before, so
-#: with three every rank still holds a step all share when one dies mid-write
-KEEP = 3
+#: with three every rank still holds a step all share when one dies mid-write; and a
+#: restore's replay proof (:mod:`.proof`) takes a step NEEDED - 1 before the newest one
+#: logged, which the rank one step behind must still hold: NEEDED + 2
+KEEP = NEEDED + 2
 #: how many snapshot sizes the tier may hold in memory per rank, with replicas
 BUDGET_SLOTS = 2 * (KEEP + 1)
 _RING_TIMEOUT = timedelta(seconds=120)

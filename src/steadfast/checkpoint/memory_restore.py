@@ -66,20 +66,23 @@ def restore(
     coord: Coordinator,
     newest_disk: int,
     objects: Mapping[str, Any] | None = None,
+    at_most: int | None = None,
+    after: int = -1,
 ) -> tuple[tuple[int, dict[str, Any], Path] | None, str]:
     """The restore from the memory tier: the newest step (not older than the newest
     disk checkpoint) that the job's nodes hold whole, each rank's pieces read from its
     own node or sent by a holder, verified after the transfer; a faulty copy is dropped
     and the plan made again. Sharded snapshots are restored only into ``objects`` (the
     live objects, whose DTensors get their saved shards in place). Returns ``(the step,
-    the state, the snapshot read)``, or None and why not (the caller reads the disk)."""
+    the state, the snapshot read)``, or None and why not (the caller reads the disk).
+    ``at_most``, ``after``: the steps a replay proof allows (see :mod:`.proof`)."""
     me = coord.rank
     sharded_ok = objects is not None
     quiet_wait(memory)
     offers = coord.all_gather(memory.holdings())
     bad: set[str] = set()  # the snapshots (their folders) found faulty
     while True:
-        planned = plan(offers, coord.world, newest_disk, bad, sharded_ok)
+        planned = plan(offers, coord.world, newest_disk, bad, sharded_ok, at_most, after)
         if planned is None:
             return None, _why_not(memory, offers, coord.world, bad)
         start = time.monotonic()
@@ -220,13 +223,16 @@ def plan(
     newest_disk: int,
     bad: set[str],
     sharded_ok: bool = True,
+    at_most: int | None = None,
+    after: int = -1,
 ) -> Plan | None:
     """The newest step, not older than ``newest_disk``, for which every rank's own
     snapshot is held by some rank (``offers[h]``: what rank ``h``'s node holds) and, for
     replicated state, some node holds a ``state.pt``; less the copies found faulty. Each
     rank is served by itself if its node holds the piece, else by a holder of its own
     snapshot before one of a replica, else the lowest rank; the state comes with the
-    rank's own snapshot when that holds it."""
+    rank's own snapshot when that holds it. Only steps in ``(after, at_most]`` (a
+    replay proof's bounds)."""
     held: dict[tuple[int, int], list[Source]] = {}
     states: dict[int, list[Source]] = {}
     sharded: dict[int, bool] = {}
@@ -239,8 +245,10 @@ def plan(
             if snap.state:
                 states.setdefault(snap.step, []).append(Source(holder, snap))
     for step in sorted(sharded, reverse=True):
-        if step < newest_disk:
+        if step < newest_disk or step <= after:
             return None
+        if at_most is not None and step > at_most:
+            continue
         if sharded[step] and not sharded_ok:
             continue
         own: dict[int, Source] = {}

@@ -46,6 +46,9 @@ class Kind(str, Enum):
     CHECKPOINT_CORRUPT = "checkpoint_corrupt"
     CHECKPOINT_DELETED = "checkpoint_deleted"
     CHECKPOINT_FENCED = "checkpoint_fenced"
+    RESTORE_VERIFIED = "restore_verified"
+    RESTORE_MISMATCH = "restore_mismatch"
+    RESTORE_UNVERIFIED = "restore_unverified"
     RANK_HUNG = "rank_hung"
     HANG_CONFIRMED = "hang_confirmed"
     STEPS_SEEN = "steps_seen"
@@ -171,6 +174,23 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     (Kind.CHECKPOINT_FENCED, "a rank wrote no checkpoint: its node no longer holds the job's "
      "rendezvous (cut off, or the job went on without it)", {
         "path": "the checkpoint folder", "reason": "what the launcher answered",
+    }),
+    (Kind.RESTORE_VERIFIED, "a restore proven by replay: the re-done steps' losses equal "
+     "those logged before the fault, bit for bit (step: the step restored)", {
+        "tier": "disk, memory or replica", "path": "the checkpoint read",
+        "steps": "the re-done steps compared", "ranks": "how many ranks compared losses",
+        "proof_steps": "steps re-done only for the proof (a newer checkpoint held them)",
+        "proof_seconds": "their time",
+    }),
+    (Kind.RESTORE_MISMATCH, "a restore failed its replay proof: a re-done step's loss differs "
+     "from the one logged before the fault (step: the step restored); the workers restart "
+     "without that tier's checkpoints up to that step, or stop (exit 17) when none is left", {
+        "tier": "disk, memory or replica", "path": "the checkpoint read",
+        "differs": "rank, step, the loss now and the loss logged",
+    }),
+    (Kind.RESTORE_UNVERIFIED, "a restore that could not be proven (step: the step restored)", {
+        "tier": "disk, memory or replica", "path": "the checkpoint read",
+        "reason": "why: no losses logged before the fault, no save after the re-done steps",
     }),
     # monitoring / launcher
     (Kind.RANK_HUNG, "a rank overstayed a timeout and is terminated (cause: what timed out)", {
@@ -327,7 +347,8 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "hardware": "the hardware id (node/device) of the doubted result",
     }),
     (Kind.RERUN_VERDICT, "attribution of a rejected result", {
-        "verdict": "transient, persistent or correct",
+        "verdict": "transient, persistent, correct, or bad_restore (the restore it re-ran "
+        "from failed its replay proof: no verdict on the hardware)",
     }),
     # in-process restart (rank: the initial rank, this process's identity for the call)
     (Kind.INPROCESS_INTERRUPTED, "an in-process restart iteration was interrupted (cause: "

@@ -124,9 +124,10 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-#: Called when this process emits ``step_done`` (steadfast.progress notes that the
-#: script counts its own steps, so that the launcher does not count them again).
-on_step_done: Callable[[], None] | None = None
+#: Called with each ``step_done`` record this process emits: steadfast.progress notes
+#: that the script counts its own steps (so that the launcher does not count them
+#: again), a restore's replay proof reads the re-done steps' losses.
+step_listeners: list[Callable[[dict[str, Any]], None]] = []
 
 
 def emit(
@@ -181,8 +182,9 @@ def emit(
     if len(line) > _MAX_LINE:
         raise EventLogError(f"event {kind!r} is {len(line)} bytes; the limit is {_MAX_LINE}")
     logger.debug("event %s", line)
-    if kind == "step_done" and on_step_done is not None:
-        on_step_done()
+    if kind == "step_done":
+        for listener in list(step_listeners):
+            listener(record)
     path = _writer.path()
     if path is not None:
         data = (line + "\n").encode()

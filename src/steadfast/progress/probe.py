@@ -190,7 +190,7 @@ class Probe:
             register_optimizer_step_post_hook(self._opt_post),
         ]
         self._search_handles = [register_module_forward_pre_hook(self._search)]
-        writer.on_step_done = self._own_step
+        writer.step_listeners.append(self._own_step)
         os.register_at_fork(after_in_child=self._forked)
         self._thread = threading.Thread(target=self._serve, name="steadfast-progress", daemon=True)
         self._thread.start()
@@ -206,8 +206,8 @@ class Probe:
         for handle in (*self._opt_handles, *self._search_handles, *self._top_handles):
             handle.remove()
         self._opt_handles, self._search_handles, self._top_handles = [], [], []
-        if writer.on_step_done == self._own_step:
-            writer.on_step_done = None
+        if self._own_step in writer.step_listeners:
+            writer.step_listeners.remove(self._own_step)
         if self._thread is not None:
             with contextlib.suppress(OSError):
                 fd = os.open(self.ask, os.O_WRONLY | os.O_NONBLOCK)
@@ -225,7 +225,7 @@ class Probe:
         if self.phases is not None:
             self.phases.done = True  # its timers write nothing either
 
-    def _own_step(self) -> None:
+    def _own_step(self, record: dict[str, Any]) -> None:
         self.note(FLAG_OWN_STEPS)
 
     def note(self, flag: int) -> None:

@@ -184,6 +184,8 @@ class RerunStateMachine:
         self._diffs: list[float] = []
         self._large: dict[str, list[float]] = {}
         self.verdicts: list[str] = []
+        #: set when the restore this process resumed from failed its replay proof
+        self.bad_restore: str | None = None
 
     # ------------------------------------------------------------------ loop contract
     def should_run_forward_backward(self, data_iterator: Any) -> bool:
@@ -501,6 +503,8 @@ class RerunStateMachine:
         events.emit("rerun_elsewhere", step=self.iteration, cause="reproduced", hardware=hardware)
 
     def _verdict(self, kind: str, text: str) -> None:
+        if self.bad_restore is not None and kind in ("persistent", "correct"):
+            kind, text = "bad_restore", f"{text}\nNo verdict: {self.bad_restore}"
         for line in text.splitlines():
             logger.warning("%s", line)
         self.verdicts.append(kind)
@@ -547,6 +551,19 @@ def _as_list(data_iterator: Any) -> list[RerunDataIterator]:
 
 
 _GLOBAL: RerunStateMachine | None = None
+
+
+def note_bad_restore(step: int, tier: str, text: str) -> None:
+    """A restore failed its replay proof (:mod:`steadfast.checkpoint.proof`): the
+    process's machine, if one runs, hears "a bad restore", not "a bad GPU". Its verdict
+    ``bad_restore`` voids what it concluded since that restore (a re-run compared with a
+    state that was not the one lost proves nothing about the hardware), and its later
+    re-runs conclude nothing until a restore is proven."""
+    machine = _GLOBAL
+    if machine is None or machine.mode == RerunMode.DISABLED:
+        return
+    machine.bad_restore = text
+    machine._verdict("bad_restore", f"Restore of step {step} ({tier}) not proven\n{text}")
 
 
 def initialize_rerun_state_machine(**kwargs: Any) -> RerunStateMachine:

@@ -1,0 +1,337 @@
+"""Every restore proven by replay: steadfast resumes bit-exact, so the steps a restart
+re-does must give, bit for bit, the losses they gave before the fault.
+
+How (no line of the loop changes):
+
+- **Before the restore** (the first one of a :class:`~steadfast.CheckpointManager`: a
+  process's start, an in-process restart), rank 0 reads the event log for the losses
+  that ``step_done`` events carried before now (the newest value of each rank's step).
+  A checkpoint of step ``C`` re-does the steps from ``C`` on, so the restore takes the
+  newest checkpoint that leaves at least :data:`NEEDED` logged steps to re-do. When the
+  newest leaves fewer (a snapshot every step, a save at a graceful stop), an older one
+  is taken: the steps the newer one held are re-done only for the proof, and the
+  ``restore_verified`` event says how many and how long (``proof_steps``,
+  ``proof_seconds``).
+- **While the loop re-does them**, each rank keeps the losses of its own ``step_done``
+  events (:data:`steadfast.events.writer.step_listeners`).
+- **At the loop's next** ``snapshot`` **or** ``save`` **after the last of them**, every
+  rank compares, and the ranks agree (one all-gather): ``restore_verified``, or
+  ``restore_mismatch`` naming each rank, step and the two losses.
+- **A mismatch is never ignored.** Rank 0 records the tier's checkpoints up to the
+  restored step as excluded (``restore-excluded.json`` in the checkpoint folder), the
+  re-run state machine hears "a bad restore", and every rank raises
+  :class:`RestoreMismatch`: the launcher restarts the workers, whose restore skips what
+  is excluded (the next tier, an older checkpoint). When nothing is left to restore
+  from, the restore raises :class:`RestoreUnproven`, which ends the process with exit 17
+  ("failed result validation", which the launcher does not restart) and one message.
+
+Why three losses: the optimizer's state holds the learning rate, so a state that lost
+its LR scheduler (a ``LambdaLR``: a fresh one counts from 0) gives the right first loss
+(the parameters were restored), the right second one (the first update used the
+restored rate), and a wrong third (the fresh scheduler's first ``step()`` set the wrong
+rate for the second update). Measured with ``tests/e2e/proof_loop.py``.
+
+What it cannot see, and says so (``restore_unverified``): a loop that logs no losses, a
+restore with fewer than two logged steps after it, a loop that neither snapshots nor
+saves after them. A rollback inside a process (a NaN burst) re-does steps that went
+wrong on purpose, so only a manager's first restore is proven.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import events
+from ..events import writer
+from .collectives import Coordinator
+from .layout import CheckpointError
+
+__all__ = [
+    "EXCLUDED_FILE",
+    "NEEDED",
+    "Proof",
+    "RestoreMismatch",
+    "RestoreUnproven",
+    "logged_losses",
+    "read_excluded",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Re-done steps whose losses prove a restore (why three: the module's description).
+NEEDED = 3
+#: In the checkpoint folder: tier -> the newest step of it that failed its proof.
+EXCLUDED_FILE = "restore-excluded.json"
+#: The exit status of a job whose every checkpoint failed its proof: the launcher's
+#: "failed result validation", which it does not restart.
+UNPROVEN_EXIT = 17
+
+
+class RestoreMismatch(CheckpointError):
+    """The restore failed its replay proof; the workers restart without that tier's
+    checkpoints up to the restored step."""
+
+
+class RestoreUnproven(SystemExit):
+    """No checkpoint is left that has not failed a replay proof: the process ends with
+    exit 17 (the launcher does not restart it) and this message."""
+
+    def __init__(self, message: str) -> None:
+        logger.error("%s", message)
+        print(f"steadfast: {message}", flush=True)
+        super().__init__(UNPROVEN_EXIT)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def tier_of(tier: str) -> str:
+    """The tier a checkpoint's exclusion applies to: a replica is the memory tier's."""
+    return "memory" if tier == "replica" else tier
+
+
+def read_excluded(folder: Path) -> dict[str, int]:
+    """The excluded checkpoints: tier -> the newest step of it that failed its proof
+    (every checkpoint of that tier up to it is skipped). A damaged file is an error
+    naming it: it steers which checkpoints a job trusts."""
+    path = folder / EXCLUDED_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path}: cannot be read ({exc}); delete it to trust every tier"
+        ) from exc
+    if not isinstance(data, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) for k, v in data.items()
+    ):
+        raise CheckpointError(f"{path}: expected {{tier: step}}, found {data!r}")
+    return data
+
+
+def _exclude(folder: Path, tier: str, step: int) -> None:
+    excluded = read_excluded(folder)
+    excluded[tier] = max(step, excluded.get(tier, -1))
+    tmp = folder / f".{EXCLUDED_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(excluded, sort_keys=True))
+    os.replace(tmp, folder / EXCLUDED_FILE)
+
+
+def logged_losses(path: str | None, before: float) -> dict[int, dict[int, Any]]:
+    """rank -> step -> the loss its newest ``step_done`` before ``before`` carried (as
+    the log holds it: a float, or a string for a non-finite one)."""
+    found: dict[int, dict[int, list[tuple[float, Any, tuple[Any, Any]]]]] = {}
+    bad: set[tuple[Any, Any]] = set()  # generations whose restore failed its proof
+    if path is None:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                mismatch = b'"restore_mismatch"' in raw
+                if not mismatch and (b'"step_done"' not in raw or b'"loss"' not in raw):
+                    continue
+                try:
+                    e = json.loads(raw)
+                except ValueError:
+                    continue  # a line cut by a crash
+                if mismatch and e.get("kind") == "restore_mismatch":
+                    bad.add(_generation(e))
+                    continue
+                at, rank, step, loss = e.get("time"), e.get("rank"), e.get("step"), e.get("loss")
+                if e.get("kind") != "step_done" or loss is None or not isinstance(at, float):
+                    continue
+                if at >= before or not isinstance(rank, int) or not isinstance(step, int):
+                    continue
+                found.setdefault(rank, {}).setdefault(step, []).append((at, loss, _generation(e)))
+    except OSError:
+        return {}
+    losses: dict[int, dict[int, Any]] = {}
+    for rank, steps in found.items():
+        for step, seen in steps.items():
+            good = [(at, loss) for at, loss, gen in seen if gen not in bad]
+            if good:
+                losses.setdefault(rank, {})[step] = max(good, key=lambda g: g[0])[1]
+    return losses
+
+
+def _generation(e: dict[str, Any]) -> tuple[Any, Any]:
+    """The workers' generation an event comes from: its Slurm and in-job restarts."""
+    return e.get("slurm_restart"), e.get("restart")
+
+
+def ceiling(losses: dict[int, dict[int, Any]]) -> int | None:
+    """The newest checkpoint step that leaves :data:`NEEDED` logged steps to re-do;
+    None: fewer are logged (no ceiling: nothing can prove the restore)."""
+    steps = sorted({s for per_rank in losses.values() for s in per_rank})
+    return steps[-NEEDED] if len(steps) >= NEEDED else None
+
+
+@dataclass
+class _Pending:
+    """A restore whose proof is under way."""
+
+    step: int
+    tier: str
+    path: str
+    horizon: int  # the last re-done step compared
+    newest: int  # the newest checkpoint there was: steps below it are the proof's cost
+    expected: dict[int, Any]  # this rank's logged losses of the steps compared
+    seen: dict[int, Any] = field(default_factory=dict)
+    cost: float = 0.0
+
+
+class Proof:
+    """The replay proofs of one manager's restores (see the module's description)."""
+
+    def __init__(self, folder: Path, coord: Coordinator) -> None:
+        self.folder, self.coord = folder, coord
+        self.rank = coord.rank  # as the event log numbers it, once a restore is armed
+        self.enabled = True  # only a manager's first restore is proven
+        self._losses: dict[int, dict[int, Any]] = {}
+        self.pending: _Pending | None = None
+
+    def plan(self) -> tuple[int | None, dict[str, int]]:
+        """Before a restore (collective): the newest step it may take (None: any) and
+        the excluded checkpoints. Rank 0 reads the log and the exclusions."""
+        if not self.enabled:
+            return None, self.coord.from_rank0(
+                read_excluded(self.folder) if self.coord.rank == 0 else None
+            )
+        mine: tuple[int | None, dict[str, int]] | None = None
+        if self.coord.rank == 0:
+            self._losses = logged_losses(writer.current_path(), time.time())
+            mine = (ceiling(self._losses), read_excluded(self.folder))
+        got: tuple[int | None, dict[str, int]] = self.coord.from_rank0(mine)
+        return got
+
+    def armed(self, step: int, tier: str, path: str, newest: int) -> None:
+        """After the restore of ``step`` (collective): what the re-done steps must give."""
+        if not self.enabled:
+            return
+        self.enabled = False
+        plan: tuple[int | None, dict[int, dict[int, Any]]] | None = None
+        if self.coord.rank == 0:
+            later = sorted({s for per in self._losses.values() for s in per if s >= step})
+            compared = later[:NEEDED]
+            per_rank = {
+                r: {s: per[s] for s in compared if s in per} for r, per in self._losses.items()
+            }
+            plan = (compared[-1] if len(compared) == NEEDED else None, per_rank)
+            self._losses = {}
+        horizon, per_rank = self.coord.from_rank0(plan)
+        self.rank = int(os.environ.get("RANK", self.coord.rank))  # step_done's rank
+        if horizon is None:
+            if self.coord.rank == 0:
+                events.emit(
+                    "restore_unverified",
+                    step=step,
+                    tier=tier,
+                    path=path,
+                    reason=f"fewer than {NEEDED} steps with a logged loss (step_done's "
+                    "loss) from this step on",
+                )
+            return
+        self.pending = _Pending(step, tier, path, horizon, newest, per_rank.get(self.rank, {}))
+        writer.step_listeners.append(self._step_done)
+
+    def _step_done(self, record: dict[str, Any]) -> None:
+        pending, step = self.pending, record.get("step")
+        if pending is None or not isinstance(step, int) or step < pending.step:
+            return
+        if step in pending.expected and record.get("loss") is not None:
+            pending.seen.setdefault(step, record["loss"])
+        seconds = record.get("seconds")
+        if step < pending.newest and isinstance(seconds, (int, float)):
+            pending.cost += float(seconds)
+
+    def close(self) -> None:
+        """Stop listening (the manager closes)."""
+        with contextlib.suppress(ValueError):
+            writer.step_listeners.remove(self._step_done)
+        self.pending = None
+
+    def holds(self, done: int) -> bool:
+        """Whether a checkpoint of ``done`` steps must not be written: it would hold a
+        state the proof has not reached yet (those steps were checkpointed before the
+        fault; the restored checkpoint stays)."""
+        return self.pending is not None and done <= self.pending.horizon
+
+    def check(self, done: int) -> None:
+        """At the loop's ``snapshot``/``save`` of ``done`` steps (collective): once the
+        compared steps were re-done, the verdict; raises :class:`RestoreMismatch`."""
+        pending = self.pending
+        if pending is None or done <= pending.horizon:
+            return
+        self.close()
+        differs = [
+            {"rank": self.rank, "step": s, "loss": pending.seen[s], "logged": logged}
+            for s, logged in sorted(pending.expected.items())
+            if s in pending.seen and pending.seen[s] != logged
+        ]
+        compared = sorted(s for s in pending.expected if s in pending.seen)
+        shares = self.coord.all_gather((differs, compared, pending.cost))
+        differs = [d for share in shares for d in share[0]]
+        ranks = sum(1 for share in shares if share[1])
+        if not differs and len({s for share in shares for s in share[1]}) < NEEDED:
+            if self.coord.rank == 0:
+                events.emit(
+                    "restore_unverified",
+                    step=pending.step,
+                    tier=pending.tier,
+                    path=pending.path,
+                    reason=f"the ranks re-did fewer than {NEEDED} of the logged steps with a "
+                    "loss in their step_done",
+                )
+            return
+        if not differs:
+            if self.coord.rank == 0:
+                events.emit(
+                    "restore_verified",
+                    step=pending.step,
+                    tier=pending.tier,
+                    path=pending.path,
+                    steps=sorted(pending.expected) or None,
+                    ranks=ranks,
+                    proof_steps=max(0, pending.newest - pending.step),
+                    proof_seconds=round(max(share[2] for share in shares), 6),
+                )
+            return
+        self._mismatch(pending, differs)
+
+    def _mismatch(self, pending: _Pending, differs: list[dict[str, Any]]) -> None:
+        from ..rerun.machine import note_bad_restore
+
+        tier = tier_of(pending.tier)
+        first = differs[0]
+        text = (
+            f"the restore of step {pending.step} ({pending.tier}, {pending.path}) failed its "
+            f"replay proof: rank {first['rank']}'s step {first['step']} gave loss "
+            f"{first['loss']!r}, before the fault {first['logged']!r}"
+            + (f" (and {len(differs) - 1} more)" if len(differs) > 1 else "")
+        )
+        if self.coord.rank == 0:
+            events.emit(
+                "restore_mismatch",
+                step=pending.step,
+                cause="replay",
+                tier=pending.tier,
+                path=pending.path,
+                differs=differs[:16],
+            )
+            _exclude(self.folder, tier, pending.step)
+        note_bad_restore(pending.step, pending.tier, text)
+        self.coord.all_gather(None)  # the exclusion is written before any rank restarts
+        raise RestoreMismatch(
+            f"{text}. The state it resumed from is not the state it lost (a state the "
+            "checkpoint does not hold: an LR scheduler, a data position?); the workers "
+            f"restart without the {tier} tier's checkpoints up to step {pending.step}"
+        )
