@@ -59,6 +59,8 @@ class LoadRequest:
     #: tier -> the newest of its checkpoints that failed a replay proof (skipped with
     #: every older one of that tier)
     excluded: Mapping[str, int] = field(default_factory=dict)
+    #: keep the memory tier's snapshots up to this step (a replay proof compares with one)
+    keep: int = -1
 
 
 class Loader:
@@ -71,8 +73,10 @@ class Loader:
         self.memory = memory
         #: the tier of the last load (disk, memory or replica)
         self.tier = "disk"
-        #: the newest step the last load could have taken, but for its ceiling
+        #: the newest step the last load could have taken, but for its bound
         self.newest = -1
+        #: whether the last load kept to its bound (``at_most``): something met it
+        self.bounded = False
 
     def load(self, request: LoadRequest) -> tuple[int, dict[str, Any], Path] | None:
         """The step, the state and the checkpoint read (see
@@ -87,42 +91,55 @@ class Loader:
             )
         # every rank tries the same candidates in the same order: rank 0's view
         tries = [Path(p) for p in self.coord.from_rank0([str(p) for p in tries])]
-        why = ""  # why not from the memory tier, said in the disk load's event
-        self.tier, excluded, at_most = "disk", request.excluded, request.at_most
-        found = False  # a checkpoint exists, whatever the proof's bounds
-        if path is None:
-            found = bool(tries)
-            tries = [p for p in tries if _step_of(p) > excluded.get("disk", -1)]
-            self.newest = max((_step_of(p) for p in tries), default=-1)
-            tries = [p for p in tries if at_most is None or _step_of(p) <= at_most]
-        if path is None and self.memory is not None:
-            newest = max((_step_of(p) for p in tries), default=-1)
-            after = excluded.get("memory", -1)
-            held = [s.step for s in self.memory.holdings() if s.step > after]
-            found = found or bool(held)
-            self.newest = max([self.newest, *held])
-            from_memory, why = memory_restore.restore(
-                self.memory, self.coord, newest, objects, at_most, after
-            )
-            if from_memory is not None:
-                self.memory.drop_after(from_memory[0])
-                self.tier = "replica" if "replica" in from_memory[2].parts else "memory"
-                return from_memory
-        if path is None and not tries and self.coord.from_rank0(found or bool(excluded)):
-            # something was there, but every candidate failed a replay proof (or is
-            # newer than the proof allows and nothing older is left): never a fresh start
+        self.tier, self.bounded = "disk", False
+        if path is not None:
+            return self._load_disk(tries, objects, weights_only)
+        excluded, at_most = request.excluded, request.at_most
+        allowed = [p for p in tries if _step_of(p) > excluded.get("disk", -1)]
+        after = excluded.get("memory", -1)
+        holdings = self.memory.holdings() if self.memory is not None else []
+        held = [s.step for s in holdings if s.step > after]
+        self.newest = max([-1, *held, *(_step_of(p) for p in allowed)])
+        if at_most is not None:  # a replay proof's bound, when something meets it
+            bounded = [p for p in allowed if _step_of(p) <= at_most]
+            self.bounded = self.coord.from_rank0(bool(bounded) or any(s <= at_most for s in held))
+        if not self.bounded:
+            at_most, bounded = None, allowed
+        left = bool(allowed or held or not (tries or holdings))
+        if excluded and not self.coord.from_rank0(left):
+            # checkpoints are there, but each failed a replay proof: never a fresh start
             raise RestoreUnproven(
                 f"no checkpoint in {self.folder} is left to restore from: "
                 + ", ".join(f"{t} up to step {s}" for t, s in sorted(excluded.items()))
                 + " failed a replay proof (restore_mismatch in the event log); the job "
                 "stops rather than train on a state that was not the one it lost"
             )
+        why = ""  # why not from the memory tier, said in the disk load's event
+        if self.memory is not None:
+            newest = max((_step_of(p) for p in bounded), default=-1)
+            from_memory, why = memory_restore.restore(
+                self.memory, self.coord, newest, objects, at_most, after
+            )
+            if from_memory is not None:
+                self.memory.drop_after(max(from_memory[0], request.keep))
+                self.tier = "replica" if "replica" in from_memory[2].parts else "memory"
+                return from_memory
+        tries = bounded
         loaded = self._load_disk(tries, objects, weights_only, why)
-        if self.memory is not None and path is None:
+        if self.memory is not None:
             # the writer must not publish behind drop_after
             memory_restore.quiet_wait(self.memory)
-            self.memory.drop_after(loaded[0] if loaded is not None else -1)
+            self.memory.drop_after(max(loaded[0] if loaded is not None else -1, request.keep))
         return loaded
+
+    def read_plain(self, ckpt: Path) -> dict[str, Any]:
+        """``ckpt``'s state as this rank saved it, verified (collective): what a replay
+        proof compares the re-done state with. No ``checkpoint_loaded``: nothing is
+        restored."""
+        loaded = self._load_disk([ckpt], None, True, announce=False)
+        if loaded is None:  # pragma: no cover - _load_disk raises when none is valid
+            raise CheckpointError(f"{ckpt}: cannot be read")
+        return loaded[1]
 
     def _check_mine(self, ckpt: Path) -> tuple[dict[str, Any] | None, list[str]]:
         """Verify ``ckpt`` as far as this rank needs: every file's size, and the
@@ -182,6 +199,7 @@ class Loader:
         objects: Mapping[str, Any] | None,
         weights_only: bool,
         why: str = "",
+        announce: bool = True,
     ) -> tuple[int, dict[str, Any], Path] | None:
         """The newest of ``tries`` that every rank verifies and reads; ``why``: why not
         from the memory tier (said in ``checkpoint_loaded``)."""
@@ -217,6 +235,8 @@ class Loader:
                 failures.extend(bad)
                 continue
             step = int(manifest["step"])
+            if not announce:
+                return step, state, ckpt
             events.emit(
                 "checkpoint_loaded",
                 step=step,

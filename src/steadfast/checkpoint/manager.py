@@ -153,7 +153,7 @@ class CheckpointManager:
                 self.dir, self._coord.rank, world, local, ring, agree=self._coord.from_rank0
             )
         self._loader = Loader(self.dir, self._coord, self._memory)
-        self._proof = Proof(self.dir, self._coord)
+        self._proof = Proof(self.dir, self._coord, self._loader.read_plain)
 
     # ------------------------------------------------------------------ public API
     def save(
@@ -182,7 +182,7 @@ class CheckpointManager:
         whole or not at all) and manifest, but ``latest`` does not move and
         ``keep_last_n`` leaves it alone (the framework keeps and deletes its own).
         """
-        self._proof.check(step)
+        self._proof.check(step, lambda: self._mine(state, rank_state))
         if self._proof.holds(step):  # not before the restore is proven
             return
         self._saver.save(step, state, rank_state, name, self.async_save, retain=name is None)
@@ -201,7 +201,7 @@ class CheckpointManager:
         if self._memory is None:
             raise ConfigError("CheckpointManager.snapshot needs memory_every > 0")
         require_number("CheckpointManager.snapshot step", step, minimum=0, integer=True)
-        self._proof.check(step)
+        self._proof.check(step, lambda: self._mine(state, rank_state))
         if step % self.memory_every or self._proof.holds(step):
             return
         replicated, local = capture(state, rank_state, self.rng)
@@ -291,14 +291,24 @@ class CheckpointManager:
         values can be read from ``state``; None when there is no checkpoint yet.
         """
         proving = path is None and self.collective
-        at_most, excluded = self._proof.plan() if proving else (None, {})
-        loaded = self._load(LoadRequest(path, objects, at_most=at_most, excluded=excluded))
+        plan = self._proof.plan(self._held()) if proving else None
+        request = LoadRequest(path, objects)
+        if plan is not None:
+            keep = plan.against[0] if plan.against else -1
+            request = LoadRequest(
+                path, objects, at_most=plan.at_most, excluded=plan.excluded, keep=keep
+            )
+        loaded = self._load(request)
+        if proving:
+            self._proof.armed(
+                (loaded[0], self._loader.tier, str(self.loaded_path), self._loader.newest)
+                if loaded is not None
+                else None,
+                self._loader.bounded,
+            )
         if loaded is None:
             return None
         step, state = loaded
-        if proving:
-            where = str(self.loaded_path)
-            self._proof.armed(step, self._loader.tier, where, self._loader.newest)
         gpu = gpu_job()  # then into the live GPU tensors, through pinned chunks
         with loading(), Uploader() as up:
             for key, obj in objects.items():
@@ -311,6 +321,17 @@ class CheckpointManager:
         if self.rng and RNG_KEY in state and RNG_KEY not in objects:
             RNGState().load_state_dict(state[RNG_KEY])
         return step, state
+
+    def _held(self) -> list[int]:
+        """The steps this node's memory tier holds (for a replay proof's plan)."""
+        return [s.step for s in self._memory.holdings()] if self._memory is not None else []
+
+    def _mine(
+        self, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        """This rank's whole state, as a checkpoint of it reads back (for a proof)."""
+        replicated, local = capture(state, rank_state, self.rng)
+        return {**replicated, **local}
 
     def _load(self, request: LoadRequest) -> tuple[int, dict[str, Any]] | None:
         self.wait()

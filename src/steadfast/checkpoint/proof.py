@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ from typing import Any
 from .. import events
 from ..events import writer
 from .collectives import Coordinator
-from .layout import CheckpointError
+from .layout import CheckpointError, read_manifest, step_dirs
 
 __all__ = [
     "EXCLUDED_FILE",
@@ -85,7 +86,6 @@ class RestoreUnproven(SystemExit):
 
     def __init__(self, message: str) -> None:
         logger.error("%s", message)
-        print(f"steadfast: {message}", flush=True)
         super().__init__(UNPROVEN_EXIT)
         self.message = message
 
@@ -147,6 +147,7 @@ def logged_losses(path: str | None, before: float) -> dict[int, dict[int, Any]]:
                     bad.add(_generation(e))
                     continue
                 at, rank, step, loss = e.get("time"), e.get("rank"), e.get("step"), e.get("loss")
+                rank = 0 if rank is None else rank  # a process with no RANK: alone
                 if e.get("kind") != "step_done" or loss is None or not isinstance(at, float):
                     continue
                 if at >= before or not isinstance(rank, int) or not isinstance(step, int):
@@ -175,6 +176,17 @@ def ceiling(losses: dict[int, dict[int, Any]]) -> int | None:
     return steps[-NEEDED] if len(steps) >= NEEDED else None
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What rank 0 decided before a restore: the newest step it may take (None: any),
+    the excluded checkpoints, and the disk checkpoint to compare the re-done state with
+    (its step and folder; None: the losses alone prove it)."""
+
+    at_most: int | None
+    excluded: dict[str, int]
+    against: tuple[int, str] | None = None
+
+
 @dataclass
 class _Pending:
     """A restore whose proof is under way."""
@@ -182,42 +194,64 @@ class _Pending:
     step: int
     tier: str
     path: str
-    horizon: int  # the last re-done step compared
     newest: int  # the newest checkpoint there was: steps below it are the proof's cost
+    horizon: int | None  # the last re-done step whose loss is compared
     expected: dict[int, Any]  # this rank's logged losses of the steps compared
+    against: tuple[int, str] | None  # the checkpoint the state is compared with
     seen: dict[int, Any] = field(default_factory=dict)
-    cost: float = 0.0
+    state_differs: list[str] | None = None  # None: not compared (yet)
+
+    @property
+    def until(self) -> int:
+        """The ``done`` count at which the proof is complete: the state compared with
+        the newer checkpoint's, else the last compared loss logged."""
+        if self.against is not None:
+            return self.against[0]
+        return self.horizon + 1 if self.horizon is not None else 0
 
 
 class Proof:
-    """The replay proofs of one manager's restores (see the module's description)."""
+    """The replay proofs of one manager's restores (see the module's description).
+    ``read``: a disk checkpoint's state as this rank saved it (to compare with)."""
 
-    def __init__(self, folder: Path, coord: Coordinator) -> None:
-        self.folder, self.coord = folder, coord
+    def __init__(
+        self, folder: Path, coord: Coordinator, read: Callable[[Path], dict[str, Any]]
+    ) -> None:
+        self.folder, self.coord, self.read = folder, coord, read
         self.rank = coord.rank  # as the event log numbers it, once a restore is armed
         self.enabled = True  # only a manager's first restore is proven
         self._losses: dict[int, dict[int, Any]] = {}
+        self._plan = Plan(None, {})
         self.pending: _Pending | None = None
 
-    def plan(self) -> tuple[int | None, dict[str, int]]:
-        """Before a restore (collective): the newest step it may take (None: any) and
-        the excluded checkpoints. Rank 0 reads the log and the exclusions."""
-        if not self.enabled:
-            return None, self.coord.from_rank0(
-                read_excluded(self.folder) if self.coord.rank == 0 else None
-            )
-        mine: tuple[int | None, dict[str, int]] | None = None
+    def plan(self, held: list[int]) -> Plan:
+        """Before a restore (collective; ``held``: the steps this node's memory tier
+        holds). Rank 0 reads the log and the exclusions, and picks the route: the
+        newest checkpoint is restored when it leaves :data:`NEEDED` logged steps to
+        re-do; else, when the newest is a disk checkpoint (no newer snapshot) and one
+        older exists, the one before it is, and the state the loop reaches at the newest
+        one's step is compared with it; else the newest that leaves enough steps."""
+        mine: Plan | None = None
         if self.coord.rank == 0:
-            self._losses = logged_losses(writer.current_path(), time.time())
-            mine = (ceiling(self._losses), read_excluded(self.folder))
-        got: tuple[int | None, dict[str, int]] = self.coord.from_rank0(mine)
+            excluded = read_excluded(self.folder)
+            mine = Plan(None, excluded)
+            if self.enabled:
+                self._losses = logged_losses(writer.current_path(), time.time())
+                mine = _route(self.folder, excluded, ceiling(self._losses), held)
+        got: Plan = self.coord.from_rank0(mine)
+        self._plan = got
         return got
 
-    def armed(self, step: int, tier: str, path: str, newest: int) -> None:
-        """After the restore of ``step`` (collective): what the re-done steps must give."""
+    def armed(self, loaded: tuple[int, str, str, int] | None, bounded: bool) -> None:
+        """After the restore (collective): ``loaded``, the step, tier and checkpoint read
+        and the newest there was (None: nothing was restored); ``bounded``: the restore
+        kept to the plan's bound."""
         if not self.enabled:
             return
-        self.enabled = False
+        self.enabled = False  # a rollback re-does steps that went wrong on purpose
+        if loaded is None:
+            return
+        step, tier, path, newest = loaded
         plan: tuple[int | None, dict[int, dict[int, Any]]] | None = None
         if self.coord.rank == 0:
             later = sorted({s for per in self._losses.values() for s in per if s >= step})
@@ -229,7 +263,10 @@ class Proof:
             self._losses = {}
         horizon, per_rank = self.coord.from_rank0(plan)
         self.rank = int(os.environ.get("RANK", self.coord.rank))  # step_done's rank
-        if horizon is None:
+        against = self._plan.against if bounded and self._plan.against else None
+        if against is not None and against[0] <= step:
+            against = None
+        if horizon is None and against is None:
             if self.coord.rank == 0:
                 events.emit(
                     "restore_unverified",
@@ -237,21 +274,20 @@ class Proof:
                     tier=tier,
                     path=path,
                     reason=f"fewer than {NEEDED} steps with a logged loss (step_done's "
-                    "loss) from this step on",
+                    "loss) from this step on, and no newer checkpoint to compare with",
                 )
             return
-        self.pending = _Pending(step, tier, path, horizon, newest, per_rank.get(self.rank, {}))
+        self.pending = _Pending(
+            step, tier, path, newest, horizon, per_rank.get(self.rank, {}), against
+        )
         writer.step_listeners.append(self._step_done)
 
     def _step_done(self, record: dict[str, Any]) -> None:
         pending, step = self.pending, record.get("step")
-        if pending is None or not isinstance(step, int) or step < pending.step:
+        if pending is None or not isinstance(step, int):
             return
         if step in pending.expected and record.get("loss") is not None:
             pending.seen.setdefault(step, record["loss"])
-        seconds = record.get("seconds")
-        if step < pending.newest and isinstance(seconds, (int, float)):
-            pending.cost += float(seconds)
 
     def close(self) -> None:
         """Stop listening (the manager closes)."""
@@ -263,59 +299,83 @@ class Proof:
         """Whether a checkpoint of ``done`` steps must not be written: it would hold a
         state the proof has not reached yet (those steps were checkpointed before the
         fault; the restored checkpoint stays)."""
-        return self.pending is not None and done <= self.pending.horizon
+        return self.pending is not None and done < self.pending.until
 
-    def check(self, done: int) -> None:
-        """At the loop's ``snapshot``/``save`` of ``done`` steps (collective): once the
-        compared steps were re-done, the verdict; raises :class:`RestoreMismatch`."""
+    def check(self, done: int, state: Callable[[], dict[str, Any]]) -> None:
+        """At the loop's ``snapshot``/``save`` of ``done`` steps (collective; ``state``:
+        what it saves, as this rank's state dicts): once the proof is complete, the
+        verdict; raises :class:`RestoreMismatch`."""
         pending = self.pending
-        if pending is None or done <= pending.horizon:
+        if pending is None or done < pending.until:
             return
+        if pending.against is not None and done == pending.against[0]:
+            try:
+                stored, now = self.read(Path(pending.against[1])), state()
+                pending.state_differs = sorted(
+                    key for key in stored if key in now and not same(now[key], stored[key])
+                )
+            except CheckpointError as exc:  # every rank: read_plain agrees on failures
+                logger.error("the re-done state is not compared: %s", exc)
         self.close()
-        differs = [
+        differs: list[dict[str, Any]] = [
             {"rank": self.rank, "step": s, "loss": pending.seen[s], "logged": logged}
             for s, logged in sorted(pending.expected.items())
             if s in pending.seen and pending.seen[s] != logged
         ]
+        if pending.state_differs:
+            step = pending.against[0] if pending.against else done
+            differs.append({"rank": self.rank, "step": step, "objects": pending.state_differs})
         compared = sorted(s for s in pending.expected if s in pending.seen)
-        shares = self.coord.all_gather((differs, compared, pending.cost))
+        shares = self.coord.all_gather((differs, compared, pending.state_differs is not None))
         differs = [d for share in shares for d in share[0]]
-        ranks = sum(1 for share in shares if share[1])
-        if not differs and len({s for share in shares for s in share[1]}) < NEEDED:
-            if self.coord.rank == 0:
-                events.emit(
-                    "restore_unverified",
-                    step=pending.step,
-                    tier=pending.tier,
-                    path=pending.path,
-                    reason=f"the ranks re-did fewer than {NEEDED} of the logged steps with a "
-                    "loss in their step_done",
-                )
+        losses = len({s for share in shares for s in share[1]}) >= NEEDED
+        states = all(share[2] for share in shares)
+        if differs:
+            self._mismatch(pending, differs)
+        if self.coord.rank != 0:
             return
-        if not differs:
-            if self.coord.rank == 0:
-                events.emit(
-                    "restore_verified",
-                    step=pending.step,
-                    tier=pending.tier,
-                    path=pending.path,
-                    steps=sorted(pending.expected) or None,
-                    ranks=ranks,
-                    proof_steps=max(0, pending.newest - pending.step),
-                    proof_seconds=round(max(share[2] for share in shares), 6),
-                )
+        if not (losses or states):
+            events.emit(
+                "restore_unverified",
+                step=pending.step,
+                tier=pending.tier,
+                path=pending.path,
+                reason=f"the ranks re-did fewer than {NEEDED} of the logged steps with a "
+                "loss in their step_done, and made no save or snapshot at the step of "
+                "the checkpoint to compare with",
+            )
             return
-        self._mismatch(pending, differs)
+        events.emit(
+            "restore_verified",
+            step=pending.step,
+            tier=pending.tier,
+            path=pending.path,
+            route="both" if losses and states else "losses" if losses else "state",
+            steps=sorted({s for share in shares for s in share[1]}) or None,
+            against=pending.against[1] if states and pending.against else None,
+            ranks=sum(1 for share in shares if share[1] or share[2]),
+            proof_steps=max(0, pending.newest - pending.step),
+        )
 
     def _mismatch(self, pending: _Pending, differs: list[dict[str, Any]]) -> None:
         from ..rerun.machine import note_bad_restore
 
         tier = tier_of(pending.tier)
         first = differs[0]
+        if "objects" in first:
+            what = (
+                f"rank {first['rank']}'s state at step {first['step']} differs from "
+                f"{pending.against[1] if pending.against else 'the checkpoint'} in "
+                f"{', '.join(first['objects'])}"
+            )
+        else:
+            what = (
+                f"rank {first['rank']}'s step {first['step']} gave loss {first['loss']!r}, "
+                f"before the fault {first['logged']!r}"
+            )
         text = (
             f"the restore of step {pending.step} ({pending.tier}, {pending.path}) failed its "
-            f"replay proof: rank {first['rank']}'s step {first['step']} gave loss "
-            f"{first['loss']!r}, before the fault {first['logged']!r}"
+            f"replay proof: {what}"
             + (f" (and {len(differs) - 1} more)" if len(differs) > 1 else "")
         )
         if self.coord.rank == 0:
@@ -328,10 +388,57 @@ class Proof:
                 differs=differs[:16],
             )
             _exclude(self.folder, tier, pending.step)
+            if pending.against is not None:  # which of the two is wrong: both distrusted
+                _exclude(self.folder, "disk", pending.against[0])
+        excluded = f"the {tier} tier's checkpoints up to step {pending.step}" + (
+            f" and the disk's up to step {pending.against[0]}" if pending.against else ""
+        )
         note_bad_restore(pending.step, pending.tier, text)
         self.coord.all_gather(None)  # the exclusion is written before any rank restarts
         raise RestoreMismatch(
             f"{text}. The state it resumed from is not the state it lost (a state the "
-            "checkpoint does not hold: an LR scheduler, a data position?); the workers "
-            f"restart without the {tier} tier's checkpoints up to step {pending.step}"
+            f"checkpoint does not hold: an LR scheduler, a data position?); the workers "
+            f"restart without {excluded}"
         )
+
+
+def _route(folder: Path, excluded: dict[str, int], limit: int | None, held: list[int]) -> Plan:
+    """Rank 0's route for a restore (see :meth:`Proof.plan`)."""
+    disk = [(s, p) for s, p in step_dirs(folder) if s > excluded.get("disk", -1)]
+    memory = [s for s in held if s > excluded.get("memory", -1)]
+    if not disk:
+        return Plan(limit, excluded)
+    newest, path = disk[-1]
+    older = len(disk) > 1 or any(s < newest for s in memory)
+    if (limit is None or limit < newest) and all(s <= newest for s in memory) and older:
+        manifest, _ = read_manifest(path)
+        if manifest is not None and not manifest.get("sharded"):
+            return Plan(newest - 1, excluded, (newest, str(path)))
+    return Plan(limit, excluded)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two saved values are equal bit for bit (tensors byte by byte, NaNs
+    included; containers item by item)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return torch.equal(_bytes(a), _bytes(b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if hasattr(a, "tobytes") and hasattr(b, "tobytes"):  # numpy's RNG state
+        return bool(a.tobytes() == b.tobytes())
+    return bool(a == b)
+
+
+def _bytes(t: Any) -> Any:
+    import torch
+
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.bool else flat

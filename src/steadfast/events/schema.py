@@ -178,15 +178,19 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     (Kind.RESTORE_VERIFIED, "a restore proven by replay: the re-done steps' losses equal "
      "those logged before the fault, bit for bit (step: the step restored)", {
         "tier": "disk, memory or replica", "path": "the checkpoint read",
-        "steps": "the re-done steps compared", "ranks": "how many ranks compared losses",
+        "route": "losses, state (the re-done state against a newer checkpoint) or both",
+        "steps": "the re-done steps whose losses were compared",
+        "against": "the newer checkpoint the re-done state equals",
+        "ranks": "how many ranks compared",
         "proof_steps": "steps re-done only for the proof (a newer checkpoint held them)",
-        "proof_seconds": "their time",
     }),
     (Kind.RESTORE_MISMATCH, "a restore failed its replay proof: a re-done step's loss differs "
-     "from the one logged before the fault (step: the step restored); the workers restart "
+     "from the one logged before the fault, or the re-done state from a newer checkpoint's "
+     "(step: the step restored); the workers restart "
      "without that tier's checkpoints up to that step, or stop (exit 17) when none is left", {
         "tier": "disk, memory or replica", "path": "the checkpoint read",
-        "differs": "rank, step, the loss now and the loss logged",
+        "differs": "rank, step, and the loss now and the loss logged, or the objects "
+        "whose state differs from the newer checkpoint's",
     }),
     (Kind.RESTORE_UNVERIFIED, "a restore that could not be proven (step: the step restored)", {
         "tier": "disk, memory or replica", "path": "the checkpoint read",

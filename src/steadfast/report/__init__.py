@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import textwrap
+from typing import Any
 
 from .goodput import (
     BADPUT_CAUSES,
@@ -110,7 +111,14 @@ def _restarts(report: GoodputReport) -> list[str]:
     """Each restart: what it was for, its seconds to the first step, its phases."""
     if not report.restarts_phases:
         return []
-    lines = [f"  restarts, fault to first step ({len(report.restarts_phases)}):"]
+    proofs = [r["proof"] for r in report.restarts_phases if r.get("proof")]
+    verified = [p for p in proofs if p["status"] == "verified"]
+    cost = sum(p["proof_seconds"] for p in verified)
+    lines = [
+        f"  restarts, fault to first step ({len(report.restarts_phases)}; restores proven by "
+        f"replay: {len(verified)} of {len(proofs)}, their proofs re-did "
+        f"{sum(p['proof_steps'] for p in verified)} step(s) in {cost:.2f} s):"
+    ]
     for i, r in enumerate(report.restarts_phases, 1):
         nodes = len(r["nodes"])
         where = f"{r['node']}" + (f", last of {nodes} nodes" if nodes > 1 else "")
@@ -124,7 +132,31 @@ def _restarts(report: GoodputReport) -> list[str]:
         lines.extend(textwrap.wrap(", ".join(parts), 96, initial_indent=" " * 7,
                                    subsequent_indent=" " * 7))  # fmt: skip
         lines.extend(f"       note: {note}" for note in r["notes"])
+        if r.get("proof"):
+            lines.append(f"       restore: {_proof_line(r['proof'])}")
     return lines
+
+
+def _proof_line(proof: dict[str, Any]) -> str:
+    """One restart's replay proof, in words."""
+    status = proof["status"]
+    where = f"step {proof.get('step')} ({proof.get('tier')})" if proof.get("tier") else ""
+    if status == "verified":
+        steps = proof.get("steps") or []
+        extra = (f"; {proof['proof_steps']} step(s) re-done only for it, "
+                 f"{proof['proof_seconds']:.2f} s") if proof.get("proof_steps") else ""  # fmt: skip
+        how = {
+            "losses": f"re-done steps {steps} gave the logged losses",
+            "state": f"the re-done state equals {proof.get('against')}",
+            "both": f"re-done steps {steps} gave the logged losses, and the state equals "
+            f"{proof.get('against')}",
+        }.get(str(proof.get("route")), "proven")
+        return f"verified: {where}, {how}{extra}"
+    if status == "mismatch":
+        first = (proof.get("differs") or [{}])[0]
+        return (f"MISMATCH: {where}, rank {first.get('rank')}'s step {first.get('step')} "
+                f"gave loss {first.get('loss')}, logged {first.get('logged')}")  # fmt: skip
+    return f"not verified ({proof.get('reason')})"
 
 
 def _launchers_split(view: LauncherView, wall: float) -> list[str]:

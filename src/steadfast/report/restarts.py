@@ -84,6 +84,9 @@ class Restart:
     """One job restart: its nodes' restarts, and the one that was back last."""
 
     nodes: list[NodeRestart]
+    #: the replay proof of its restore: status (verified, mismatch, not verified), what
+    #: it compared or why not, the steps and seconds re-done only for it
+    proof: dict[str, Any] = field(default_factory=dict)
 
     @property
     def last(self) -> NodeRestart:
@@ -102,6 +105,7 @@ class Restart:
             "notes": last.notes,
             "node": last.host,
             "nodes": [_node_dict(n) for n in self.nodes],
+            "proof": self.proof,
         }
 
 
@@ -133,7 +137,56 @@ def restarts(evs: list[ev.Event]) -> list[Restart]:
             e.kind == ev.Kind.INPROCESS_RESTART and e.rank == lowest for e in own
         ):
             found.extend(_in_process(key, own, evs))
-    return _group(found)
+    out = _group(found)
+    for r, after in zip(out, [*out[1:], None], strict=True):
+        r.proof = _proof(r, after, evs)
+    return out
+
+
+def _proof(r: Restart, after: Restart | None, evs: list[ev.Event]) -> dict[str, Any]:
+    """What proved (or failed to prove) the restore of restart ``r``: the first
+    ``restore_*`` event between its fault and the next restart's."""
+    until = after.last.fault_time if after is not None else float("inf")
+    found = next(
+        (e for e in evs if e.kind in _PROOFS and r.last.fault_time <= e.time < until), None
+    )
+    if found is None:
+        return {"status": "not verified", "reason": "no restore_verified: the script restores "
+                "without steadfast's CheckpointManager, or did not restore"}  # fmt: skip
+    status = _PROOFS[found.kind]
+    proof: dict[str, Any] = {"status": status, "step": found.step, "tier": found.get("tier")}
+    if status == "verified":
+        extra = int(found.get("proof_steps") or 0)
+        first = found.step if isinstance(found.step, int) else 0
+        took = _seconds(evs, found, first, first + extra)
+        proof.update(route=found.get("route"), steps=found.get("steps"),
+                     against=found.get("against"), proof_steps=extra,
+                     proof_seconds=round(took, 6))  # fmt: skip
+    elif status == "mismatch":
+        proof["differs"] = found.get("differs")
+    else:
+        proof["reason"] = found.get("reason")
+    return proof
+
+
+def _seconds(evs: list[ev.Event], proof: ev.Event, first: int, end: int) -> float:
+    """The time of the re-done steps ``first`` to ``end - 1`` (the proof's cost): the
+    proving rank's first ``step_done`` of each after the restore was proven's start."""
+    since = max((e.time for e in evs if e.kind == ev.Kind.JOB_START and e.time <= proof.time
+                 and e.rank == proof.rank), default=proof.time)  # fmt: skip
+    took: dict[int, float] = {}
+    for e in evs:
+        if (e.kind == ev.Kind.STEP_DONE and e.rank == proof.rank and e.time >= since
+                and isinstance(e.step, int) and first <= e.step < end):  # fmt: skip
+            took.setdefault(e.step, float(e.get("seconds") or 0.0))
+    return sum(took.values())
+
+
+_PROOFS: dict[str, str] = {
+    ev.Kind.RESTORE_VERIFIED: "verified",
+    ev.Kind.RESTORE_MISMATCH: "mismatch",
+    ev.Kind.RESTORE_UNVERIFIED: "not verified",
+}
 
 
 def _group(found: list[NodeRestart]) -> list[Restart]:

@@ -1,0 +1,181 @@
+"""The replay proof of a restore (steadfast.checkpoint.proof) in one process: a loop that
+logs its losses and saves every 2 steps, stopped, then started again by a fresh
+CheckpointManager, as a restarted worker would be."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sfharness import read_events
+from steadfast import CheckpointError, CheckpointManager, events
+from steadfast.checkpoint.proof import (
+    EXCLUDED_FILE,
+    RestoreMismatch,
+    RestoreUnproven,
+    ceiling,
+    logged_losses,
+    read_excluded,
+)
+from steadfast.rerun import RerunStateMachine
+from steadfast.rerun.machine import destroy_rerun_state_machine, initialize_rerun_state_machine
+
+
+def _objects() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return {"model": model, "optim": opt}
+
+
+def _train(mgr: CheckpointManager, objects: dict, start: int, stop: int, every: int = 2) -> None:
+    """Steps ``start`` to ``stop - 1``: each logs its loss; a save every ``every``."""
+    model, opt = objects["model"], objects["optim"]
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        events.emit("step_done", step=step, seconds=0.001, loss=loss.item())
+        if (step + 1) % every == 0:
+            mgr.save(step + 1, objects)
+
+
+def _first_run(folder: Path) -> None:
+    with CheckpointManager(folder) as mgr:
+        objects = _objects()
+        assert mgr.restore(objects) is None
+        _train(mgr, objects, 0, 7)  # saves 2, 4, 6; losses of steps 0-6 logged
+
+
+def _kinds(log: Path, kind: str) -> list[dict]:
+    return [e for e in read_events(log) if e["kind"] == kind]
+
+
+def test_with_too_few_logged_steps_the_one_before_is_restored_and_compared_with_it(
+    tmp_path, event_log
+):
+    """Steps 0-6 logged, checkpoints 2, 4, 6: step 6 leaves one logged step, so step 4
+    is restored, and the state the loop reaches at step 6 is compared with step 6's."""
+    _first_run(tmp_path / "ck")
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        objects = _objects()
+        step, _ = mgr.restore(objects)
+        assert step == 4
+        _train(mgr, objects, 4, 9)
+    [verified] = _kinds(event_log, "restore_verified")
+    assert (verified["step"], verified["tier"], verified["route"]) == (4, "disk", "state")
+    assert verified["against"] == str(tmp_path / "ck" / "step_6")
+    assert verified["steps"] == [4, 5] and verified["proof_steps"] == 2
+    # nothing was saved from the unproven state: 6 is written again once it is proven
+    saved = [e["step"] for e in _kinds(event_log, "checkpoint_saved")]
+    assert saved == [2, 4, 6, 6, 8]
+
+
+def test_three_logged_steps_after_the_newest_prove_it_by_their_losses(tmp_path, event_log):
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        objects = _objects()
+        _train(mgr, objects, 0, 11, every=4)  # saves 4, 8; losses 8, 9, 10 logged after 8
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        objects = _objects()
+        assert mgr.restore(objects)[0] == 8
+        _train(mgr, objects, 8, 12, every=4)
+    [verified] = _kinds(event_log, "restore_verified")
+    assert (verified["step"], verified["route"], verified["steps"]) == (8, "losses", [8, 9, 10])
+    assert verified["proof_steps"] == 0 and verified["against"] is None
+
+
+def test_a_state_that_differs_is_a_mismatch_then_nothing_is_left_to_trust(
+    tmp_path, event_log, monkeypatch
+):
+    """Each start is a new generation of workers (as the launcher numbers them): the
+    losses a bad restore logged are not the truth the next start compares with."""
+    _first_run(tmp_path / "ck")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    machine = initialize_rerun_state_machine(mode="validate_results")
+    try:
+        with CheckpointManager(tmp_path / "ck") as mgr:
+            objects = _objects()
+            mgr.restore({"model": objects["model"]})  # the optimizer's momentum is lost
+            with pytest.raises(RestoreMismatch, match=r"restore of step 4 .* rank 0's step 5"):
+                _train(mgr, objects, 4, 9)
+        assert machine.verdicts == ["bad_restore"]  # told, not "a bad GPU"
+    finally:
+        destroy_rerun_state_machine()
+    [mismatch] = _kinds(event_log, "restore_mismatch")
+    assert (mismatch["step"], mismatch["tier"]) == (4, "disk")
+    # step 4 used no momentum: step 5's loss differs, and the state at step 6
+    assert mismatch["differs"] == [
+        {"rank": 0, "step": 5, "loss": mismatch["differs"][0]["loss"],
+         "logged": mismatch["differs"][0]["logged"]},
+        {"rank": 0, "step": 6, "objects": ["model", "optim"]},
+    ]  # fmt: skip
+    # restored step 4 or compared step 6: either may be wrong, both are distrusted
+    assert read_excluded(tmp_path / "ck") == {"disk": 6}
+    # the next start: every disk checkpoint up to 6 is excluded
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    with CheckpointManager(tmp_path / "ck") as mgr, pytest.raises(RestoreUnproven) as stop:
+        mgr.restore(_objects())
+    assert stop.value.code == 17 and "disk up to step 6" in str(stop.value)
+
+
+def test_a_loop_that_logs_no_loss_is_restored_unverified(tmp_path, event_log):
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        objects = _objects()
+        mgr.save(2, objects)
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        assert mgr.restore(_objects())[0] == 2  # the newest: nothing to prove it with
+    [unverified] = _kinds(event_log, "restore_unverified")
+    assert unverified["step"] == 2 and "logged loss" in unverified["reason"]
+
+
+def test_logged_losses_are_the_newest_of_good_generations(tmp_path):
+    log = tmp_path / "events.jsonl"
+    now = time.time()
+
+    def line(kind: str, at: float, restart: int, **fields) -> str:
+        return json.dumps({"kind": kind, "time": at, "restart": restart, **fields})
+
+    log.write_text(
+        "\n".join(
+            [
+                line("step_done", now - 9, 0, rank=0, step=4, loss=1.0),
+                line("step_done", now - 8, 0, rank=1, step=4, loss=2.0),
+                line("step_done", now - 7, 0, rank=0, step=5, loss="nan"),
+                line("step_done", now - 6, 1, rank=0, step=5, loss=0.5),  # re-done after a NaN
+                line("step_done", now - 5, 2, rank=0, step=4, loss=9.0),  # a bad restore's
+                line("restore_mismatch", now - 4, 2, rank=0, step=4),
+                line("step_done", now + 1, 3, rank=0, step=6, loss=3.0),  # after `before`
+                line("step_done", now - 3, 0, rank=0, step=7),  # no loss
+                '{"kind": "step_done", "time": 1.0, "ra',  # cut by a crash
+            ]
+        )
+        + "\n"
+    )
+    losses = logged_losses(str(log), now)
+    assert losses == {0: {4: 1.0, 5: 0.5}, 1: {4: 2.0}}
+    assert ceiling(losses) is None  # two steps logged: fewer than three
+    assert ceiling({0: {3: 1.0, 4: 1.0, 5: 1.0, 6: 1.0}}) == 4
+    assert logged_losses(str(tmp_path / "none.jsonl"), now) == {}
+
+
+def test_a_damaged_exclusion_file_is_one_error_naming_it(tmp_path):
+    (tmp_path / EXCLUDED_FILE).write_text('{"disk": "four"}')
+    with pytest.raises(CheckpointError, match=EXCLUDED_FILE):
+        read_excluded(tmp_path)
+    (tmp_path / EXCLUDED_FILE).write_text("{")
+    with pytest.raises(CheckpointError, match="delete it to trust every tier"):
+        read_excluded(tmp_path)
+
+
+def test_a_machine_told_of_a_bad_restore_gives_no_hardware_verdict():
+    machine = RerunStateMachine(mode="validate_results")
+    machine.bad_restore = "the restore of step 4 failed its replay proof"
+    machine._verdict("persistent", "Second rerun: not reproducible\nPossible persistent error!")
+    assert machine.verdicts == ["bad_restore"]
