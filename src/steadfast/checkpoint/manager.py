@@ -329,9 +329,11 @@ class CheckpointManager:
     def _mine(
         self, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None
     ) -> dict[str, Any]:
-        """This rank's whole state, as a checkpoint of it reads back (for a proof)."""
+        """What this rank saves, as a checkpoint of it reads back (for a proof): its own
+        state, and on rank 0 the replicated state, which it alone writes (another rank's
+        copy may differ where the loop keeps per-rank counters in it)."""
         replicated, local = capture(state, rank_state, self.rng)
-        return {**replicated, **local}
+        return {**(replicated if self._coord.rank == 0 else {}), **local}
 
     def _load(self, request: LoadRequest) -> tuple[int, dict[str, Any]] | None:
         self.wait()

@@ -1,25 +1,36 @@
 """Every restore proven by replay: steadfast resumes bit-exact, so the steps a restart
-re-does must give, bit for bit, the losses they gave before the fault.
+re-does must give, bit for bit, what they gave before the fault.
 
 How (no line of the loop changes):
 
 - **Before the restore** (the first one of a :class:`~steadfast.CheckpointManager`: a
   process's start, an in-process restart), rank 0 reads the event log for the losses
-  that ``step_done`` events carried before now (the newest value of each rank's step).
-  A checkpoint of step ``C`` re-does the steps from ``C`` on, so the restore takes the
-  newest checkpoint that leaves at least :data:`NEEDED` logged steps to re-do. When the
-  newest leaves fewer (a snapshot every step, a save at a graceful stop), an older one
-  is taken: the steps the newer one held are re-done only for the proof, and the
-  ``restore_verified`` event says how many and how long (``proof_steps``,
-  ``proof_seconds``).
-- **While the loop re-does them**, each rank keeps the losses of its own ``step_done``
-  events (:data:`steadfast.events.writer.step_listeners`).
-- **At the loop's next** ``snapshot`` **or** ``save`` **after the last of them**, every
-  rank compares, and the ranks agree (one all-gather): ``restore_verified``, or
-  ``restore_mismatch`` naming each rank, step and the two losses.
+  that ``step_done`` events carried before now (the newest value of each rank's step,
+  leaving out the steps of a generation whose restore failed its proof). A checkpoint
+  of step ``C`` re-does the steps from ``C`` on. The route:
+
+  - **losses**: the newest checkpoint leaves at least :data:`NEEDED` logged steps to
+    re-do: it is restored, and their losses are compared;
+  - **state**: it leaves fewer (a save at a graceful stop, a snapshot every step), the
+    newest is a disk checkpoint and an older one exists: the one before it is restored,
+    and when the loop snapshots or saves at the newest one's step, the state it reached
+    is compared with that checkpoint's, object by object, byte for byte (RNG streams
+    included); the losses logged on the way are compared too;
+  - else the newest checkpoint that leaves :data:`NEEDED` logged steps (a memory
+    snapshot every step: two or three steps back).
+
+  The steps a newer checkpoint held are re-done only for the proof: the
+  ``restore_verified`` event says how many (``proof_steps``), the report their time.
+- **While the proof is under way** nothing is saved or snapshotted (those steps were
+  checkpointed before the fault; the restored checkpoint stays), and each rank keeps
+  the losses of its own ``step_done`` events (:data:`steadfast.events.writer.step_listeners`).
+- **At the loop's** ``snapshot`` **or** ``save`` **that completes it**, the ranks agree
+  (one all-gather): ``restore_verified``, or ``restore_mismatch`` naming each rank,
+  step, and the two losses or the objects that differ.
 - **A mismatch is never ignored.** Rank 0 records the tier's checkpoints up to the
-  restored step as excluded (``restore-excluded.json`` in the checkpoint folder), the
-  re-run state machine hears "a bad restore", and every rank raises
+  restored step as excluded (``restore-excluded.json`` in the checkpoint folder; with
+  the state route the disk's up to the compared one too: either may be the wrong one),
+  the re-run state machine hears "a bad restore", and every rank raises
   :class:`RestoreMismatch`: the launcher restarts the workers, whose restore skips what
   is excluded (the next tier, an older checkpoint). When nothing is left to restore
   from, the restore raises :class:`RestoreUnproven`, which ends the process with exit 17
@@ -29,11 +40,12 @@ Why three losses: the optimizer's state holds the learning rate, so a state that
 its LR scheduler (a ``LambdaLR``: a fresh one counts from 0) gives the right first loss
 (the parameters were restored), the right second one (the first update used the
 restored rate), and a wrong third (the fresh scheduler's first ``step()`` set the wrong
-rate for the second update). Measured with ``tests/e2e/proof_loop.py``.
+rate for the second update). The state route sees it one step after the restore.
+Measured with ``tests/e2e/proof_loop.py``.
 
-What it cannot see, and says so (``restore_unverified``): a loop that logs no losses, a
-restore with fewer than two logged steps after it, a loop that neither snapshots nor
-saves after them. A rollback inside a process (a NaN burst) re-does steps that went
+What it cannot see, and says so (``restore_unverified``): a loop that logs no losses
+and saves at no step it re-does, sharded (DCP) state on the state route (only the
+losses are compared). A rollback inside a process (a NaN burst) re-does steps that went
 wrong on purpose, so only a manager's first restore is proven.
 """
 

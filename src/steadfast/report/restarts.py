@@ -138,8 +138,8 @@ def restarts(evs: list[ev.Event]) -> list[Restart]:
         ):
             found.extend(_in_process(key, own, evs))
     out = _group(found)
-    for r, after in zip(out, [*out[1:], None], strict=True):
-        r.proof = _proof(r, after, evs)
+    for i, r in enumerate(out):
+        r.proof = _proof(r, out[i + 1] if i + 1 < len(out) else None, evs)
     return out
 
 
