@@ -65,6 +65,14 @@ def test_quick_demo_detects_and_recovers_every_fault_bit_exact(tmp_path: Path):
     summary = json.loads(report.stdout)
     assert summary["all_recovered"] and 0 < summary["goodput"] < 1
     assert summary["badput"]["wasted_progress"] > 0 and summary["badput"]["restart"] > 0
+    # every restore proven by replay (the kill's, the hang's, the SIGTERM's resume), and
+    # what the proofs cost is in the report
+    assert not kinds("restore_mismatch") and not kinds("restore_unverified")
+    assert len(kinds("restore_verified")) == 3
+    proofs = [r["proof"] for r in summary["restarts_phases"]]
+    assert [p["status"] for p in proofs] == ["verified"] * 3
+    assert all(p["proof_steps"] >= 1 and p["proof_seconds"] > 0 for p in proofs)
+    assert "restores proven by replay: 3 of 3" in out
 
 
 def test_demo_rejects_an_unknown_fault(tmp_path: Path):

@@ -99,7 +99,7 @@ class Loader:
         after = excluded.get("memory", -1)
         holdings = self.memory.holdings() if self.memory is not None else []
         held = [s.step for s in holdings if s.step > after]
-        self.newest = max([-1, *held, *(_step_of(p) for p in allowed)])
+        self.newest = max([-1, *(_step_of(p) for p in allowed)])
         if at_most is not None:  # a replay proof's bound, when something meets it
             bounded = [p for p in allowed if _step_of(p) <= at_most]
             self.bounded = self.coord.from_rank0(bool(bounded) or any(s <= at_most for s in held))
@@ -120,6 +120,7 @@ class Loader:
             from_memory, why = memory_restore.restore(
                 self.memory, self.coord, newest, objects, at_most, after
             )
+            self.newest = max(self.newest, self.memory.newest_whole)
             if from_memory is not None:
                 self.memory.drop_after(max(from_memory[0], request.keep))
                 self.tier = "replica" if "replica" in from_memory[2].parts else "memory"

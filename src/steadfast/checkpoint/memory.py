@@ -228,6 +228,8 @@ class MemoryTier:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._checked = False
+        #: the newest step every rank's snapshot is held for, as the last restore saw
+        self.newest_whole = -1
         # what a kill mid-write or mid-prune left in this rank's folders
         for folder in (self.own, self.base / "replica" / f"rank_{self.source}"):
             if folder.is_dir():

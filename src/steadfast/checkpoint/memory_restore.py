@@ -80,6 +80,8 @@ def restore(
     sharded_ok = objects is not None
     quiet_wait(memory)
     offers = coord.all_gather(memory.holdings())
+    whole = plan(offers, coord.world, -1, set(), sharded_ok, None, after)
+    memory.newest_whole = whole.step if whole is not None else -1
     bad: set[str] = set()  # the snapshots (their folders) found faulty
     while True:
         planned = plan(offers, coord.world, newest_disk, bad, sharded_ok, at_most, after)
