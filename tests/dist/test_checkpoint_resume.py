@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfharness import Ranks, run_ranks
+from sfharness import Ranks, read_events, run_ranks
 
 STEPS, SAVE_EVERY, KILL_AT = 20, 3, 14  # 8 batches per epoch: the save at 12 is mid-epoch
 
@@ -83,9 +83,13 @@ def test_killed_run_resumes_bit_exact(tmp_path: Path, async_save: bool, event_lo
         _train, tmp_path / "ref", args=(str(tmp_path / "a"), async_save, False, True)
     )[0]
     (params0, start0), (params1, start1) = _crash_and_resume(tmp_path, async_save, True)
-    # the last checkpoint before the kill at step 14; an async save of step 12 still in
-    # flight when rank 1 dies (it writes rank 1's RNG too) is lost, and 9 is used
-    assert start0 == start1 and start0 in ((9, 12) if async_save else (12,))
+    # the last checkpoint before the kill at step 14 is 12 (an async save of step 12
+    # still in flight when rank 1 dies is lost, and then 9 is); the loop logs no losses,
+    # so the restore is proven by the state: the one before it is restored, and the
+    # state the loop reaches at its step compared with it
+    assert start0 == start1 and start0 in ((6, 9) if async_save else (9,))
+    [proof] = [e for e in read_events(event_log) if e["kind"] == "restore_verified"]
+    assert proof["route"] == "state" and proof["step"] == start0 and proof["proof_steps"] == 3
     for a, b, ref in zip(params0, params1, reference, strict=True):
         assert torch.equal(a, ref) and torch.equal(b, ref)
     loaded = [
@@ -96,11 +100,12 @@ def test_killed_run_resumes_bit_exact(tmp_path: Path, async_save: bool, event_lo
     assert sorted(e["rank"] for e in loaded) == [0, 1] and {e["step"] for e in loaded} == {start0}
 
 
-def test_resume_without_rng_state_is_not_bit_exact(tmp_path: Path):
+def test_resume_without_rng_state_fails_its_replay_proof(tmp_path: Path, event_log: Path):
     """The control: the same crash without per-rank RNG state diverges (dropout masks
-    differ), so the bit-exact test above really depends on what the checkpoint holds."""
-    reference, _ = run_ranks(
-        _train, tmp_path / "ref", args=(str(tmp_path / "a"), False, False, False)
-    )[0]
-    (params0, _), _ = _crash_and_resume(tmp_path, False, False)
-    assert not all(torch.equal(a, ref) for a, ref in zip(params0, reference, strict=True))
+    differ), so the bit-exact test above really depends on what the checkpoint holds;
+    the restore's replay proof sees it (the state at step 12 is not checkpoint 12's)
+    instead of training on."""
+    with pytest.raises(AssertionError, match="failed its replay proof"):
+        _crash_and_resume(tmp_path, False, False)
+    [mismatch] = [e for e in read_events(event_log) if e["kind"] == "restore_mismatch"]
+    assert mismatch["step"] == 9 and {"model", "optim"} <= set(mismatch["differs"][0]["objects"])

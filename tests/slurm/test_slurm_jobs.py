@@ -87,6 +87,17 @@ def _assert_bit_exact(tmp_path: Path, reference: dict[str, torch.Tensor]) -> Non
 KILLED_TWICE = ("--fault", "rank_killed:1:8", "--fault", "rank_killed:1:17")
 
 
+def _assert_proven(tmp_path: Path, start: dict, newest: int) -> None:
+    """The requeued job resumed from the checkpoint its replay proof chose: ``newest``
+    (the first incarnation's last), or one at most 10 steps before it (re-done to prove
+    it: max_proof_steps), and its proof held."""
+    proofs = [e for e in _events(tmp_path, "restore_verified") if e["slurm_restart"] == 1]
+    assert len(proofs) == 1, _events(tmp_path, "restore_unverified")
+    assert start["resumed_from"] == proofs[0]["path"]
+    assert start["step"] == proofs[0]["step"] and 0 <= newest - start["step"] <= 10
+    assert proofs[0]["proof_steps"] == newest - start["step"]
+
+
 def _wait_event(tmp_path: Path, kind: str, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while not _events(tmp_path, kind):
@@ -110,7 +121,11 @@ def test_a_rank_killed_twice_restarts_in_job_twice_then_succeeds(
     assert [e["restart_count"] for e in restarts] == [1, 2]
     assert all(e["slurm_job_id"] == job and e["slurm_restart"] == 0 for e in restarts)
     starts = [e["resumed_from"] for e in _events(tmp_path, "job_start") if e["rank"] == 0]
-    assert starts == [None, str(tmp_path / "ckpt" / "step_5"), str(tmp_path / "ckpt" / "step_15")]
+    # killed in step 8: checkpoint 5 leaves three logged steps, its losses prove it;
+    # killed in step 17: 15 leaves two, so 10 is restored, and proven equal to 15 there
+    assert starts == [None, str(tmp_path / "ckpt" / "step_5"), str(tmp_path / "ckpt" / "step_10")]
+    proofs = _events(tmp_path, "restore_verified")
+    assert [(e["step"], e["route"]) for e in proofs] == [(5, "losses"), (10, "both")]
     assert _events(tmp_path, "job_requeued") == []
     _assert_bit_exact(tmp_path, reference)
 
@@ -130,7 +145,7 @@ def test_restarts_spent_the_job_requeues_itself_and_resumes(
     starts = [e for e in _events(tmp_path, "job_start") if e["rank"] == 0]
     last = starts[-1]  # the requeued job: SLURM_RESTART_COUNT=1, from the latest checkpoint
     assert (last["slurm_job_id"], last["slurm_restart"]) == (job, 1)
-    assert last["resumed_from"] == str(tmp_path / "ckpt" / "step_15")
+    _assert_proven(tmp_path, last, newest=15)
     _assert_bit_exact(tmp_path, reference)
     report = subprocess.run(
         [sys.executable, "-m", "steadfast.cli", "report", "--json", "--no-timeline",
@@ -176,7 +191,7 @@ def test_preemption_signal_saves_and_the_requeued_job_resumes(
     assert [(e["cause"], e["slurm_job"]) for e in requeued] == [("preempted", job)]
     last = [e for e in _events(tmp_path, "job_start") if e["rank"] == 0][-1]
     assert last["slurm_restart"] == 1
-    assert last["resumed_from"] == str(tmp_path / "ckpt" / f"step_{agreed + 1}")
+    _assert_proven(tmp_path, last, newest=agreed + 1)
     assert _events(tmp_path, "rank_failed") == []  # a planned stop, not a crash
     _assert_bit_exact(tmp_path, reference)
 
@@ -196,7 +211,7 @@ def test_an_operators_requeue_while_running_comes_back_and_resumes(
     before = [e["step"] for e in saved if e["slurm_restart"] == 0]
     last = [e for e in _events(tmp_path, "job_start") if e["rank"] == 0][-1]
     assert (last["slurm_job_id"], last["slurm_restart"]) == (job, 1)
-    assert last["resumed_from"] == str(tmp_path / "ckpt" / f"step_{max(before)}")
+    _assert_proven(tmp_path, last, newest=max(before))
     assert _events(tmp_path, "job_requeued") == []  # not ours: no job retry was spent
     _assert_bit_exact(tmp_path, reference)
 

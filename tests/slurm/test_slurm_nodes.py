@@ -124,12 +124,17 @@ class Job:
 
     def resumed_elsewhere(self, away_from: str) -> set[str]:
         """The requeued job (Slurm incarnation 1) ran on two nodes, ``away_from`` not
-        among them, from the first incarnation's last save; its nodes."""
+        among them, from the save before the first incarnation's last one, the state it
+        reached there proven equal to the last one (the restore's replay proof: the
+        loop logs no losses); its nodes."""
         again = set(self.hosts_of(1).values())
         assert away_from not in again and len(again) == 2, again
         saved = [e["step"] for e in self.events("checkpoint_saved") if e["slurm_restart"] == 0]
+        before, last = sorted(set(saved))[-2:]
         resumed = {e["resumed_from"] for e in self.events("job_start") if e["slurm_restart"] == 1}
-        assert resumed == {str(self.tmp / "ck" / f"step_{max(saved)}")}
+        assert resumed == {str(self.tmp / "ck" / f"step_{before}")}
+        [proof] = [e for e in self.events("restore_verified") if e["slurm_restart"] == 1]
+        assert proof["against"] == str(self.tmp / "ck" / f"step_{last}")
         return again
 
     def hosts_of(self, incarnation: int) -> dict[int, str]:
@@ -168,8 +173,11 @@ def test_a_rank_killed_on_one_node_restarts_both_nodes_in_job(
     assert {e["host"] for e in restarts} == set(hosts.values())  # both nodes restarted
     assert {e["restart_count"] for e in restarts} == {1}
     assert job.events("job_requeued") == []
+    # the newest save (6) proves the restore of the one before it (replay proof)
     resumed = [e["resumed_from"] for e in job.events("job_start") if e["restart"] == 1]
-    assert resumed == [str(tmp_path / "ck" / "step_6")] * 2 * PER_NODE
+    assert resumed == [str(tmp_path / "ck" / "step_4")] * 2 * PER_NODE
+    [proof] = job.events("restore_verified")
+    assert proof["route"] == "state" and proof["against"] == str(tmp_path / "ck" / "step_6")
     assert_bit_exact(tmp_path / "out.pt", reference)
 
 

@@ -80,6 +80,12 @@ class CheckpointManager:
             verified like a disk checkpoint, and restored first when it is the newest
             (:mod:`steadfast.checkpoint.memory`). Disk checkpoints (:meth:`save`) stay
             the durable tier; snapshots never move ``latest``.
+        max_proof_steps: The most steps a restore may re-do only to be proven by replay
+            (:mod:`~steadfast.checkpoint.proof`: the first restore of a process is
+            checked against the losses its loop logged before the fault, or against a
+            newer checkpoint; a mismatch is ``restore_mismatch`` and a restart without
+            that checkpoint). When a proof would cost more, the newest checkpoint is
+            restored and ``restore_unverified`` says why; 0 turns the proofs off.
 
     Sharded state is read by DCP *into* the objects' current state dicts, so each
     object must already hold tensors of the right shapes. A fresh optimizer holds no
@@ -102,6 +108,7 @@ class CheckpointManager:
         sharded: bool | None = None,
         collective: bool = True,
         memory_every: int = 0,
+        max_proof_steps: int = 10,
     ) -> None:
         self.dir = Path(checkpoint_dir)
         if self.dir.exists() and not self.dir.is_dir():
@@ -153,7 +160,12 @@ class CheckpointManager:
                 self.dir, self._coord.rank, world, local, ring, agree=self._coord.from_rank0
             )
         self._loader = Loader(self.dir, self._coord, self._memory)
-        self._proof = Proof(self.dir, self._coord, self._loader.read_plain)
+        self.max_proof_steps = require_number(
+            "CheckpointManager.max_proof_steps", max_proof_steps, minimum=0, integer=True
+        )
+        self._proof = Proof(
+            self.dir, self._coord, self._loader.read_plain, self.max_proof_steps, self.memory_every
+        )
 
     # ------------------------------------------------------------------ public API
     def save(

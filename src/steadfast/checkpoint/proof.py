@@ -197,6 +197,7 @@ class Plan:
     at_most: int | None
     excluded: dict[str, int]
     against: tuple[int, str] | None = None
+    why: str | None = None  # why no proof was planned
 
 
 @dataclass
@@ -227,9 +228,15 @@ class Proof:
     ``read``: a disk checkpoint's state as this rank saved it (to compare with)."""
 
     def __init__(
-        self, folder: Path, coord: Coordinator, read: Callable[[Path], dict[str, Any]]
+        self,
+        folder: Path,
+        coord: Coordinator,
+        read: Callable[[Path], dict[str, Any]],
+        budget: int = 10,
+        memory_every: int = 0,
     ) -> None:
-        self.folder, self.coord, self.read = folder, coord, read
+        self.folder, self.coord, self.read, self.budget = folder, coord, read, budget
+        self.memory_every = memory_every  # the loop snapshots every this many steps
         self.rank = coord.rank  # as the event log numbers it, once a restore is armed
         self.enabled = True  # only a manager's first restore is proven
         self._losses: dict[int, dict[int, Any]] = {}
@@ -249,7 +256,8 @@ class Proof:
             mine = Plan(None, excluded)
             if self.enabled:
                 self._losses = logged_losses(writer.current_path(), time.time())
-                mine = _route(self.folder, excluded, ceiling(self._losses), held)
+                limit = ceiling(self._losses)
+                mine = _route(self.folder, excluded, limit, held, self.budget, self.memory_every)
         got: Plan = self.coord.from_rank0(mine)
         self._plan = got
         return got
@@ -285,8 +293,9 @@ class Proof:
                     step=step,
                     tier=tier,
                     path=path,
-                    reason=f"fewer than {NEEDED} steps with a logged loss (step_done's "
-                    "loss) from this step on, and no newer checkpoint to compare with",
+                    reason=self._plan.why
+                    or f"fewer than {NEEDED} steps with a logged loss (step_done's loss) "
+                    "from this step on, and no newer checkpoint to compare with",
                 )
             return
         self.pending = _Pending(
@@ -414,19 +423,43 @@ class Proof:
         )
 
 
-def _route(folder: Path, excluded: dict[str, int], limit: int | None, held: list[int]) -> Plan:
-    """Rank 0's route for a restore (see :meth:`Proof.plan`)."""
+def _route(
+    folder: Path,
+    excluded: dict[str, int],
+    limit: int | None,
+    held: list[int],
+    budget: int,
+    memory_every: int = 0,
+) -> Plan:
+    """Rank 0's route for a restore (see :meth:`Proof.plan`); ``limit``: the newest step
+    that leaves :data:`NEEDED` logged steps; ``budget``: the most steps a proof may
+    re-do that a newer checkpoint held. The state route needs the loop to save or
+    snapshot again at the compared step: a save of its cadence (not an emergency one),
+    or a step of its snapshots'."""
+    if budget <= 0:
+        return Plan(None, excluded, why="replay proofs are off (max_proof_steps=0)")
     disk = [(s, p) for s, p in step_dirs(folder) if s > excluded.get("disk", -1)]
-    memory = [s for s in held if s > excluded.get("memory", -1)]
-    if not disk:
+    steps = sorted({s for s, _ in disk} | {s for s in held if s > excluded.get("memory", -1)})
+    if not steps or (limit is not None and limit >= steps[-1]):
+        return Plan(limit, excluded)  # the newest, proven by the losses (or nothing)
+    newest = steps[-1]
+    older = [s for s in steps if s < newest]
+    if disk and disk[-1][0] == newest and older and newest - older[-1] <= budget:
+        manifest, _ = read_manifest(disk[-1][1])
+        again = manifest is not None and (
+            manifest.get("regular", True) or (memory_every and newest % memory_every == 0)
+        )
+        if manifest is not None and again and not manifest.get("sharded"):
+            return Plan(newest - 1, excluded, (newest, str(disk[-1][1])))
+    fit = [s for s in steps if limit is not None and s <= limit]
+    if fit and newest - fit[-1] <= budget:
         return Plan(limit, excluded)
-    newest, path = disk[-1]
-    older = len(disk) > 1 or any(s < newest for s in memory)
-    if (limit is None or limit < newest) and all(s <= newest for s in memory) and older:
-        manifest, _ = read_manifest(path)
-        if manifest is not None and not manifest.get("sharded"):
-            return Plan(newest - 1, excluded, (newest, str(path)))
-    return Plan(limit, excluded)
+    return Plan(
+        None,
+        excluded,
+        why=f"a proof would re-do more than {budget} steps a newer checkpoint held "
+        "(max_proof_steps): the newest is restored unproven",
+    )
 
 
 def same(a: Any, b: Any) -> bool:

@@ -291,12 +291,11 @@ class Saver:
                 try:
                     fence(final)  # again, just before latest moves
                     everything = {k: v for share, _ in shares for k, v in share.items()}
-                    publish(
-                        job.tmp,
-                        job.final,
-                        new_manifest(step, self.coord.world, sharded, job.keys, everything),
-                        move_latest=job.move_latest,
-                    )
+                    manifest = new_manifest(step, self.coord.world, sharded, job.keys, everything)
+                    # a save of the loop's cadence, not an emergency one (a replay proof
+                    # compares a re-done state only at a step the loop saves again)
+                    manifest["regular"] = job.retain
+                    publish(job.tmp, job.final, manifest, move_latest=job.move_latest)
                 except CheckpointFenced as exc:
                     outcome = f"rank 0: {exc}"
                 except Exception as exc:

@@ -111,7 +111,7 @@ def _restarts(report: GoodputReport) -> list[str]:
     """Each restart: what it was for, its seconds to the first step, its phases."""
     if not report.restarts_phases:
         return []
-    proofs = [r["proof"] for r in report.restarts_phases if r.get("proof")]
+    proofs = [r["proof"] for r in report.restarts_phases if "proof" in r]
     verified = [p for p in proofs if p["status"] == "verified"]
     cost = sum(p["proof_seconds"] for p in verified)
     lines = [
@@ -132,31 +132,43 @@ def _restarts(report: GoodputReport) -> list[str]:
         lines.extend(textwrap.wrap(", ".join(parts), 96, initial_indent=" " * 7,
                                    subsequent_indent=" " * 7))  # fmt: skip
         lines.extend(f"       note: {note}" for note in r["notes"])
-        if r.get("proof"):
+        if "proof" in r:
             lines.append(f"       restore: {_proof_line(r['proof'])}")
     return lines
 
 
 def _proof_line(proof: dict[str, Any]) -> str:
-    """One restart's replay proof, in words."""
-    status = proof["status"]
-    where = f"step {proof.get('step')} ({proof.get('tier')})" if proof.get("tier") else ""
+    """One restart's replay proof, in words (a malformed record gives what it can)."""
+    status, tier = _at(proof, "status"), _at(proof, "tier")
+    where = f"step {_at(proof, 'step')} ({tier})" if tier else ""
     if status == "verified":
-        steps = proof.get("steps") or []
-        extra = (f"; {proof['proof_steps']} step(s) re-done only for it, "
-                 f"{proof['proof_seconds']:.2f} s") if proof.get("proof_steps") else ""  # fmt: skip
+        steps, against = _at(proof, "steps"), _at(proof, "against")
+        extra = ""
+        if _at(proof, "proof_steps"):
+            took = _at(proof, "proof_seconds", 0.0)
+            extra = f"; {_at(proof, 'proof_steps')} step(s) re-done only for it, {took:.2f} s"
         how = {
             "losses": f"re-done steps {steps} gave the logged losses",
-            "state": f"the re-done state equals {proof.get('against')}",
-            "both": f"re-done steps {steps} gave the logged losses, and the state equals "
-            f"{proof.get('against')}",
-        }.get(str(proof.get("route")), "proven")
+            "state": f"the re-done state equals {against}",
+            "both": f"re-done steps {steps} gave the logged losses, and the state equals {against}",
+        }.get(str(_at(proof, "route")), "proven")
         return f"verified: {where}, {how}{extra}"
     if status == "mismatch":
-        first = (proof.get("differs") or [{}])[0]
-        return (f"MISMATCH: {where}, rank {first.get('rank')}'s step {first.get('step')} "
-                f"gave loss {first.get('loss')}, logged {first.get('logged')}")  # fmt: skip
-    return f"not verified ({proof.get('reason')})"
+        differs = _at(proof, "differs")
+        first = differs[0] if isinstance(differs, list) and differs else {}
+        first = first if isinstance(first, dict) else {}
+        what = (
+            f"its state differs in {', '.join(map(str, _at(first, 'objects')))}"
+            if isinstance(_at(first, "objects"), list)
+            else f"gave loss {_at(first, 'loss')}, logged {_at(first, 'logged')}"
+        )
+        return f"MISMATCH: {where}, rank {_at(first, 'rank')}'s step {_at(first, 'step')} {what}"
+    return f"not verified ({_at(proof, 'reason')})"
+
+
+def _at(record: dict[str, Any], key: str, default: Any = None) -> Any:
+    """``record[key]``, or ``default`` (a dict the report built, not an event)."""
+    return record.get(key, default)
 
 
 def _launchers_split(view: LauncherView, wall: float) -> list[str]:
