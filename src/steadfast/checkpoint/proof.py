@@ -58,6 +58,8 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import reduce
+from math import gcd
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,7 @@ from .layout import CheckpointError, read_manifest, step_dirs
 
 __all__ = [
     "EXCLUDED_FILE",
+    "resume_exactly",
     "NEEDED",
     "Proof",
     "RestoreMismatch",
@@ -103,6 +106,26 @@ class RestoreUnproven(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+_exact = False  # the next save is one to resume from exactly
+
+
+def resume_exactly() -> None:
+    """The next save of this process is to be resumed from as it is, not proven by
+    re-doing steps before it: the re-run state machine's checkpoint before exit 16,
+    whose re-run on other hardware is its own check (an older restore would lose the
+    machine's state)."""
+    global _exact
+    _exact = True
+
+
+def take_exact() -> bool:
+    """Whether the save being made is one to resume from exactly (see
+    :func:`resume_exactly`); the request is used up."""
+    global _exact
+    exact, _exact = _exact, False
+    return exact
 
 
 def tier_of(tier: str) -> str:
@@ -444,22 +467,29 @@ def _route(
         return Plan(limit, excluded)  # the newest, proven by the losses (or nothing)
     newest = steps[-1]
     older = [s for s in steps if s < newest]
-    if disk and disk[-1][0] == newest and older and newest - older[-1] <= budget:
-        manifest, _ = read_manifest(disk[-1][1])
-        again = manifest is not None and (
-            manifest.get("regular", True) or (memory_every and newest % memory_every == 0)
+    manifest = read_manifest(disk[-1][1])[0] if disk and disk[-1][0] == newest else None
+    if manifest is not None and manifest.get("exact"):
+        return Plan(None, excluded, why="the re-run state machine's checkpoint (exit 16): "
+                    "resumed from exactly, its re-run is its check")  # fmt: skip
+    if manifest is not None and older and newest - older[-1] <= budget:
+        # the loop saves again at its cadence (the GCD of the older saves' steps), or
+        # snapshots every memory_every steps
+        cadence = reduce(gcd, [s for s, _ in disk[:-1]], 0)
+        again = (manifest.get("regular", True) and cadence > 0 and newest % cadence == 0) or (
+            memory_every > 0 and newest % memory_every == 0
         )
-        if manifest is not None and again and not manifest.get("sharded"):
+        if again and not manifest.get("sharded"):
             return Plan(newest - 1, excluded, (newest, str(disk[-1][1])))
     fit = [s for s in steps if limit is not None and s <= limit]
     if fit and newest - fit[-1] <= budget:
         return Plan(limit, excluded)
-    return Plan(
-        None,
-        excluded,
-        why=f"a proof would re-do more than {budget} steps a newer checkpoint held "
-        "(max_proof_steps): the newest is restored unproven",
-    )
+    if fit or (manifest is not None and older and newest - older[-1] > budget):
+        why = (f"a proof would re-do more than {budget} steps a newer checkpoint held "
+               "(max_proof_steps): the newest is restored unproven")  # fmt: skip
+    else:
+        why = (f"no older checkpoint leaves {NEEDED} logged steps to re-do, and the loop "
+               "saves or snapshots at no step after it that a checkpoint holds")  # fmt: skip
+    return Plan(None, excluded, why=why)
 
 
 def same(a: Any, b: Any) -> bool:

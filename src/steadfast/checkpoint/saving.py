@@ -50,6 +50,7 @@ from .layout import (
     publish,
     rank_file,
 )
+from .proof import take_exact
 from .retention import Retention
 from .staging import Stager, dtensor_off_cpu, has_dtensor, to_cpu, to_state_dicts
 from .state import RNGState
@@ -94,6 +95,7 @@ class SaveJob:
     failure: str | None  # the snapshot failed on this rank: said in the write phase
     move_latest: bool = True  # False for a framework's named checkpoint
     retain: bool = True  # apply keep_last_n once published
+    exact: bool = False  # to be resumed from exactly (the re-run machine asked for it)
     blocking: float | None = None  # the stall of an async save; None for a sync one
 
 
@@ -211,7 +213,7 @@ class Saver:
         except Exception as exc:
             failure = f"rank {rank}: snapshot failed: {type(exc).__name__}: {exc}"
         job = SaveJob(step, tmp, final, payload, local, keys, sharded, start, failure)
-        job.move_latest, job.retain = name is None, retain
+        job.move_latest, job.retain, job.exact = name is None, retain, take_exact()
         if not run_async:
             self._write_and_publish(job)
             return
@@ -295,6 +297,7 @@ class Saver:
                     # a save of the loop's cadence, not an emergency one (a replay proof
                     # compares a re-done state only at a step the loop saves again)
                     manifest["regular"] = job.retain
+                    manifest["exact"] = job.exact
                     publish(job.tmp, job.final, manifest, move_latest=job.move_latest)
                 except CheckpointFenced as exc:
                     outcome = f"rank 0: {exc}"

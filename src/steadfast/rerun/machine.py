@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import events
+from ..checkpoint.proof import resume_exactly
 from ..checkpoint.state import RNGState
 from ..config import ConfigError, require_choice
 from ..dist import agree_any, agree_flags, world_info
@@ -250,6 +251,7 @@ class RerunStateMachine:
             if self._failed_on is not None:
                 self._ask_elsewhere(self._failed_on)
             self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
+            resume_exactly()  # the checkpoint the loop saves now is resumed as it is
             self._pending_exit = (True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
             return False
         if self.state == RerunState.RERUNNING_FROM_CHECKPOINT:
