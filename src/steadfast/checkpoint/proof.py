@@ -83,6 +83,9 @@ logger = logging.getLogger(__name__)
 
 #: Re-done steps whose losses prove a restore (why three: the module's description).
 NEEDED = 3
+#: The end of the event log read for the losses (the steps a restart re-does are the
+#: last ones logged; a log of a long job at scale is many GB).
+LOG_TAIL = 64 << 20
 #: In the checkpoint folder: tier -> the newest step of it that failed its proof.
 EXCLUDED_FILE = "restore-excluded.json"
 #: The exit status of a job whose every checkpoint failed its proof: the launcher's
@@ -163,13 +166,18 @@ def _exclude(folder: Path, tier: str, step: int) -> None:
 
 def logged_losses(path: str | None, before: float) -> dict[int, dict[int, Any]]:
     """rank -> step -> the loss its newest ``step_done`` before ``before`` carried (as
-    the log holds it: a float, or a string for a non-finite one)."""
+    the log holds it: a float, or a string for a non-finite one), from the log's last
+    :data:`LOG_TAIL` bytes."""
     found: dict[int, dict[int, list[tuple[float, Any, tuple[Any, Any]]]]] = {}
     bad: set[tuple[Any, Any]] = set()  # generations whose restore failed its proof
     if path is None:
         return {}
     try:
         with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - LOG_TAIL))
+            if size > LOG_TAIL:
+                f.readline()  # the first line read may be cut
             for raw in f:
                 mismatch = b'"restore_mismatch"' in raw
                 if not mismatch and (b'"step_done"' not in raw or b'"loss"' not in raw):
