@@ -71,4 +71,8 @@ def test_a_plain_launch_writes_one_log_that_the_report_reads(tmp_path: Path) -> 
     assert (fault["fault"], fault["rank"], fault["step"]) == ("rank_killed", 1, 12)
     assert fault["detected_by"] == "rank_failed" and fault["recovered"], fault
     assert report["restarts"] == 1 and report["generations"] == 2
-    assert report["steps_done"] == 24 and report["steps_redone"] == 2  # 10, 11 again
+    # killed in step 12: checkpoint 10 leaves two logged steps (10, 11), fewer than a
+    # replay proof compares, so 5 is restored and the state at 10 proven equal to 10's
+    assert report["steps_done"] == 24 and report["steps_redone"] == 7  # 5-11 again
+    [restart] = report["restarts_phases"]
+    assert restart["proof"]["status"] == "verified" and restart["proof"]["proof_steps"] == 5

@@ -105,14 +105,14 @@ def _assert_recovered(workdir: Path, proc: subprocess.Popen[str], reference) -> 
 
 
 @pytest.mark.parametrize(
-    ("fault", "where", "cause", "kind", "resumed_at"),
+    ("fault", "where", "cause", "kind", "proven"),
     [
-        ("rank_hung", "step", "section:step", "rank_hung", 4),
-        ("rank_hung", "checkpointing", "section:checkpointing", "rank_hung", 2),  # saving 4
-        ("rank_hung", "out_of_section", "out_of_section", "rank_hung", 4),
-        ("rank_killed", "step", "signal SIGKILL", "rank_failed", 4),
-        ("exception", "step", "exit 1", "rank_failed", 4),
-        ("exit", "step", "exit 3", "rank_failed", 4),
+        ("rank_hung", "step", "section:step", "rank_hung", True),
+        ("rank_hung", "checkpointing", "section:checkpointing", "rank_hung", False),  # saving 4
+        ("rank_hung", "out_of_section", "out_of_section", "rank_hung", True),
+        ("rank_killed", "step", "signal SIGKILL", "rank_failed", True),
+        ("exception", "step", "exit 1", "rank_failed", True),
+        ("exit", "step", "exit 3", "rank_failed", True),
     ],
 )
 def test_fault_is_detected_and_the_run_recovers_bit_exact(
@@ -123,7 +123,7 @@ def test_fault_is_detected_and_the_run_recovers_bit_exact(
     where: str,
     cause: str,
     kind: str,
-    resumed_at: int,
+    proven: bool,
 ):
     flags = (*TIMEOUTS, "--max-restarts=2")
     if where == "out_of_section":
@@ -138,8 +138,18 @@ def test_fault_is_detected_and_the_run_recovers_bit_exact(
     assert 1 in {e["rank"] for e in detected}, _events(event_log, kind)
     restarts = _events(event_log, "restart")
     assert [e["restart_count"] for e in restarts] == [1]
+    # checkpoints 2 and 4 before the fault (4 not complete when it hangs saving it): the
+    # loop logs no losses, so checkpoint 2 is restored, and the state the loop reaches
+    # at step 4 proven equal to checkpoint 4's (with 2 alone, nothing proves it)
     resumed = _events(event_log, "checkpoint_loaded")
-    assert {e["step"] for e in resumed} == {resumed_at}  # the latest complete checkpoint
+    assert {e["step"] for e in resumed} == {2}
+    if proven:
+        [proof] = _events(event_log, "restore_verified")
+        assert (proof["route"], proof["proof_steps"]) == ("state", 2)
+        assert proof["against"] == str(tmp_path / "ckpt" / "step_4")
+    else:
+        [unproven] = _events(event_log, "restore_unverified")
+        assert unproven["step"] == 2
     if kind == "rank_hung":  # the hung rank's stacks reached the log before it died
         assert "most recent call first" in (tmp_path / "launcher.log").read_text()
 
