@@ -132,7 +132,7 @@ def test_a_loop_that_logs_no_loss_is_restored_unverified(tmp_path, event_log):
     with CheckpointManager(tmp_path / "ck") as mgr:
         assert mgr.restore(_objects())[0] == 2  # the newest: nothing to prove it with
     [unverified] = _kinds(event_log, "restore_unverified")
-    assert unverified["step"] == 2 and "logged loss" in unverified["reason"]
+    assert unverified["step"] == 2 and "logged steps" in unverified["reason"]
 
 
 def test_logged_losses_are_the_newest_of_good_generations(tmp_path):

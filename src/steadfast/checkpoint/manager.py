@@ -318,6 +318,7 @@ class CheckpointManager:
                 else None,
                 self._loader.bounded,
             )
+        self._saver.last_step = loaded[0] if loaded is not None else 0
         if loaded is None:
             return None
         step, state = loaded

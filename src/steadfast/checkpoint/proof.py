@@ -12,7 +12,8 @@ How (no line of the loop changes):
   - **losses**: the newest checkpoint leaves at least :data:`NEEDED` logged steps to
     re-do: it is restored, and their losses are compared;
   - **state**: it leaves fewer (a save at a graceful stop, a snapshot every step), the
-    newest is a disk checkpoint and an older one exists: the one before it is restored,
+    newest is a disk checkpoint the loop saves again (one of its cadence, or at a step
+    it snapshots) and an older one exists: the one before it is restored,
     and when the loop snapshots or saves at the newest one's step, the state it reached
     is compared with that checkpoint's, object by object, byte for byte (RNG streams
     included); the losses logged on the way are compared too;
@@ -58,8 +59,6 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import reduce
-from math import gcd
 from pathlib import Path
 from typing import Any
 
@@ -465,8 +464,9 @@ def _route(
     """Rank 0's route for a restore (see :meth:`Proof.plan`); ``limit``: the newest step
     that leaves :data:`NEEDED` logged steps; ``budget``: the most steps a proof may
     re-do that a newer checkpoint held. The state route needs the loop to save or
-    snapshot again at the compared step: a save of its cadence (not an emergency one),
-    or a step of its snapshots'."""
+    snapshot again at the compared step: a save of its cadence (not an emergency one,
+    nor a stop's save off the cadence: each manifest says how many steps it came after
+    the loop's previous save), or a step of its snapshots'."""
     if budget <= 0:
         return Plan(None, excluded, why="replay proofs are off (max_proof_steps=0)")
     disk = [(s, p) for s, p in step_dirs(folder) if s > excluded.get("disk", -1)]
@@ -480,10 +480,12 @@ def _route(
         return Plan(None, excluded, why="the re-run state machine's checkpoint (exit 16): "
                     "resumed from exactly, its re-run is its check")  # fmt: skip
     if manifest is not None and older and newest - older[-1] <= budget:
-        # the loop saves again at its cadence (the GCD of the older saves' steps), or
-        # snapshots every memory_every steps
-        cadence = reduce(gcd, [s for s, _ in disk[:-1]], 0)
-        again = (manifest.get("regular", True) and cadence > 0 and newest % cadence == 0) or (
+        # the loop saves again at this step: a save of its cadence (as many steps after
+        # the save before it as that one was after its own), or a snapshot step
+        before = read_manifest(disk[-2][1])[0] if len(disk) > 1 else None
+        since = manifest.get("since")
+        cadence = before is None or since is None or before.get("since") in (None, since)
+        again = (manifest.get("regular", True) and cadence) or (
             memory_every > 0 and newest % memory_every == 0
         )
         if again and not manifest.get("sharded"):

@@ -96,6 +96,7 @@ class SaveJob:
     move_latest: bool = True  # False for a framework's named checkpoint
     retain: bool = True  # apply keep_last_n once published
     exact: bool = False  # to be resumed from exactly (the re-run machine asked for it)
+    since: int | None = None  # steps since the loop's previous save (its cadence)
     blocking: float | None = None  # the stall of an async save; None for a sync one
 
 
@@ -128,6 +129,8 @@ class Saver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._in_flight: int | None = None
+        #: the step of the loop's previous save (or of its restore; 0: a fresh start)
+        self.last_step = 0
 
     def save(
         self,
@@ -214,6 +217,7 @@ class Saver:
             failure = f"rank {rank}: snapshot failed: {type(exc).__name__}: {exc}"
         job = SaveJob(step, tmp, final, payload, local, keys, sharded, start, failure)
         job.move_latest, job.retain, job.exact = name is None, retain, take_exact()
+        job.since, self.last_step = step - self.last_step, step
         if not run_async:
             self._write_and_publish(job)
             return
@@ -298,6 +302,7 @@ class Saver:
                     # compares a re-done state only at a step the loop saves again)
                     manifest["regular"] = job.retain
                     manifest["exact"] = job.exact
+                    manifest["since"] = job.since
                     publish(job.tmp, job.final, manifest, move_latest=job.move_latest)
                 except CheckpointFenced as exc:
                     outcome = f"rank 0: {exc}"
