@@ -299,7 +299,7 @@ class Proof:
         if not self.enabled:
             return
         self.enabled = False  # a rollback re-does steps that went wrong on purpose
-        if loaded is None:
+        if loaded is None or self.budget <= 0:  # nothing restored, or proofs off
             return
         step, tier, path, newest = loaded
         plan: tuple[int | None, dict[int, dict[int, Any]]] | None = None
