@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sfharness import read_events
-from steadfast import CheckpointError, CheckpointManager, events
+from steadfast import CheckpointError, CheckpointManager, ConfigError, events
 from steadfast.checkpoint.proof import (
     EXCLUDED_FILE,
     RestoreMismatch,
@@ -179,3 +179,15 @@ def test_a_machine_told_of_a_bad_restore_gives_no_hardware_verdict():
     machine.bad_restore = "the restore of step 4 failed its replay proof"
     machine._verdict("persistent", "Second rerun: not reproducible\nPossible persistent error!")
     assert machine.verdicts == ["bad_restore"]
+
+
+def test_max_proof_steps_zero_turns_the_proofs_off(tmp_path, event_log):
+    _first_run(tmp_path / "ck")
+    with CheckpointManager(tmp_path / "ck", max_proof_steps=0) as mgr:
+        objects = _objects()
+        assert mgr.restore(objects)[0] == 6  # the newest, as before proofs
+        _train(mgr, objects, 6, 9)
+    assert not [e for e in read_events(event_log) if e["kind"].startswith("restore_")]
+    assert [e["step"] for e in _kinds(event_log, "checkpoint_saved")] == [2, 4, 6, 8]
+    with pytest.raises(ConfigError, match="max_proof_steps"):
+        CheckpointManager(tmp_path / "ck", max_proof_steps=-1)
