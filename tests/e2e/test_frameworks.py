@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from sfharness import assert_bit_exact, assert_none_left, launch_run
+from sfharness import assert_bit_exact, launch_run
 from steadfast import CheckpointManager
 from steadfast.checkpoint import verify
 
@@ -36,7 +36,11 @@ FRAMEWORKS = {
 }
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.usefixtures("no_worker_outlives_its_launcher"),
+]
 
 
 @pytest.fixture(params=sorted(FRAMEWORKS), scope="module")
@@ -48,12 +52,6 @@ def framework(request: pytest.FixtureRequest) -> str:
             pytest.fail(f"{reason}; CI must run the {request.param} tests")
         pytest.skip(reason)
     return str(request.param)
-
-
-@pytest.fixture(autouse=True)
-def no_worker_outlives_its_launcher(tmp_path: Path):
-    yield
-    assert_none_left(str(tmp_path))
 
 
 def launch(framework: str, workdir: Path, *script_args: str) -> tuple[int, list[dict[str, Any]]]:

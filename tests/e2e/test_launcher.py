@@ -20,8 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfharness import assert_none_left
-
 SCRIPT = Path(__file__).with_name("ft_train.py")
 TIMEOUTS = [
     "--ft-param-rank_section_timeouts=setup:60,step:2,checkpointing:5",
@@ -30,14 +28,11 @@ TIMEOUTS = [
     "--ft-param-workers_stop_timeout=5",
 ]
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(autouse=True)
-def no_worker_outlives_its_launcher(tmp_path: Path):
-    """The conftest leak check sees only direct children: workers are grandchildren."""
-    yield
-    assert_none_left(str(tmp_path))
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.usefixtures("no_worker_outlives_its_launcher"),
+]
 
 
 def _launch(

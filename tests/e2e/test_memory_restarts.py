@@ -22,17 +22,15 @@ from typing import Any
 import pytest
 import torch
 
-from sfharness import assert_bit_exact, assert_none_left, fork_when_ready, launch_run
+from sfharness import assert_bit_exact, fork_when_ready, launch_run
 from steadfast.checkpoint import verify
 
 HERE = Path(__file__).parent
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(autouse=True)
-def no_worker_outlives_its_launcher(tmp_path: Path):
-    yield
-    assert_none_left(str(tmp_path))
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.usefixtures("no_worker_outlives_its_launcher"),
+]
 
 
 def launch(workdir: Path, *script_args: str) -> tuple[int, list[dict[str, Any]]]:

@@ -23,19 +23,13 @@ from typing import Any
 import pytest
 import torch
 
-from sfharness import assert_bit_exact, assert_none_left, launch_run
+from sfharness import assert_bit_exact, launch_run
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "unchanged_train.py"
 STEPS = "40"
 
-pytestmark = [pytest.mark.timeout(300)]
-
-
-@pytest.fixture(autouse=True)
-def no_worker_outlives_its_launcher(tmp_path: Path):
-    yield
-    assert_none_left(str(tmp_path))
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("no_worker_outlives_its_launcher")]
 
 
 def script_args(workdir: Path, *extra: str) -> list[str]:
