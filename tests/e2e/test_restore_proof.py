@@ -53,7 +53,7 @@ def kinds(evs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in evs if e["kind"] == kind]
 
 
-def test_a_restore_is_proven_by_two_re_done_losses(tmp_path, reference):
+def test_a_restore_is_proven_against_the_newer_checkpoint_bit_exact(tmp_path, reference):
     code, evs = launch(tmp_path, "--kill-at", "8")
     assert code == 0
     assert [e["cause"] for e in kinds(evs, "rank_failed")] == ["signal SIGKILL"]
