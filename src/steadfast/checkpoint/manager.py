@@ -303,7 +303,7 @@ class CheckpointManager:
         values can be read from ``state``; None when there is no checkpoint yet.
         """
         proving = path is None and self.collective
-        plan = self._proof.plan(self._held()) if proving else None
+        plan = self._proof.plan(self._held) if proving else None
         request = LoadRequest(path, objects)
         if plan is not None:
             keep = plan.against[0] if plan.against else -1

@@ -273,13 +273,14 @@ class Proof:
         self._plan = Plan(None, {})
         self.pending: _Pending | None = None
 
-    def plan(self, held: list[int]) -> Plan:
+    def plan(self, held: Callable[[], list[int]]) -> Plan:
         """Before a restore (collective; ``held``: the steps this node's memory tier
-        holds). Rank 0 reads the log and the exclusions, and picks the route: the
-        newest checkpoint is restored when it leaves :data:`NEEDED` logged steps to
-        re-do; else, when the newest is a disk checkpoint (no newer snapshot) and one
-        older exists, the one before it is, and the state the loop reaches at the newest
-        one's step is compared with it; else the newest that leaves enough steps."""
+        holds, asked on rank 0 only). Rank 0 reads the log and the exclusions, and
+        picks the route: the newest checkpoint is restored when it leaves
+        :data:`NEEDED` logged steps to re-do; else, when the newest is a disk
+        checkpoint (no newer snapshot) and one older exists, the one before it is, and
+        the state the loop reaches at the newest one's step is compared with it; else
+        the newest that leaves enough steps."""
         mine: Plan | None = None
         if self.coord.rank == 0:
             excluded = read_excluded(self.folder)
@@ -287,7 +288,7 @@ class Proof:
             if self.enabled:
                 self._losses = logged_losses(writer.current_path(), time.time())
                 limit = ceiling(self._losses)
-                mine = _route(self.folder, excluded, limit, held, self.budget, self.memory_every)
+                mine = _route(self.folder, excluded, limit, held(), self.budget, self.memory_every)
         got: Plan = self.coord.from_rank0(mine)
         self._plan = got
         return got
