@@ -217,11 +217,45 @@ class NodeRoster:
         one thinks, and so never marks the key this one reads), it leaves at
         ``timeout``: no read of a key that may never come blocks it. Returns the nodes
         it did not hear finish (by host, or ``node rank R`` where the round's store
-        does not say) and those found lost."""
+        does not say) and those found lost.
+
+        The store's host may leave as soon as it has seen every node finish, over the
+        ring included, while this node still marks or polls: a store error here is then
+        no failure if every other node of the round said goodbye over the ring (or is
+        lost), waited for up to a second. Otherwise the error is raised."""
         with self._lock:
             current = self._round
         if current is None or current.nodes <= 1:
             return [], []
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        start = time.monotonic()
+        try:
+            return self._await_exits(current, timeout)
+        except SignalException:
+            raise  # stopped while waiting: the launcher ends as the signal says
+        except Exception as exc:
+            grace = min(1.0, max(0.0, start + timeout - time.monotonic()))
+            lost = self._others_finished(current, grace)
+            if lost is None:
+                raise
+            logger.info("exit barrier: the store's host left (%s) after every node finished", exc)
+            return [], [current.peers[r].host for r in sorted(lost)]
+
+    def _others_finished(self, current: Round, grace: float) -> set[int] | None:
+        """The lost nodes, once every node of ``current`` but this one said goodbye over
+        the ring or was found lost (waited for up to ``grace`` seconds); None if some
+        node was not heard of (it may not be watched from here)."""
+        others = set(range(current.nodes)) - {current.rank}
+        with self._lock:
+            self._lock.wait_for(
+                lambda: others <= set(self._finished) | set(self._losses), timeout=grace
+            )
+            lost = set(self._losses)
+            return lost & others if others <= set(self._finished) | lost else None
+
+    def _await_exits(self, current: Round, timeout: float) -> tuple[list[str], list[str]]:
+        """The store's side of :meth:`exit_barrier`."""
         try:
             store = current.store.clone()  # a connection of its own
         except (RuntimeError, NotImplementedError, AttributeError):
@@ -397,6 +431,7 @@ class NodeRoster:
             current = self._round
             if current is not None and peer.rank not in self._finished:
                 self._finished[peer.rank] = time.monotonic()
+                self._lock.notify_all()
 
     def _view(self) -> tuple[Round | None, str | None]:
         """The round and why this node is cut off, for the fence (the lock held)."""
