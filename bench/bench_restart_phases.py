@@ -1,7 +1,10 @@
 """A restart phase by phase, and the compile phase warm from the job's compile cache on the
 same node and on a spare (issue 38), in one run.
 
-    .venv/bin/python bench/bench_restart_phases.py
+    .venv/bin/python bench/bench_restart_phases.py [--cuda]
+
+``--cuda``: the script's rank on the GPU, over NCCL (its ``init_process_group`` is then
+NCCL's, and Inductor builds Triton kernels instead of C++ ones).
 
 ``tests/e2e/unchanged_train.py`` (one rank, Adam, a DataLoader, its own snapshot; no
 line of steadfast) under ``steadfast launch``, its rank asleep in step 8 once (a hang:
@@ -33,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "e2e" / "unchanged_train.py"
 
 
+CUDA = ["--cuda"] if "--cuda" in sys.argv[1:] else []
+
+
 def run(run_dir: Path, tmp: Path, *extra: str) -> list[dict[str, Any]]:
     """One ``steadfast launch`` of the script with the run directory and the node's own
     temporary folder; its events."""
@@ -41,7 +47,7 @@ def run(run_dir: Path, tmp: Path, *extra: str) -> list[dict[str, Any]]:
         sys.executable, "-m", "steadfast.cli", "launch", "--events",
         str(run_dir / "events.jsonl"), "--nproc-per-node=1", "--max-restarts=2",
         str(SCRIPT), "--out", str(run_dir / "out.pt"), "--snapshot", str(run_dir / "snap.pt"),
-        "--trace", str(run_dir / "trace"), "--steps", "14", "--pace", "0", *extra,
+        "--trace", str(run_dir / "trace"), "--steps", "14", "--pace", "0", *CUDA, *extra,
     ]  # fmt: skip
     env = {**__import__("os").environ, "TMPDIR": str(tmp)}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
@@ -71,6 +77,10 @@ def show(title: str, phases: dict[str, float]) -> None:
 
 
 def main() -> None:
+    import torch
+
+    where = f"cuda ({torch.cuda.get_device_name()})" if CUDA else "cpu"
+    print(f"torch {torch.__version__}, the rank on {where}, {__import__('os').cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as root_name:
         root = Path(root_name)
         plain = root / "plain"

@@ -18,6 +18,8 @@ The faults and loads a test asks for are the script's own doing, never steadfast
 - ``--compile``: ``torch.compile`` on the model and on the optimizer's step (no DDP),
   with ``--compile-backend`` (``aot_eager`` by default: no C++ build in the tests);
   dynamo's counters go into ``--trace`` at the end.
+- ``--cuda``: on the rank's GPU (``LOCAL_RANK``), over NCCL (the batches are still made
+  on the CPU, then moved).
 
 Rank 0 writes the final parameters to ``--out``.
 """
@@ -84,16 +86,21 @@ def main() -> None:
     p.add_argument("--slow-from", type=int, default=-1)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--compile-backend", default="aot_eager")
+    p.add_argument("--cuda", action="store_true")
     args = p.parse_args()
 
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = Model(args.pace)
+    model = Model(args.pace).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     first = 0
     if os.path.exists(args.snapshot):
-        snap = torch.load(args.snapshot, weights_only=True)
+        snap = torch.load(args.snapshot, weights_only=True, map_location=device)
         model.load_state_dict(snap["model"])
         optimizer.load_state_dict(snap["optimizer"])
         first = snap["steps"]
@@ -114,6 +121,7 @@ def main() -> None:
     with open(args.trace, "a", buffering=1) as trace:  # line by line: a test reads it live
         for i, (x, y) in enumerate(loader):
             step = first + i
+            x, y = x.to(device), y.to(device)
             if step == args.slow_from and rank == args.slow_rank:
                 model.pace *= 2
                 trace.write(f"slow {time.time()}\n")
