@@ -326,12 +326,28 @@ PRELOADED = ("torch._dynamo", "torch._inductor.compile_fx")
 
 def preload(name: str) -> bool:
     """Import ``name`` (one of :data:`PRELOADED`) now; False if it cannot be imported here
-    (each is optional: a worker that needs it imports it itself)."""
+    (each is optional: a worker that needs it imports it itself). On a torch built with
+    CUDA the template first tries it in a probe (steadfast.launcher.preload)."""
     try:
         _module(name)
     except Exception:
         return False
     return True
+
+
+def cuda_built() -> bool:
+    """Whether this torch is built with CUDA (``torch.version.cuda``)."""
+    import torch
+
+    return torch.version.cuda is not None
+
+
+def cuda_fork_poisoned() -> bool:
+    """In a forked process: whether its parent had initialised CUDA, so that no CUDA
+    call can work here (``torch.cuda._is_in_bad_fork``, there on every build)."""
+    import torch
+
+    return bool(torch.cuda._is_in_bad_fork())
 
 
 def on_compile(start: Callable[[], None], end: Callable[[], None]) -> Callable[[], None] | None:

@@ -406,7 +406,7 @@ def test_the_store_hosts_leaving_after_every_goodbye_is_no_failure_of_the_barrie
     wait_for(lambda: 0 in node3._finished, timeout=10, what="node1's goodbye")
     server.kill()
     server.wait()
-    with pytest.raises(Exception):  # node2 not heard: the store's error stands
+    with pytest.raises(RuntimeError):  # node2 not heard: the store's error stands
         node3.exit_barrier(timeout=5)
     node2.finish()
     wait_for(lambda: 1 in node3._finished, timeout=10, what="node2's goodbye")

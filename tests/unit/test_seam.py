@@ -437,6 +437,24 @@ def test_preload_imports_what_the_template_preloads() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+def test_the_bad_fork_flag_is_read_on_every_build() -> None:
+    """cuda_fork_poisoned reads torch.cuda._is_in_bad_fork, there on CPU builds too; on
+    this CPU build no fork is poisoned."""
+    done = _run_python(
+        """
+        import os
+        from steadfast import seam
+        assert not seam.cuda_built()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(3 if seam.cuda_fork_poisoned() else 0)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        print("ok")
+        """
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
 def test_the_agents_grace_is_passed_only_to_a_torch_that_takes_it() -> None:
     """``agent_grace`` names ``shutdown_timeout`` exactly when this torch's agent takes it
     (the torch steadfast is built on does; 2.11 does not, and got it as an unexpected

@@ -91,3 +91,37 @@ def test_module_mode(template: Template, tmp_path: Path):
     (tmp_path / "pkg" / "job.py").write_text("import sys\nsys.exit(int(sys.argv[1]))\n")
     proc = template.spawn(["-u", "-m", "pkg.job", "7"], dict(os.environ), cwd=str(tmp_path))
     assert proc.wait(60) == 7
+
+
+PRELOADS = """
+import sys, time
+from steadfast import seam
+from steadfast.launcher import preload
+poisons = sys.argv[1] == "poisons"
+seam.cuda_fork_poisoned = lambda: poisons  # a CUDA build's import that asks for the GPUs
+p = preload.Preloader(["colorsys", "no_such_module_here"])
+p._probing = True  # as on a torch built with CUDA
+busy_polls = 0
+p.poll(idle=True)  # starts colorsys's probe, returns at once
+while p.pending():
+    p.poll(idle=busy_polls > 3)  # busy for a while: a cleared import waits for idleness
+    busy_polls += 1
+    time.sleep(0.01)
+print("colorsys" in sys.modules, "no_such_module_here" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("poisons", ["clean", "poisons"])
+def test_a_preload_is_imported_only_once_a_forked_probe_found_forks_still_usable(poisons):
+    """On a CUDA build the template imports a preload only after a forked child imported
+    it and a grandchild of that child could still have used CUDA (seen on a lent H200:
+    Inductor's compiler poisoned every later fork); the template polls the probe, never
+    waits for it; a module that cannot be imported, or that poisons, is left to the
+    workers."""
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", PRELOADS, poisons], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == (["True", "False"] if poisons == "clean" else ["False", "False"])

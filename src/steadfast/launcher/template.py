@@ -189,6 +189,7 @@ def serve(fd: int) -> None:
     import importlib
 
     from .. import seam
+    from .preload import Preloader
 
     # Under srun every process of the step gets a forwarded signal (SIGUSR1 of a
     # preemption, say), the template too, even while it imports torch: it must not die
@@ -204,8 +205,9 @@ def serve(fd: int) -> None:
     # (their CPU is theirs: a template importing beside a group's first steps made one
     # rank a straggler) and after _PRELOAD_IDLE without a request (a spare asked at once
     # must not wait for them, nor a group be split by one); never while forking (the main
-    # thread is the only one: no import lock is held at a fork)
-    preload = list(seam.PRELOADED)
+    # thread is the only one: no import lock is held at a fork); on a CUDA build each is
+    # probed in a child first (see .preload)
+    preloader = Preloader(seam.PRELOADED)
 
     # From here on the signals are blocked and read with sigtimedwait (an ignored one is
     # discarded before anyone can see who sent it): a worker's is passed to the launcher
@@ -232,8 +234,8 @@ def serve(fd: int) -> None:
         while True:
             ready = sel.select(_SIGNAL_POLL)
             idle = not children and time.monotonic() - asked >= _PRELOAD_IDLE
-            if not ready and preload and idle:
-                seam.preload(preload.pop(0))
+            if not ready and preloader.pending():
+                preloader.poll(idle)
             for key, _ in ready:
                 if key.fileobj == wake_r:
                     os.read(wake_r, 512)
@@ -260,6 +262,7 @@ def serve(fd: int) -> None:
             _reap(sock, children)
             _pass_on_workers_signals(children)
     finally:
+        preloader.close()
         for pid in children:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
@@ -293,13 +296,14 @@ def _pass_on_workers_signals(children: set[int]) -> None:
 
 
 def _reap(sock: socket.socket, children: set[int]) -> None:
-    while children:
+    for pid in list(children):  # by pid: a preload's probe is the Preloader's to reap
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            done, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            return
-        if pid == 0:
-            return
+            children.discard(pid)
+            continue
+        if done == 0:
+            continue
         children.discard(pid)
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         with contextlib.suppress(OSError):

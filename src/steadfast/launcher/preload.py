@@ -1,0 +1,102 @@
+"""What the worker template imports for its workers (:data:`steadfast.seam.PRELOADED`),
+one module at a time, only while no worker runs or is asked for.
+
+On a torch built with CUDA an import may ask for the GPUs (``device_count``, which
+initialises CUDA's driver): every process forked after that fails at its first CUDA call
+("Cannot re-initialize CUDA in forked subprocess"). Seen on a lent H200: importing
+Inductor's compiler (``torch._inductor.compile_fx``) did it, and every restart's worker
+died. So there each module is first imported in a forked child (the probe), which forks
+a grandchild of its own to see whether a fork of it could still use CUDA; only a module
+the probe cleared is imported into the template. The template never waits for a probe:
+it polls it between requests (a request that came during a blocking probe waited ~6 s
+on that host), and a probe that finds the template busy when it ends leaves its import
+for the next idle moment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Iterable
+
+from .. import seam
+
+__all__ = ["Preloader"]
+
+logger = logging.getLogger(__name__)
+
+
+class Preloader:
+    """The template's preloads. :meth:`poll` does the next bit of work (starts a probe,
+    reads one, imports a cleared module) when the template is idle; :meth:`close` ends a
+    probe still running."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._names = list(names)
+        self._probe: tuple[int, str] | None = None  # (pid, module) of the running probe
+        self._cleared: set[str] = set()  # probed: importing them keeps forks usable
+        self._probing = seam.cuda_built()
+
+    def pending(self) -> bool:
+        return bool(self._names) or self._probe is not None
+
+    def poll(self, idle: bool) -> None:
+        """Called by the template's loop between requests (``idle``: no worker runs and
+        none was asked for lately). Never blocks but for an import itself."""
+        if self._probe is not None:
+            pid, name = self._probe
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done == 0:
+                return
+            self._probe = None
+            code = os.waitstatus_to_exitcode(status)
+            if code == 0:
+                self._cleared.add(name)
+                return
+            self._names.remove(name)
+            if code == _POISONS:
+                logger.info("not preloaded: importing %s would keep forks off CUDA", name)
+            return
+        if not idle or not self._names:
+            return
+        name = self._names[0]
+        if self._probing and name not in self._cleared:
+            self._probe = (_probe(name), name)
+            return
+        self._names.pop(0)
+        seam.preload(name)
+
+    def close(self) -> None:
+        """Kill and reap a probe still running."""
+        if self._probe is not None:
+            pid, _ = self._probe
+            self._probe = None
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+#: The probe's exit code when the import kept forks off CUDA (1: it failed).
+_POISONS = 3
+
+
+def _probe(name: str) -> int:
+    """Fork the probe of ``name``: it exits 0 when a process that imported it can still
+    fork workers that use CUDA, :data:`_POISONS` when it cannot, 1 when the import
+    failed."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)  # the template's wake-up pipe is the template's
+            if seam.preload(name):
+                grandchild = os.fork()
+                if grandchild == 0:
+                    os._exit(_POISONS if seam.cuda_fork_poisoned() else 0)
+                code = os.waitstatus_to_exitcode(os.waitpid(grandchild, 0)[1])
+        finally:
+            os._exit(code)
+    return pid
