@@ -1,10 +1,11 @@
 """A restart phase by phase, and the compile phase warm from the job's compile cache on the
 same node and on a spare (issue 38), in one run.
 
-    .venv/bin/python bench/bench_restart_phases.py [--cuda]
+    .venv/bin/python bench/bench_restart_phases.py [--cuda] [--plain-only]
 
 ``--cuda``: the script's rank on the GPU, over NCCL (its ``init_process_group`` is then
-NCCL's, and Inductor builds Triton kernels instead of C++ ones).
+NCCL's, and Inductor builds Triton kernels instead of C++ ones). ``--plain-only``: run 1
+alone.
 
 ``tests/e2e/unchanged_train.py`` (one rank, Adam, a DataLoader, its own snapshot; no
 line of steadfast) under ``steadfast launch``, its rank asleep in step 8 once (a hang:
@@ -87,6 +88,9 @@ def main() -> None:
         plain.mkdir()
         run(plain, root / "tmp-plain", "--hang", "sleep:0:8")
         (plain_restart,) = report(plain)["restarts_phases"]
+        if "--plain-only" in sys.argv[1:]:
+            show("uncompiled restart", plain_restart["phases"])
+            return
 
         job = root / "compiled"
         job.mkdir()

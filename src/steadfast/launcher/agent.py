@@ -71,7 +71,7 @@ from .failures import (
 )
 from .generations import Generations, wall_times
 from .job_end import exit_barrier, hung_at_end
-from .nodes import Loss, NodeRoster, health_check
+from .nodes import GpuCheck, Loss, NodeRoster, health_check
 from .nodes.culprit import Verdict, node_claim, rank_claim
 from .rendezvous import Rendezvous
 from .template import Template, take_prestarted
@@ -128,7 +128,7 @@ class FTAgent(LocalElasticAgent):
             NodeRoster(ft, host=local_addr, name=socket.gethostname()) if nnodes > 1 else None
         )
         self.lost: list[Loss] = []  # the nodes lost before the coming rendezvous
-        self._gpus = _local_gpus(spec.local_world_size)
+        self._gpus = GpuCheck(_local_gpus(spec.local_world_size))
         self.table = HeartbeatTable.create(rows=spec.local_world_size)
         # the workers inherit these from the launcher's environment
         os.environ[HB_TABLE_ENV] = str(self.table.path)
@@ -165,6 +165,7 @@ class FTAgent(LocalElasticAgent):
         """Stop the watcher and the node roster, and remove the heartbeat table and the
         memory tier's snapshots."""
         self.watcher.stop()
+        self._gpus.close()
         self.compile_cache.close()
         if self.roster is not None:
             self.roster.close()

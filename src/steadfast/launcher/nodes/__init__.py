@@ -46,7 +46,7 @@ The modules:
 
 from __future__ import annotations
 
-from .health import health_check
+from .health import GpuCheck, health_check
 from .ring import WATCHERS
 from .roster import CONFIRM_MIN, NodeRoster
 from .round import Loss, Peer
@@ -57,5 +57,6 @@ __all__ = [
     "Loss",
     "NodeRoster",
     "Peer",
+    "GpuCheck",
     "health_check",
 ]

@@ -1,0 +1,52 @@
+"""The node health check's GPU part, started ahead: the next check's child imports torch
+while the workers run and waits on its stdin; a restart asks it. Real children; on this
+CPU machine every GPU check fails (no CUDA), which is the answer compared."""
+
+from __future__ import annotations
+
+import os
+
+from steadfast.config import FaultToleranceConfig
+from steadfast.launcher.nodes import GpuCheck, health_check
+
+
+def test_the_warm_check_answers_what_a_cold_one_does():
+    cold = GpuCheck(1).run(120)  # no child started ahead: a new one
+    assert cold is not None and cold.startswith("exit 1: GPU 0:"), cold
+    check = GpuCheck(1)
+    check.warm()
+    ahead = check._next
+    assert ahead is not None and ahead.poll() is None  # waiting to be asked
+    assert check.run(120) == cold
+    assert ahead.returncode == 1  # the child started ahead gave the answer
+    assert check._next is None  # the next one is started once a check passed
+
+
+def test_a_passed_check_starts_the_next_one_and_closing_ends_it(monkeypatch):
+    check = GpuCheck(1)
+    monkeypatch.setattr(check, "run", lambda timeout: None)  # this node's GPUs are fine
+    assert health_check(FaultToleranceConfig(), check) is None
+    waiting = check._next
+    assert waiting is not None and waiting.poll() is None
+    check.close()  # the launcher ends: nothing it started outlives it
+    assert waiting.returncode is not None
+    assert check._next is None
+
+
+def test_a_waiting_check_whose_launcher_is_gone_ends_without_checking():
+    check = GpuCheck(1)
+    check.warm()
+    waiting = check._next
+    assert waiting is not None and waiting.stdin is not None
+    waiting.stdin.close()  # the launcher died: EOF
+    assert waiting.wait(120) == 0
+    assert waiting.stdout is not None and waiting.stdout.read() == ""  # nothing checked
+    waiting.stdout.close()
+
+
+def test_no_gpu_no_child():
+    check = GpuCheck(0)
+    check.warm()
+    assert check._next is None
+    assert health_check(FaultToleranceConfig(), check) is None
+    assert os.getpid() > 0
