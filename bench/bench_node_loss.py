@@ -1,7 +1,7 @@
 """A lost node's way back, steadfast vs plain torchrun, on nodes made of network
 namespaces (scripts/nodes-localhost.sh; needs root):
 
-    .venv/bin/python bench/bench_node_loss.py [--repeats 1] [--silent]
+    .venv/bin/python bench/bench_node_loss.py [--repeats 1] [--silent] [--rdzv-backend steadfast]
 
 Two nodes of one rank each train tests/e2e/ft_train.py (c10d rendezvous on node1, a
 checkpoint every 2 steps); a spare node3 waits (started 10 s before); node2 is killed
@@ -16,6 +16,8 @@ no peer sees a reset).
 torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as in bench_launcher.py (its
 gloo restarts fail on torch 2.13 without it), and the same script without the rank
 monitor (--no-ft). It finds the lost node only when its rendezvous keep-alive expires.
+``--rdzv-backend steadfast``: steadfast launches with its own rendezvous (torchrun keeps
+c10d, the one it has).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class Recovery:
     first_step: float
 
 
-def run(launcher: str, silent: bool) -> Recovery:
+def run(launcher: str, silent: bool, backend: str = "c10d") -> Recovery:
     """One run of ``launcher`` on a fresh bed: node2 killed, the spare takes over."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "bed"
@@ -80,16 +82,17 @@ def run(launcher: str, silent: bool) -> Recovery:
             shared = root / "shared"
             log, steps = shared / "events.jsonl", shared / "steps.log"
             flags = [
-                "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                "--nnodes=2", "--nproc-per-node=1",
                 "--rdzv-endpoint=node1:29500", "--rdzv-id=bench", "--max-restarts=3",
                 "--monitor-interval=0.1",
             ]  # fmt: skip
             if launcher == "steadfast":
                 cmd = [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(log)]
-                flags += ["--ft-node-heartbeat-timeout=2"]
+                flags += [f"--rdzv-backend={backend}", "--ft-node-heartbeat-timeout=2"]
                 extra: list[str] = []
             else:
                 cmd = [sys.executable, "-m", "torch.distributed.run"]
+                flags += ["--rdzv-backend=c10d"]
                 extra = ["--no-ft"]
             script = [
                 str(TRAIN), "--ckpt", str(shared / "ck"), "--out", str(shared / "out.pt"),
@@ -148,12 +151,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--silent", action="store_true")
+    ap.add_argument("--rdzv-backend", default="c10d", choices=["c10d", "steadfast"])
     args = ap.parse_args()
     if subprocess.run(["bash", str(SCRIPT), "check"], capture_output=True).returncode != 0:
         print("bench_node_loss: skipped (cannot make nodes here: needs root and netns)")
         return
     results = {
-        name: [run(name, args.silent) for _ in range(args.repeats)]
+        name: [run(name, args.silent, args.rdzv_backend) for _ in range(args.repeats)]
         for name in ("steadfast", "torchrun")
     }
     how = "silent kill" if args.silent else "kill"
@@ -167,9 +171,10 @@ def main() -> None:
         detected, joined = med([r.detected for r in runs]), med([r.joined for r in runs])
         began, loaded = med([r.load_began for r in runs]), med([r.loaded for r in runs])
         assert first is not None and began is not None and loaded is not None
+        rdzv = args.rdzv_backend if name == "steadfast" else "c10d"
         print(
-            f"{name}: node2 {how} -> first step of the new round {first:.2f} s "
-            f"(median of {len(runs)})"
+            f"{name} ({rdzv} rendezvous): node2 {how} -> first step of the new round "
+            f"{first:.2f} s (median of {len(runs)})"
         )
         if detected is not None and joined is not None:
             print(

@@ -1,5 +1,6 @@
-"""What the worker template imports for its workers (:data:`steadfast.seam.PRELOADED`),
-one module at a time, only while no worker runs or is asked for.
+"""What the worker template imports for its workers (:data:`steadfast.seam.PRELOADED`):
+on a torch without CUDA all of them before it serves (:meth:`Preloader.eager`); on a CUDA
+build one module at a time, only while no worker runs or is asked for.
 
 On a torch built with CUDA an import may ask for the GPUs (``device_count``, which
 initialises CUDA's driver): every process forked after that fails at its first CUDA call
@@ -38,6 +39,18 @@ class Preloader:
         self._probe: tuple[int, str] | None = None  # (pid, module) of the running probe
         self._cleared: set[str] = set()  # probed: importing them keeps forks usable
         self._probing = seam.cuda_built()
+
+    def eager(self) -> None:
+        """Before the template serves: import every module now where no probe is needed
+        (a torch built without CUDA). A module imported later, when the template is idle,
+        is imported when it is idle *because* a worker just ended: in a restart's way
+        (its workers waited for it: process_start 1.7-2.3 s on a 2-core machine); now
+        beside the launcher's own start, and every generation's workers have it."""
+        if self._probing:
+            return
+        for name in self._names:
+            seam.preload(name)
+        self._names.clear()
 
     def pending(self) -> bool:
         return bool(self._names) or self._probe is not None

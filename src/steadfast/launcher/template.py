@@ -200,14 +200,15 @@ def serve(fd: int) -> None:
 
     for name in ("torch", "torch.distributed", "torch.nn.parallel"):
         importlib.import_module(name)
-    # what workers import later (dynamo: ~1.6 s each; Inductor's compiler: ~1.4 s), an
-    # optional speed-up: imported once ready, one at a time, only while no worker runs
-    # (their CPU is theirs: a template importing beside a group's first steps made one
-    # rank a straggler) and after _PRELOAD_IDLE without a request (a spare asked at once
-    # must not wait for them, nor a group be split by one); never while forking (the main
-    # thread is the only one: no import lock is held at a fork); on a CUDA build each is
-    # probed in a child first (see .preload)
+    # what workers import later (dynamo: ~1.6 s each; Inductor's compiler: ~1.4 s): on a
+    # torch without CUDA, now, beside the launcher's own start (+0.6 s to a 2-rank job's
+    # first step on 2 cores; each restart's workers then start ~2 s sooner: an import
+    # done when idle was done right after a worker ended, in the restart's way). On a
+    # CUDA build each is probed in a child first (see .preload), then imported only while
+    # no worker runs and after _PRELOAD_IDLE without a request; never while forking (the
+    # main thread is the only one: no import lock is held at a fork)
     preloader = Preloader(seam.PRELOADED)
+    preloader.eager()
 
     # From here on the signals are blocked and read with sigtimedwait (an ignored one is
     # discarded before anyone can see who sent it): a worker's is passed to the launcher
