@@ -71,6 +71,7 @@ class Recovery:
     load_began: float
     loaded: float
     first_step: float
+    phases: dict[str, float] | None = None  # steadfast report's, the restart's
 
 
 def run(launcher: str, silent: bool, backend: str = "c10d") -> Recovery:
@@ -136,7 +137,16 @@ def run(launcher: str, silent: bool, backend: str = "c10d") -> Recovery:
                 rank, _, at = line.split()
                 if float(at) > loaded and rank not in done:
                     done[rank] = float(at)
+            phases = None
+            if launcher == "steadfast":
+                rep = subprocess.run(
+                    [sys.executable, "-m", "steadfast.cli", "report", "--json", "--no-timeline",
+                     str(log)], capture_output=True, text=True, check=True, timeout=120,
+                )  # fmt: skip
+                restarts = json.loads(rep.stdout)["restarts_phases"]
+                phases = restarts[-1]["phases"] if restarts else None
             return Recovery(
+                phases=phases,
                 detected=first("node_lost"),
                 joined=first("node_joined"),
                 load_began=min(e["time"] - e["seconds"] for e in loads) - killed,
@@ -167,6 +177,10 @@ def main() -> None:
         return statistics.median(known) if known else None
 
     for name, runs in results.items():
+        for r in runs:
+            if r.phases is not None:
+                parts = ", ".join(f"{k} {v:.3f}" for k, v in r.phases.items() if v >= 0.0005)
+                print(f"  {name} restart phases (steadfast report): {parts}")
         first = med([r.first_step for r in runs])
         detected, joined = med([r.detected for r in runs]), med([r.joined for r in runs])
         began, loaded = med([r.load_began for r in runs]), med([r.loaded for r in runs])
