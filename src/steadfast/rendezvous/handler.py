@@ -246,8 +246,12 @@ class SteadfastRendezvousHandler(RendezvousHandler):
         is left)."""
         if seconds < 0.001:
             return bool(self.store.check([key]))
+        return self._wait_all([key], seconds)
+
+    def _wait_all(self, keys: list[str], seconds: float) -> bool:
+        """Whether every one of ``keys`` exists within ``seconds`` (one store wait)."""
         try:
-            self.store.wait([key], timedelta(seconds=seconds))
+            self.store.wait(keys, timedelta(seconds=seconds))
             return True
         except RuntimeError as exc:  # DistStoreError: the wait timed out
             if "timeout" not in str(exc).lower():
@@ -426,12 +430,10 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             return
         count = int(s.add(k.ticket(r), 0))
         holders = [k.holder(r, t) for t in range(1, count + 1)]
-        settle = time.monotonic() + 1.0
-        while holders and not s.check(holders):  # a node between its ticket and its key
-            if time.monotonic() > settle:  # died there: one check per holder, this once
-                holders = [h for h in holders if s.check([h])]
-                break
-            time.sleep(0.01)
+        # a node between its ticket and its key: one wait (a poll's number of calls
+        # grew with a loaded machine's delays); died there: one check per holder, once
+        if holders and not s.check(holders) and not self._wait_all(holders, 1.0):
+            holders = [h for h in holders if s.check([h])]
         if not holders:
             return
         infos = [json.loads(raw) for raw in s.multi_get(holders)]
