@@ -430,9 +430,10 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             return
         count = int(s.add(k.ticket(r), 0))
         holders = [k.holder(r, t) for t in range(1, count + 1)]
-        # a node between its ticket and its key: one wait (a poll's number of calls
-        # grew with a loaded machine's delays); died there: one check per holder, once
-        if holders and not s.check(holders) and not self._wait_all(holders, 1.0):
+        # one wait, answered at once when every holder wrote its key: a node between its
+        # ticket and its key costs no more calls (a poll's number grew with a loaded
+        # machine's delays); one that died there: one check per holder, this once
+        if holders and not self._wait_all(holders, 1.0):
             holders = [h for h in holders if s.check([h])]
         if not holders:
             return
