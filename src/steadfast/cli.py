@@ -66,6 +66,7 @@ def _health(ns: argparse.Namespace) -> int:
     from .health import check_gpu_health
 
     if ns.when_asked:
+        print("ready", flush=True)  # imported: a check now pays for CUDA's start alone
         if sys.stdin.readline() != "check\n":
             return 0  # not asked (the launcher closed it): nothing checked
         with contextlib.suppress(OSError):

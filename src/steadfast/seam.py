@@ -47,6 +47,9 @@ Touch points and why each is needed:
   per worker) and Inductor's compiler (``torch._inductor.compile_fx``: ``torch.compile``
   imports it on its first call, ~1.4 s per worker) for the workers it forks; optional,
   a worker that needs them imports them itself.
+- :func:`cuda_built` and :func:`cuda_fork_poisoned` (``torch.cuda._is_in_bad_fork``):
+  whether a preload must be probed, and, in the probe's grandchild, whether the import
+  initialised CUDA in its parent (steadfast.launcher.preload).
 - :func:`on_compile`: torch.compile's own start and end callbacks
   (``torch._dynamo.callback_handler``: the outermost compilation of a frame, a lazy
   backward's), for the compile phase of a worker's start (steadfast.progress.phases).
@@ -96,6 +99,8 @@ __all__ = [
     "launch_agent",
     "option_actions",
     "preload",
+    "cuda_built",
+    "cuda_fork_poisoned",
     "process_group_stores",
     "process_groups",
     "rendezvous_join_timeout",
@@ -336,10 +341,12 @@ def preload(name: str) -> bool:
 
 
 def cuda_built() -> bool:
-    """Whether this torch is built with CUDA (``torch.version.cuda``)."""
+    """Whether this torch is built with CUDA or ROCm (``torch.backends.cuda.is_built``:
+    HIP's build answers through the same ``torch.cuda``, and its forks are poisoned
+    alike)."""
     import torch
 
-    return torch.version.cuda is not None
+    return bool(torch.backends.cuda.is_built())  # type: ignore[no-untyped-call]
 
 
 def cuda_fork_poisoned() -> bool:

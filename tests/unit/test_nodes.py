@@ -411,3 +411,33 @@ def test_the_store_hosts_leaving_after_every_goodbye_is_no_failure_of_the_barrie
     node2.finish()
     wait_for(lambda: 1 in node3._finished, timeout=10, what="node2's goodbye")
     assert node3.exit_barrier(timeout=5) == ([], [])
+
+
+def test_the_barrier_waits_for_the_mark_of_a_node_it_heard_finish(rosters, monkeypatch):
+    """A node says goodbye over the ring, then marks its exit in the store: the store's
+    host waits for that mark (up to MARK_GRACE) before it leaves and closes the store,
+    and each barrier ends all_finished."""
+    from steadfast.launcher.nodes import roster as roster_module
+
+    monkeypatch.setattr(roster_module, "MARK_GRACE", 60.0)  # a loaded machine's delays
+    node1, node2, node3 = rosters
+    node2.finish()
+    node3.finish()
+    wait_for(lambda: {1, 2} <= set(node1._finished), timeout=10, what="both goodbyes")
+    marking: dict[int, float] = {}
+    results: dict[int, object] = {}
+
+    def late(i: int) -> None:
+        time.sleep(0.5)
+        marking[i] = time.monotonic()
+        results[i] = rosters[i].exit_barrier(timeout=60)
+
+    threads = [threading.Thread(target=late, args=(i,)) for i in (1, 2)]
+    for t in threads:
+        t.start()
+    results[0] = node1.exit_barrier(timeout=60)
+    left = time.monotonic()
+    for t in threads:
+        t.join(60)
+    assert left >= max(marking.values())  # not before the last mark could be made
+    assert results == {i: ([], []) for i in range(3)}

@@ -438,13 +438,14 @@ def test_preload_imports_what_the_template_preloads() -> None:
 
 
 def test_the_bad_fork_flag_is_read_on_every_build() -> None:
-    """cuda_fork_poisoned reads torch.cuda._is_in_bad_fork, there on CPU builds too; on
-    this CPU build no fork is poisoned."""
+    """cuda_fork_poisoned reads torch.cuda._is_in_bad_fork, there on CPU builds too: a
+    process that never started CUDA forks children that can."""
     done = _run_python(
         """
         import os
         from steadfast import seam
-        assert not seam.cuda_built()
+        import torch
+        assert seam.cuda_built() == torch.backends.cuda.is_built()
         pid = os.fork()
         if pid == 0:
             os._exit(3 if seam.cuda_fork_poisoned() else 0)

@@ -104,7 +104,9 @@ p._probing = True  # as on a torch built with CUDA
 busy_polls = 0
 p.poll(idle=True)  # starts colorsys's probe, returns at once
 while p.pending():
-    p.poll(idle=busy_polls > 3)  # busy for a while: a cleared import waits for idleness
+    busy = busy_polls <= 3
+    p.poll(idle=not busy)  # busy for a while: a cleared import waits for idleness
+    assert not busy or "colorsys" not in sys.modules  # probed in the child only
     busy_polls += 1
     time.sleep(0.01)
 print("colorsys" in sys.modules, "no_such_module_here" in sys.modules)

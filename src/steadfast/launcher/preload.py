@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 from .. import seam
 
-__all__ = ["Preloader"]
+__all__ = ["Preloader", "die_with_parent"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,11 @@ class Preloader:
             return
         name = self._names[0]
         if self._probing and name not in self._cleared:
-            self._probe = (_probe(name), name)
+            try:
+                self._probe = (_probe(name), name)
+            except OSError as exc:  # no fork now (EAGAIN, ENOMEM): the workers import it
+                self._names.pop(0)
+                logger.info("not preloaded: %s could not be probed (%s)", name, exc)
             return
         self._names.pop(0)
         seam.preload(name)
@@ -104,7 +108,12 @@ def _probe(name: str) -> int:
     if pid == 0:
         code = 1
         try:
-            signal.set_wakeup_fd(-1)  # the template's wake-up pipe is the template's
+            # nothing of the template's: its socket to the launcher (whose EOF must come
+            # when the template dies), its wake-up pipe; and gone with it (a template is
+            # SIGKILLed at the launcher's end, maybe while a probe imports)
+            signal.set_wakeup_fd(-1)
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+            die_with_parent()
             if seam.preload(name):
                 grandchild = os.fork()
                 if grandchild == 0:
@@ -113,3 +122,15 @@ def _probe(name: str) -> int:
         finally:
             os._exit(code)
     return pid
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``): a worker
+    or a probe never outlives the template that forked it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux: the template's EOF handling remains
+        pass

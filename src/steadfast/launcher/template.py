@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Any
 
+from .preload import Preloader, die_with_parent
+
 __all__ = [
     "Template",
     "TemplateProc",
@@ -91,7 +93,7 @@ def _run_child(request: dict[str, Any]) -> int:
 
     with contextlib.suppress(OSError):  # its own process group (the template set it too)
         os.setpgid(0, 0)
-    _die_with_parent()
+    die_with_parent()
     for sig in (signal.SIGCHLD, *IGNORED_SIGNALS):
         signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, IGNORED_SIGNALS)  # the template blocks them
@@ -156,18 +158,6 @@ def _run_child(request: dict[str, Any]) -> int:
     return code
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this worker if the template dies (Linux ``PR_SET_PDEATHSIG``), so that no
-    worker outlives it, and then the launcher."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):  # not Linux: the template's EOF handling remains
-        pass
-
-
 #: Signals the template does not act on (its workers get the default actions back): a
 #: signal forwarded by srun reaches every process of the step, the template too, and the
 #: launcher decides what it means for the workers. One sent by a *worker* to its parent
@@ -189,14 +179,13 @@ def serve(fd: int) -> None:
     import importlib
 
     from .. import seam
-    from .preload import Preloader
 
     # Under srun every process of the step gets a forwarded signal (SIGUSR1 of a
     # preemption, say), the template too, even while it imports torch: it must not die
     # of it, or its workers go with it before they can save. The launcher decides.
     for sig in IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    _die_with_parent()  # the launcher gone -> the template, and then its workers, gone
+    die_with_parent()  # the launcher gone -> the template, and then its workers, gone
 
     for name in ("torch", "torch.distributed", "torch.nn.parallel"):
         importlib.import_module(name)
@@ -300,8 +289,10 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
     for pid in list(children):  # by pid: a preload's probe is the Preloader's to reap
         try:
             done, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
+        except ChildProcessError:  # reaped elsewhere: its status is lost, not its end
             children.discard(pid)
+            with contextlib.suppress(OSError):
+                _send(sock, {"exited": pid, "code": 1})
             continue
         if done == 0:
             continue

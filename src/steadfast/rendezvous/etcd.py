@@ -244,6 +244,8 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         """Block until every key exists, up to ``timeout`` (the store's by default);
         raises ``DistStoreError`` with "timeout" in its message, as c10d's stores do."""
+        if self.check(keys):  # one transaction when every key is there already
+            return
         seconds = (timeout or self.store_timeout).total_seconds()
         deadline = time.monotonic() + seconds
         for key in keys:

@@ -7,13 +7,15 @@ The GPU check runs in a child process, so that the launcher holds no CUDA contex
 new Python that imports torch took 3.9 s of each restart on a lent H200 (the whole check
 there), so the next check's child is started ahead (:class:`GpuCheck`): once this check
 passed it imports torch at the lowest CPU priority and waits on its stdin; a restart
-asks it and pays for CUDA's start and the check alone.
+asks it, once it said it is ready, and pays for CUDA's start and the check alone (one
+still importing is replaced by a new one, at the usual priority).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -57,8 +59,8 @@ class GpuCheck:
     def run(self, timeout: float) -> str | None:
         """None when every GPU is healthy; else why. The warm child when there is one."""
         proc, self._next = self._next, None
-        if proc is None or proc.poll() is not None:
-            if proc is not None:
+        if proc is None or proc.poll() is not None or not _ready(proc):
+            if proc is not None:  # gone, or still importing (at nice 19): a new one
                 _end(proc)
             return _run(self._argv(warm=False), timeout)
         try:
@@ -75,6 +77,14 @@ class GpuCheck:
         proc, self._next = self._next, None
         if proc is not None:
             _end(proc)
+
+
+def _ready(proc: subprocess.Popen[str]) -> bool:
+    """Whether the warm child finished its imports (its first line, ``ready``)."""
+    assert proc.stdout is not None
+    if not select.select([proc.stdout], [], [], 0)[0]:
+        return False
+    return proc.stdout.readline() == "ready\n"
 
 
 def _end(proc: subprocess.Popen[str]) -> None:

@@ -36,7 +36,11 @@ from .ring import WATCHERS, Ring
 from .round import Loss, Peer, PeerBook, Round, RoundKeys
 from .store_calls import Deadlines, StoreCalls
 
-__all__ = ["CONFIRM_MIN", "NodeRoster", "RosterState"]
+__all__ = ["CONFIRM_MIN", "MARK_GRACE", "NodeRoster", "RosterState"]
+
+#: Seconds the exit barrier waits for the store mark of a node it heard finish over the
+#: ring (the goodbye goes first, the mark a moment later).
+MARK_GRACE = 2.0
 
 logger = logging.getLogger(__name__)
 
@@ -219,10 +223,12 @@ class NodeRoster:
         it did not hear finish (by host, or ``node rank R`` where the round's store
         does not say) and those found lost.
 
-        The store's host may leave as soon as it has seen every node finish, over the
-        ring included, while this node still marks or polls: a store error here is then
-        no failure if every other node of the round said goodbye over the ring (or is
-        lost), waited for up to a second. Otherwise the error is raised."""
+        A node heard finishing over the ring marks its exit a moment later: the barrier
+        waits up to :data:`MARK_GRACE` for that mark before it counts the node finished
+        without one. Should the store's host leave first anyway, while this node still
+        marks or polls, a store error here is no failure if every other node of the
+        round said goodbye over the ring (or is lost), waited for up to a second.
+        Otherwise the error is raised."""
         with self._lock:
             current = self._round
         if current is None or current.nodes <= 1:
@@ -234,7 +240,7 @@ class NodeRoster:
             return self._await_exits(current, timeout)
         except SignalException:
             raise  # stopped while waiting: the launcher ends as the signal says
-        except Exception as exc:
+        except (RuntimeError, OSError) as exc:  # the store's (DistError is a RuntimeError)
             grace = min(1.0, max(0.0, start + timeout - time.monotonic()))
             lost = self._others_finished(current, grace)
             if lost is None:
@@ -295,8 +301,16 @@ class NodeRoster:
                 # mark read after the count may be counted by neither, never by both
                 marked.update(r for r in heard if store.check([keys.exit(r)]))
                 finished -= sum(1 for r in lost if store.check([keys.exit(r)]))
-                if finished + len(lost) + len(heard - marked) >= current.nodes:
-                    return [], sorted(name(r) for r in lost)
+                unmarked = heard - marked
+                if finished + len(lost) + len(unmarked) >= current.nodes:
+                    with self._lock:
+                        last = max((self._finished.get(r, 0.0) for r in unmarked), default=0.0)
+                    # a node heard finishing marks its exit a moment later: wait for its
+                    # mark up to MARK_GRACE (this may be the store's host: leaving closes
+                    # the store under it), never longer (one with another view of the
+                    # round's keys never marks the one read here)
+                    if not unmarked or time.monotonic() - last >= MARK_GRACE:
+                        return [], sorted(name(r) for r in lost)
             now = time.monotonic()
             if now > report:
                 waiting = unfinished()
