@@ -140,3 +140,24 @@ def test_the_precompiled_header_goes_along_only_with_cpu_kernels(tmp_path: Path,
     assert files(tmp_path / "spare" / "torchinductor_root" / "precompiled_headers") == {
         "h.h.gch": b"pch"
     }
+
+
+def test_a_users_folder_that_is_torchs_default_shares_no_headers_with_its_entries(
+    tmp_path: Path, monkeypatch
+):
+    """Inductor sets TORCHINDUCTOR_CACHE_DIR to its default folder in any process that
+    compiled, and its children inherit it: a launcher started from such a process takes
+    that folder for the user's own. Its precompiled headers (150 MB each) are not
+    entries of the job's: they are not copied with them (seen: 300 MB in the run
+    directory of every e2e test, for jobs that compiled nothing)."""
+    default = tmp_path / "torchinductor_root"
+    (default / "precompiled_headers").mkdir(parents=True)
+    (default / "precompiled_headers" / "h.h.gch").write_bytes(b"pch")
+    (default / "fxgraph").mkdir()
+    (default / "fxgraph" / "entry").write_bytes(b"graph")
+    monkeypatch.setenv(CACHE_ENV, str(default))
+    node_tmp(monkeypatch, tmp_path / "node1")
+    shared = tmp_path / "run" / "compile-cache"
+    cache = CompileCache("job", shared)
+    assert cache.publish() == 1  # the graph alone
+    assert not (shared / "inductor" / "precompiled_headers").exists()

@@ -60,7 +60,12 @@ logger = logging.getLogger(__name__)
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 #: the shared copy's folder in the run directory
 SHARED_NAME = "compile-cache"
-_SKIP_DIRS = {"locks"}
+#: not copied with the cache's entries: torch's locks, and Inductor's precompiled headers
+#: (150 MB each), found there when the user's folder is torch's default one (Inductor
+#: sets TORCHINDUCTOR_CACHE_DIR to it in any process that compiled, and the processes
+#: that process starts inherit it: every e2e test's run directory got 300 MB of them)
+#: and shared only by their own path, with CPU kernels of the job's
+_SKIP_DIRS = {"locks", "precompiled_headers"}
 
 
 def sync(source: Path, target: Path) -> int:
