@@ -289,6 +289,7 @@ class NodeRoster:
             ]  # fmt: skip
 
         marked: set[int] = set()  # nodes heard finishing whose mark this node saw
+        unmarked: set[int] = set()  # nodes heard finishing, their mark not seen yet
         while not store.check([keys.exit_all]):
             confirmed = confirmed_losses(store, current, confirmed)
             with self._lock:
@@ -322,7 +323,10 @@ class NodeRoster:
                     )
                 report = now + 10.0
             if now > deadline:
-                waiting = unfinished() or ["some nodes"]
+                waiting = unfinished()
+                if not waiting and unmarked:  # each node left said goodbye: done
+                    return [], sorted(name(r) for r in lost)
+                waiting = waiting or ["some nodes"]
                 logger.warning(
                     "exit barrier: did not hear %s finish within %.0f s "
                     "(job_end_timeout); leaving without them",
