@@ -233,14 +233,12 @@ class NodeRoster:
             current = self._round
         if current is None or current.nodes <= 1:
             return [], []
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
         start = time.monotonic()
         try:
             return self._await_exits(current, timeout)
-        except SignalException:
-            raise  # stopped while waiting: the launcher ends as the signal says
-        except (RuntimeError, OSError) as exc:  # the store's (DistError is a RuntimeError)
+        # the store's errors alone (DistError is a RuntimeError; torch's SignalException,
+        # a stop while waiting, is neither and goes on to the launcher)
+        except (RuntimeError, OSError) as exc:
             grace = min(1.0, max(0.0, start + timeout - time.monotonic()))
             lost = self._others_finished(current, grace)
             if lost is None:
