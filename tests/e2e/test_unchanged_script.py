@@ -162,7 +162,9 @@ def assert_restart_phases(verdict: dict[str, Any], fault_time: float, what: str)
     assert list(phases) == IN_JOB_PHASES, phases
     assert all(seconds >= 0 for seconds in phases.values()), phases
     assert sum(phases.values()) == pytest.approx(restart["seconds"], abs=1e-3)
-    assert abs(restart["fault_time"] - fault_time) < 1.0, (restart["fault_time"], fault_time)
+    # dated to the rank's last sign of progress: before the test's stop, never after it
+    # (the rank_hung event's silence is measured after the judge's look, not before)
+    assert -1.0 < restart["fault_time"] - fault_time <= 0.0, (restart["fault_time"], fault_time)
     # what the script did to start again: a process group, its snapshot, its batches
     for name in ("process_start", "init_process_group", "checkpoint_load", "first_batch"):
         assert phases[name] > 0, (name, phases)

@@ -37,7 +37,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import events
 from ..config import FaultToleranceConfig
@@ -436,6 +436,8 @@ class Watcher:
                         self._deferred[hang.local_rank] = now + left
                 return
             hang = own
+        else:  # the look took its window: the silence as it stands now, not before it
+            hang = replace(hang, elapsed=time.monotonic() - since)
         if decision.cause == "progress_cap":
             hang = Hang(hang.local_rank, "progress_cap", hang.elapsed, self.cfg.progress_cap)
         record(decision, self.global_rank)
