@@ -46,6 +46,10 @@ _OVERHEAD_S = 22.0
 #: reported within 2 s; each report is one all_gather of small summaries (2-4 ms for 2
 #: gloo ranks here, bench/bench_straggler_verdict.py), about 1 % of a demo step.
 STRAGGLER_INTERVAL = 0.5
+#: The least calculated step timeout (seconds): NVRx's default factor (5 x the longest
+#: step) is raised for a quick demo's short steps, so that a loaded machine's scheduling
+#: delay is not taken for a hang.
+MIN_STEP_TIMEOUT = 1.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,6 +110,7 @@ class _Plan:
         if self.steps < 40:
             raise SystemExit("steadfast demo: --steps must be at least 40")
         self.pace = max(0.02, (duration - _OVERHEAD_S) / self.steps)
+        self.safety_factor = max(5.0, MIN_STEP_TIMEOUT / self.pace)
         s = self.steps
         self.save_every = max(5, s // 10)
         self.calc_at = max(8, s // 12)
@@ -143,7 +148,12 @@ class _Plan:
 
 
 def _launch(
-    nproc: int, script: Path, args: list[str], env: dict[str, str], log_path: Path
+    nproc: int,
+    script: Path,
+    args: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    safety_factor: float = 5.0,
 ) -> subprocess.Popen[str]:
     """``steadfast launch`` of ``script``; its output is appended to ``log_path``."""
     cmd = [
@@ -151,7 +161,7 @@ def _launch(
         f"--nproc-per-node={nproc}", "--max-restarts=3", "--monitor-interval=0.1",
         "--ft-param-rank_section_timeouts=setup:120,step:30,checkpointing:60",
         "--ft-param-rank_out_of_section_timeout=30",
-        "--ft-param-safety_factor=10", "--ft-param-workers_stop_timeout=5",
+        f"--ft-param-safety_factor={safety_factor:g}", "--ft-param-workers_stop_timeout=5",
         str(script), *args,
     ]  # fmt: skip
     log = open(log_path, "a")  # noqa: SIM115 - closed with the process
@@ -349,13 +359,16 @@ def run_demo(ns: argparse.Namespace) -> int:
         os.kill(seen[1], signal.SIGTERM)
         sent = True
 
-    code = progress.follow(_launch(ns.nproc, script, run_args, run_env, run_log), limit, preempt)
+    safety = plan.safety_factor
+    code = progress.follow(
+        _launch(ns.nproc, script, run_args, run_env, run_log, safety), limit, preempt
+    )
     if code != 0:
         say(f"the run failed ({_outcome(code)}); see {run_log}")
         return 1
     if sent:
         say("3/3 stopped by the SIGTERM with a checkpoint; resuming, as a requeued job would")
-        code = progress.follow(_launch(ns.nproc, script, run_args, run_env, run_log), limit)
+        code = progress.follow(_launch(ns.nproc, script, run_args, run_env, run_log, safety), limit)
         if code != 0:
             say(f"the resumed run failed ({_outcome(code)})")
             return 1

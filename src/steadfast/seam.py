@@ -92,6 +92,7 @@ __all__ = [
     "expire_rendezvous_nodes",
     "foreach_inf_norms",
     "PRELOADED",
+    "PRELOADED_BY_ALL",
     "inductor_header_dir",
     "dataloader_iterator_type",
     "interpreter_exit",
@@ -322,11 +323,14 @@ def foreach_inf_norms(tensors: list[Any]) -> list[Any]:
     return list(foreach_norm(tensors, math.inf))
 
 
-#: What the worker template imports for its workers once it serves them, one module at a
-#: time while no worker is asked for (steadfast.launcher.template): torch's optimizers
-#: import dynamo on their first construction (~1.6 s a worker), ``torch.compile`` imports
-#: Inductor's compiler on its first call (~1.4 s a worker, in every restart).
+#: What the worker template imports for its workers (steadfast.launcher.preload): torch's
+#: optimizers import dynamo on their first construction (~2 s a worker on 2 cores),
+#: ``torch.compile`` imports Inductor's compiler on its first call (~2 s a worker, in
+#: every restart).
 PRELOADED = ("torch._dynamo", "torch._inductor.compile_fx")
+#: The ones of :data:`PRELOADED` every worker needs before its first step (any
+#: ``torch.optim`` optimizer); the others only a script that compiles.
+PRELOADED_BY_ALL = ("torch._dynamo",)
 
 
 def preload(name: str) -> bool:

@@ -76,6 +76,18 @@ def test_goodput_arithmetic(tmp_path: Path):
     assert "every injected fault (1) was detected and recovered" in text
 
 
+def test_the_launchers_own_start_is_start_up_not_other(tmp_path: Path):
+    """Before the first worker process exists, the launcher starts and spawns it: that
+    is the run's start-up (it was left to "other"), as a requeue's is its restart."""
+    launcher = json.dumps({"time": -1.5, "kind": "launcher_start", "rank": None, "step": None,
+                           "cause": None, "host": "h", "pid": 50, "restart": 0})  # fmt: skip
+    evs, problems = load_events(_write(tmp_path, [launcher, *LOG]))
+    report = compute_report(evs, problems)
+    assert report.wall_time == pytest.approx(19.0)
+    assert report.badput["startup"] == pytest.approx(1.5 + 2.0 + 1.0)
+    assert report.badput["other"] == pytest.approx(0.5)
+
+
 def test_nan_burst_rollback_and_undetected_fault(tmp_path: Path):
     lines = [
         _line(1.0, "job_start", pid=A, process_start=0.0),

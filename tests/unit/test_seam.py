@@ -437,6 +437,27 @@ def test_preload_imports_what_the_template_preloads() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+def test_what_every_worker_preloads_is_what_an_optimizer_imports() -> None:
+    """PRELOADED_BY_ALL (imported by the template before it serves, on CPU builds) is what
+    the construction of any torch.optim optimizer imports; the rest of PRELOADED (imported
+    once the first workers run) is not: a script that never compiles never needs it."""
+    done = _run_python(
+        """
+        import sys
+        import torch
+        from steadfast import seam
+        assert set(seam.PRELOADED_BY_ALL) < set(seam.PRELOADED)
+        assert not any(name in sys.modules for name in seam.PRELOADED)
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        assert all(name in sys.modules for name in seam.PRELOADED_BY_ALL)
+        rest = set(seam.PRELOADED) - set(seam.PRELOADED_BY_ALL)
+        assert rest and not any(name in sys.modules for name in rest)
+        print("ok")
+        """
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
 def test_the_bad_fork_flag_is_read_on_every_build() -> None:
     """cuda_fork_poisoned reads torch.cuda._is_in_bad_fork, there on CPU builds too: a
     process that never started CUDA forks children that can."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
+from steadfast import seam
 from steadfast.launcher.template import Template, parse_python_argv
 
 SCRIPT = """
@@ -91,6 +93,35 @@ def test_module_mode(template: Template, tmp_path: Path):
     (tmp_path / "pkg" / "job.py").write_text("import sys\nsys.exit(int(sys.argv[1]))\n")
     proc = template.spawn(["-u", "-m", "pkg.job", "7"], dict(os.environ), cwd=str(tmp_path))
     assert proc.wait(60) == 7
+
+
+WHICH_PRELOADS = """
+import sys
+print(*(name in sys.modules for name in ("torch._dynamo", "torch._inductor.compile_fx")))
+"""
+
+
+@pytest.mark.skipif(seam.cuda_built(), reason="a CUDA build probes each preload first")
+def test_workers_are_forked_before_the_compiler_is_preloaded_and_later_ones_have_it(
+    template: Template, tmp_path: Path
+):
+    """Without CUDA the template imports dynamo (every optimizer needs it) before it
+    serves, and Inductor's compiler only once it forked its first workers: a cold start
+    does not wait ~2 s for what only a compiling script uses; later workers have it."""
+    script = tmp_path / "which.py"
+    script.write_text(WHICH_PRELOADS)
+
+    def spawned() -> str:
+        out = tmp_path / "which.txt"
+        proc = template.spawn([str(script)], dict(os.environ), stdout=str(out), stderr=str(out))
+        assert proc.wait(60) == 0, out.read_text()
+        return out.read_text().strip()
+
+    assert spawned() == "True False"
+    deadline = time.monotonic() + 120
+    while (seen := spawned()) != "True True" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert seen == "True True"
 
 
 PRELOADS = """

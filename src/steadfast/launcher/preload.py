@@ -1,6 +1,13 @@
-"""What the worker template imports for its workers (:data:`steadfast.seam.PRELOADED`):
-on a torch without CUDA all of them before it serves (:meth:`Preloader.eager`); on a CUDA
-build one module at a time, only while no worker runs or is asked for.
+"""What the worker template imports for its workers (:data:`steadfast.seam.PRELOADED`).
+
+On a torch without CUDA, what every worker needs (:data:`steadfast.seam.PRELOADED_BY_ALL`:
+dynamo, which any optimizer imports) before the template serves (:meth:`Preloader.eager`,
+beside the launcher's own start); the rest (Inductor's compiler, for scripts that
+compile) once the first workers are forked, while they run. Imported before serving, the
+compiler held every cold start (a first launch, a requeue) ~2 s on 2 cores for a script
+that may never compile; imported once idle (no worker), it lands right after a worker
+ended: in a restart's way. On a CUDA build one module at a time, only while no worker
+runs or is asked for, each probed first:
 
 On a torch built with CUDA an import may ask for the GPUs (``device_count``, which
 initialises CUDA's driver): every process forked after that fails at its first CUDA call
@@ -34,30 +41,38 @@ class Preloader:
     reads one, imports a cleared module) when the template is idle; :meth:`close` ends a
     probe still running."""
 
-    def __init__(self, names: Iterable[str]) -> None:
+    def __init__(self, names: Iterable[str], by_all: Iterable[str] = ()) -> None:
         self._names = list(names)
+        self._by_all = set(by_all)  # needed by every worker: before serving, without CUDA
         self._probe: tuple[int, str] | None = None  # (pid, module) of the running probe
         self._cleared: set[str] = set()  # probed: importing them keeps forks usable
         self._probing = seam.cuda_built()
 
     def eager(self) -> None:
-        """Before the template serves: import every module now where no probe is needed
-        (a torch built without CUDA). A module imported later, when the template is idle,
-        is imported when it is idle *because* a worker just ended: in a restart's way
-        (its workers waited for it: process_start 1.7-2.3 s on a 2-core machine); now
-        beside the launcher's own start, and every generation's workers have it."""
+        """Before the template serves, where no probe is needed (a torch built without
+        CUDA): import what every worker needs now, beside the launcher's own start. A
+        module imported once the template is idle is imported when it is idle *because*
+        a worker just ended: in a restart's way (its workers waited for it: process_start
+        1.7-2.3 s on a 2-core machine)."""
         if self._probing:
             return
-        for name in self._names:
+        for name in [n for n in self._names if n in self._by_all]:
             seam.preload(name)
-        self._names.clear()
+            self._names.remove(name)
+
+    def idle(self, quiet: bool, running: bool, served: bool) -> bool:
+        """Whether the template may import now (``quiet``: no worker asked for lately;
+        ``running``: workers run; ``served``: it forked workers before). On a CUDA build
+        only while no worker runs (each import is probed); without CUDA once the first
+        workers run: before, it would hold up their start."""
+        return quiet and (not running if self._probing else served)
 
     def pending(self) -> bool:
         return bool(self._names) or self._probe is not None
 
     def poll(self, idle: bool) -> None:
-        """Called by the template's loop between requests (``idle``: no worker runs and
-        none was asked for lately). Never blocks but for an import itself."""
+        """Called by the template's loop between requests (``idle``: :meth:`idle`'s
+        answer). Never blocks but for an import itself."""
         if self._probe is not None:
             pid, name = self._probe
             done, status = os.waitpid(pid, os.WNOHANG)

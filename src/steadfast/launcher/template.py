@@ -189,14 +189,10 @@ def serve(fd: int) -> None:
 
     for name in ("torch", "torch.distributed", "torch.nn.parallel"):
         importlib.import_module(name)
-    # what workers import later (dynamo: ~1.6 s each; Inductor's compiler: ~1.4 s): on a
-    # torch without CUDA, now, beside the launcher's own start (+0.6 s to a 2-rank job's
-    # first step on 2 cores; each restart's workers then start ~2 s sooner: an import
-    # done when idle was done right after a worker ended, in the restart's way). On a
-    # CUDA build each is probed in a child first (see .preload), then imported only while
-    # no worker runs and after _PRELOAD_IDLE without a request; never while forking (the
-    # main thread is the only one: no import lock is held at a fork)
-    preloader = Preloader(seam.PRELOADED)
+    # what workers import later (dynamo, Inductor's compiler: ~2 s each on 2 cores), so
+    # that each restart's workers start without it (see .preload for when); never while
+    # forking (the main thread is the only one: no import lock is held at a fork)
+    preloader = Preloader(seam.PRELOADED, seam.PRELOADED_BY_ALL)
     preloader.eager()
 
     # From here on the signals are blocked and read with sigtimedwait (an ignored one is
@@ -221,11 +217,12 @@ def serve(fd: int) -> None:
         return
     try:
         asked = time.monotonic()  # the last request (a group's come one after another)
+        served = False
         while True:
             ready = sel.select(_SIGNAL_POLL)
-            idle = not children and time.monotonic() - asked >= _PRELOAD_IDLE
             if not ready and preloader.pending():
-                preloader.poll(idle)
+                quiet = time.monotonic() - asked >= _PRELOAD_IDLE
+                preloader.poll(preloader.idle(quiet, bool(children), served))
             for key, _ in ready:
                 if key.fileobj == wake_r:
                     os.read(wake_r, 512)
@@ -234,7 +231,7 @@ def serve(fd: int) -> None:
                 request = _recv(sock)
                 if request is None:  # the launcher is gone
                     return
-                asked = time.monotonic()
+                asked, served = time.monotonic(), True
                 pid = os.fork()
                 if pid == 0:
                     signal.set_wakeup_fd(-1)

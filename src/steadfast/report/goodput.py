@@ -6,7 +6,8 @@ ml-goodput-measurement:
 
 ===================== ====================================================================
 ``startup``           process start to the first step of a generation (imports, process
-                      group, model build), less the checkpoint load
+                      group, model build), less the checkpoint load; for the first, from
+                      the launcher's start (its own, the workers' spawn)
 ``checkpoint_load``   ``checkpoint_loaded`` seconds (training preparation after a restart)
 ``checkpoint_save``   ``checkpoint_saved`` blocking seconds (an async save blocks briefly)
 ``wasted_progress``   steps that were run and then run again: the work lost to a restart
@@ -251,9 +252,10 @@ def compute_report(
     badput["checkpoint_load"] = sum(
         float(e.get("seconds") or 0.0) for e in mine if e.kind == ev.Kind.CHECKPOINT_LOADED
     )
-    # start-up: process start to job_start, less the load done in between
-    for start in starts:
-        began = _began(start)
+    # start-up: process start to job_start, less the load done in between; the first
+    # from the run's start (the launcher's: its own start and the workers' spawn)
+    for i, start in enumerate(starts):
+        began = t0 if i == 0 else _began(start)
         loads = sum(
             float(e.get("seconds") or 0.0)
             for e in mine
