@@ -30,9 +30,14 @@
 #                                                     rate (`1mbit`, tc tbf, for kernels
 #                                                     without netem)
 #   scripts/nodes-localhost.sh fast DIR NODE         remove the slow link
-#   scripts/nodes-localhost.sh etcd DIR              start one etcd member per node (v2
+#   scripts/nodes-localhost.sh etcd DIR [--tls]      start one etcd member per node (v2
 #                                                     API on, client port 2379), wait for
-#                                                     the cluster to be healthy
+#                                                     the cluster to be healthy. --tls: as
+#                                                     sites run it: https with client
+#                                                     certificates required and etcd's
+#                                                     auth on (user root); the CA, a
+#                                                     client certificate (no CN) and the
+#                                                     password file in DIR/etcd-tls
 #   scripts/nodes-localhost.sh ip DIR NODE           print NODE's address
 #   scripts/nodes-localhost.sh down DIR              remove everything `up` made
 #
@@ -64,9 +69,9 @@ check() {
     fi
 }
 
-install() {
-    bash "$PACKAGES" ensure iproute2 util-linux etcd-server etcd-client ||
-        die "cannot install iproute2 util-linux etcd-server etcd-client"
+install() {  # openssl: the secured etcd's certificates, made at test time
+    bash "$PACKAGES" ensure iproute2 util-linux etcd-server etcd-client openssl ||
+        die "cannot install iproute2 util-linux etcd-server etcd-client openssl"
 }
 
 # ------------------------------------------------------------------------ bed state
@@ -246,21 +251,54 @@ fast() {
     ip netns exec "${PREFIX}-$node" tc qdisc del dev eth0 root 2>/dev/null || true
 }
 
+etcd_certs() {  # etcd_certs TLS: a CA, the members' certificate, a client's, a password
+    local tls=$1 sans="IP:127.0.0.1" i
+    for i in $(seq 1 "$N"); do sans+=",IP:$SUBNET.$i"; done
+    mkdir -p "$tls"
+    (
+        cd "$tls"
+        openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 \
+            -subj "/CN=$PREFIX-etcd-ca"
+        openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr \
+            -subj "/CN=$PREFIX-etcd"
+        printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth,clientAuth\n' "$sans" >server.ext
+        openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+            -out server.pem -days 2 -extfile server.ext
+        # no CN: etcd's JSON gateway refuses a client certificate with one while auth is on
+        openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr \
+            -subj "/O=$PREFIX-job"
+        printf 'extendedKeyUsage=clientAuth\n' >client.ext
+        openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+            -out client.pem -days 2 -extfile client.ext
+        openssl rand -hex 16 >password
+        chmod 600 ./*.key password
+    ) >"$tls/openssl.log" 2>&1 || die "etcd certificates: $(tail -n 3 "$tls/openssl.log")"
+}
+
 etcd_up() {
-    local dir=${1:?usage: etcd DIR}
+    local dir=${1:?usage: etcd DIR [--tls]} secure=${2:-}
     load "$dir"
     command -v etcd >/dev/null 2>&1 || die "etcd is not installed (Debian: etcd-server)"
-    local cluster="" i
+    local cluster="" i scheme=http tls="$dir/etcd-tls" extra=()
     for i in $(seq 1 "$N"); do
         cluster+="${cluster:+,}node$i=http://$SUBNET.$i:2380"
     done
+    if [ "$secure" = --tls ]; then
+        command -v openssl >/dev/null 2>&1 || die "openssl is not installed"
+        etcd_certs "$tls"
+        scheme=https
+        extra=(--cert-file "$tls/server.pem" --key-file "$tls/server.key"
+               --trusted-ca-file "$tls/ca.pem" --client-cert-auth)
+    elif [ -n "$secure" ]; then
+        die "etcd: unknown option $secure (--tls)"
+    fi
     for i in $(seq 1 "$N"); do
         local node="node$i" ip="$SUBNET.$i"
         local data="$dir/nodes/$node/local/etcd"
         [ -z "$(init_pid "$dir" "$node")" ] && continue  # an off node has no member
         ( run "$dir" "$node" etcd --name "$node" --data-dir "$data" --enable-v2 \
-            --listen-client-urls "http://$ip:2379,http://127.0.0.1:2379" \
-            --advertise-client-urls "http://$ip:2379" \
+            --listen-client-urls "$scheme://$ip:2379,$scheme://127.0.0.1:2379" \
+            --advertise-client-urls "$scheme://$ip:2379" "${extra[@]}" \
             --listen-peer-urls "http://$ip:2380" --initial-advertise-peer-urls "http://$ip:2380" \
             --initial-cluster "$cluster" --initial-cluster-state new \
             --initial-cluster-token "$PREFIX" \
@@ -271,15 +309,37 @@ etcd_up() {
     for i in $(seq 1 "$N"); do
         [ -z "$(init_pid "$dir" "node$i")" ] && continue
         until ( run "$dir" "node$i" python3 -c '
-import sys, urllib.request
-with urllib.request.urlopen("http://127.0.0.1:2379/health", timeout=2) as r:
+import ssl, sys, urllib.request
+scheme, tls = sys.argv[1:]
+ctx = None
+if scheme == "https":
+    ctx = ssl.create_default_context(cafile=tls + "/ca.pem")
+    ctx.load_cert_chain(tls + "/client.pem", tls + "/client.key")
+url = scheme + "://127.0.0.1:2379/health"
+with urllib.request.urlopen(url, timeout=2, context=ctx) as r:
     sys.exit(0 if b"\"true\"" in r.read() else 1)
-' ) >/dev/null 2>&1; do
+' "$scheme" "$tls" ) >/dev/null 2>&1; do
             [ $SECONDS -lt $end ] || die "etcd on node$i not healthy in 60 s: $(tail -n 5 "$dir/nodes/node$i/etcd.log")"
             sleep 0.2
         done
     done
-    echo "nodes-localhost: etcd cluster up ($cluster)"
+    if [ "$scheme" = https ]; then  # etcd's auth on, with a root user (one member says)
+        local first="" ctl
+        for i in $(seq 1 "$N"); do
+            [ -n "$(init_pid "$dir" "node$i")" ] && { first="node$i"; break; }
+        done
+        ctl=(etcdctl --endpoints https://127.0.0.1:2379 --cacert "$tls/ca.pem"
+             --cert "$tls/client.pem" --key "$tls/client.key")
+        # the password on stdin, not on a command line
+        # (a subshell each: run execs)
+        if ! { ( run "$dir" "$first" "${ctl[@]}" user add root --interactive=false \
+                     <"$tls/password" >/dev/null ) &&
+               ( run "$dir" "$first" "${ctl[@]}" user grant-role root root >/dev/null ) &&
+               ( run "$dir" "$first" "${ctl[@]}" auth enable >/dev/null ); }; then
+            die "etcd: could not turn auth on"
+        fi
+    fi
+    echo "nodes-localhost: etcd cluster up ($cluster, $scheme)"
 }
 
 down() {

@@ -13,7 +13,8 @@ small JSON envelope per request. Every operation the rendezvous needs is one req
 ``check`` and ``multi_get`` one transaction of many reads, a blocking ``get``/``wait`` a
 watch from the revision the key was found missing at. A request that fails on one
 member (down, or electing a leader) goes to the next, for up to ``retry_window``
-seconds, so the loss of any member (a minority) costs a retry, not the job.
+seconds, so the loss of any member (a minority) costs a retry, not the job. A secured
+etcd (TLS, client certificates, users) is reached as :mod:`.etcd_access` says.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ import contextlib
 import datetime
 import http.client
 import json
+import ssl
 import threading
 import time
 from typing import Any
 
 import torch.distributed as dist
+
+from .etcd_access import EtcdAccess
 
 __all__ = ["EtcdStoreError", "EtcdV3Store"]
 
@@ -57,7 +61,9 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
     """A c10d ``Store`` whose keys live under ``prefix`` in an etcd cluster reached at
     ``endpoints`` (``host:port`` each); usable through torch's ``PrefixStore``.
     ``timeout``: how long a blocking ``get``/``wait`` waits for a key (the c10d store's
-    timeout); ``retry_window``: how long a request keeps trying other members."""
+    timeout); ``retry_window``: how long a request keeps trying other members;
+    ``access``: TLS and a user (:mod:`.etcd_access`), also implied by ``https://``
+    endpoints."""
 
     def __init__(
         self,
@@ -65,10 +71,15 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
         prefix: str = "/steadfast",
         timeout: datetime.timedelta = datetime.timedelta(seconds=300),
         retry_window: float = 15.0,
+        access: EtcdAccess | None = None,
     ) -> None:
         super().__init__()
         if not endpoints:
             raise ValueError("rdzv-endpoint: no etcd endpoint given (host1:2379,host2:2379)")
+        https = any(e.strip().startswith("https://") for e in endpoints)
+        self.access = access or EtcdAccess()
+        self.access.https = self.access.https or https
+        self.access.context()  # a bad certificate file: said now, not at the first request
         self.endpoints = [self._split(e) for e in endpoints]
         self.prefix = prefix.rstrip("/") + "/" if prefix else ""
         self.store_timeout = timeout
@@ -77,10 +88,12 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
         self._opened: list[http.client.HTTPConnection] = []  # every thread's, for close()
         self._lock = threading.Lock()
         self._preferred = 0
+        self._tokens: dict[int, str] = {}  # a user's token per member (etcd_access)
 
     @staticmethod
     def _split(endpoint: str) -> tuple[str, int]:
-        host, _, port = endpoint.strip().removeprefix("http://").rpartition(":")
+        bare = endpoint.strip().removeprefix("http://").removeprefix("https://")
+        host, _, port = bare.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"rdzv-endpoint: {endpoint!r} is not host:port")
         return host.strip("[]"), int(port)
@@ -92,23 +105,29 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
         payload = json.dumps(body).encode()
         last: Exception | None = None
         attempt = 0
+        renewed = False
         while True:
             index = (self._preferred + attempt) % len(self.endpoints)
             host, port = self.endpoints[index]
             try:
                 conn = self._connection(index, timeout)
-                conn.request("POST", path, payload, {"Content-Type": "application/json"})
-                response = conn.getresponse()
-                data = response.read()
-                if response.status == 200:
+                status, data = self._request(conn, path, payload, self._headers(index, conn))
+                if status == 200:
                     self._preferred = index
                     answer: dict[str, Any] = json.loads(data or b"{}")
                     return answer
-                last = EtcdStoreError(
-                    f"etcd {host}:{port} {path}: {response.status} {data[:200]!r}"
-                )
-                if response.status < 500:
+                if self.access.user and not renewed and self.access.renews(status, data):
+                    renewed = True  # expired, or issued before the auth store changed
+                    self._tokens.pop(index, None)
+                    continue
+                where = f"{host}:{port} {path}"
+                refused = self.access.refusal(where, status, data)
+                last = EtcdStoreError(refused or f"etcd {where}: {status} {data[:200]!r}")
+                if status < 500:
                     raise last  # a request etcd refuses: another member refuses it too
+            except ssl.SSLError as exc:  # certificates: no other member or retry helps
+                self._drop(index)
+                raise EtcdStoreError(self.access.tls_error(f"{host}:{port}", exc)) from exc
             except (OSError, http.client.HTTPException) as exc:
                 last = exc
                 self._drop(index)
@@ -119,13 +138,45 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
             if attempt % len(self.endpoints) == 0:
                 time.sleep(0.2)  # every member failed once: an election takes a moment
 
+    @staticmethod
+    def _request(
+        conn: http.client.HTTPConnection, path: str, payload: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes]:
+        conn.request("POST", path, payload, headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+
+    def _headers(self, index: int, conn: http.client.HTTPConnection) -> dict[str, str]:
+        """The request's headers: with the user's token for this member, which is asked
+        for first when there is none (``/v3/auth/authenticate``)."""
+        headers = {"Content-Type": "application/json"}
+        if not self.access.user:
+            return headers
+        token = self._tokens.get(index)
+        if token is None:
+            host, port = self.endpoints[index]
+            login = {"name": self.access.user, "password": self.access.password or ""}
+            status, data = self._request(
+                conn, "/v3/auth/authenticate", json.dumps(login).encode(), dict(headers)
+            )
+            if status != 200:
+                where = f"{host}:{port} /v3/auth/authenticate"
+                refused = self.access.refusal(where, status, data)
+                error = EtcdStoreError(refused or f"etcd {where}: {status} {data[:200]!r}")
+                if status < 500:
+                    raise error
+                raise http.client.HTTPException(str(error))  # a member's trouble: the next
+            token = self._tokens[index] = str(json.loads(data)["token"])
+        headers["Authorization"] = token
+        return headers
+
     def _connection(self, index: int, timeout: float) -> http.client.HTTPConnection:
         conns: dict[int, http.client.HTTPConnection] = getattr(self._local, "conns", {})
         self._local.conns = conns
         conn = conns.get(index)
         if conn is None:
             host, port = self.endpoints[index]
-            conn = conns[index] = http.client.HTTPConnection(host, port, timeout=timeout)
+            conn = conns[index] = self.access.connect(host, port, timeout)
             with self._lock:
                 self._opened.append(conn)
         conn.timeout = timeout
@@ -273,12 +324,21 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
             left = deadline - time.monotonic()
             if left <= 0:
                 raise dist.DistStoreError(f"wait timeout after {seconds * 1000:.0f}ms, keys: {key}")
-            host, port = self.endpoints[self._preferred]
-            conn = http.client.HTTPConnection(host, port, timeout=min(left, 30.0))
+            index = self._preferred
+            host, port = self.endpoints[index]
+            conn = self.access.connect(host, port, min(left, 30.0))
             try:
                 conn.request("POST", "/v3/watch", json.dumps(create).encode(),
-                             {"Content-Type": "application/json"})  # fmt: skip
+                             self._headers(index, conn))  # fmt: skip
                 response = conn.getresponse()
+                if response.status != 200:
+                    data = response.read()
+                    if not self.access.renews(response.status, data):
+                        where = f"{host}:{port} /v3/watch"
+                        refused = self.access.refusal(where, response.status, data)
+                        raise EtcdStoreError(refused or f"etcd {where}: {response.status}")
+                    self._tokens.pop(index, None)  # expired: the next watch logs in again
+                    continue
                 while time.monotonic() < deadline:
                     line = response.readline()
                     if not line:
