@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from sfharness import assert_bit_exact
+from steadfast.secret import SECRET_FILE_ENV, make_secret_file
 
 pytestmark = pytest.mark.slow
 
@@ -114,19 +115,27 @@ def test_a_killed_node_is_replaced_by_a_spare_and_the_run_ends_bit_exact(
     assert_bit_exact(bed.shared / "out.pt", reference(STEPS, 8, *fsdp))
 
 
-@pytest.mark.parametrize("backend", ["steadfast", "etcd-v2"])
+@pytest.mark.parametrize("backend", ["steadfast", "steadfast-tls", "etcd-v2"])
 def test_the_rendezvous_host_lost_under_etcd_a_spare_takes_its_place(
-    etcd_installed, bed_factory, reference, backend
+    etcd_installed, bed_factory, reference, backend, monkeypatch
 ):
     """The rendezvous lives in an etcd cluster (a member per node): steadfast's through
     etcd's v3 API (``--rdzv-conf store_type=etcd``), torch's etcd-v2 through v2. Losing
     node1, its etcd member with it, whose address every launcher was given under c10d,
-    costs nothing but the node."""
+    costs nothing but the node. ``steadfast-tls``: the cluster as sites run it, https
+    with client certificates required and etcd's auth on (the password from a file),
+    and a job with a secret: every record of the rounds, the loss and the spare sealed."""
     bed = bed_factory(3)
-    bed.do("etcd")
-    flags, script = job("2", backend=backend, endpoint="127.0.0.1:2379"), train(bed)
+    bed.do("etcd", *(["--tls"] if backend == "steadfast-tls" else []))
+    rdzv = backend.removesuffix("-tls")
+    flags, script = job("2", backend=rdzv, endpoint="127.0.0.1:2379"), train(bed)
     if backend == "steadfast":
         flags += ["--rdzv-conf", "store_type=etcd"]
+    if backend == "steadfast-tls":
+        monkeypatch.setenv(SECRET_FILE_ENV, str(make_secret_file(bed.shared / "secret")))
+        tls = bed.root / "etcd-tls"
+        flags += ["--rdzv-conf", f"store_type=etcd,cacert={tls}/ca.pem,cert={tls}/client.pem,"
+                  f"key={tls}/client.key,user=root,password_file={tls}/password"]  # fmt: skip
     node1, node2, spare = start(bed, flags, script, spare=True)
     bed.wait_event("checkpoint_saved", step=10)
     killed = time.time()
@@ -143,6 +152,7 @@ def test_the_rendezvous_host_lost_under_etcd_a_spare_takes_its_place(
         "node3",
     }
     assert_bit_exact(bed.shared / "out.pt", reference(STEPS))
+    assert not bed.events("record_refused")
 
 
 def test_without_a_spare_the_survivor_exits_75_and_the_retried_job_ends_bit_exact(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -353,6 +354,40 @@ def test_rendered_script_is_valid_bash_with_every_option(tmp_path):
     assert "train.py --ckpt-dir 'runs/my ckpt' --lr=1e-3 &" in text
     assert "SF_RDZV_PORT=29555\n" in text
     assert "SF_PYTHON=/opt/venv/bin/python" in text and "\nmodule load cuda\n" in text
+
+
+def test_the_batch_script_makes_one_secret_per_job_and_keeps_it_across_requeues(tmp_path):
+    """The job's secret (steadfast.secret): the batch script makes a 0600 file in the run
+    folder the first time, exports its path to the launchers, and a requeued job (the
+    same id) keeps it; a secret the user gives is left as it is."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    from steadfast.slurm import SbatchSpec, render_sbatch
+
+    text = render_sbatch(SbatchSpec(script="train.py", nodes=2), "steadfast slurm ...")
+    lines = text.splitlines()
+    first = lines.index(next(ln for ln in lines if ln.startswith("# the job's secret")))
+    block = "\n".join(lines[first : lines.index("fi", first) + 1])
+    script = f'{block}\necho "$STEADFAST_JOB_SECRET_FILE"\n'
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEADFAST_JOB_SECRET")}
+    env.update(SF_RUN_DIR=str(tmp_path), SF_PYTHON=sys.executable, SLURM_JOB_ID="4242")
+
+    def run(**extra: str) -> str:
+        done = subprocess.run(["bash", "-c", script], env={**env, **extra},
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    path = run()
+    assert path == str(tmp_path / ".secret-4242")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    secret = Path(path).read_text()
+    assert len(secret.strip()) == 64
+    assert run() == path and Path(path).read_text() == secret  # a requeue: the same one
+    assert run(STEADFAST_JOB_SECRET_FILE="/given") == "/given"
 
 
 def test_spare_nodes_are_allocated_and_run_a_launcher_that_waits():

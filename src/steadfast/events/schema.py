@@ -60,6 +60,7 @@ class Kind(str, Enum):
     NODE_JOINED = "node_joined"
     NODE_UNHEALTHY = "node_unhealthy"
     NODE_ISOLATED = "node_isolated"
+    RECORD_REFUSED = "record_refused"
     LAUNCHER_START = "launcher_start"
     WORKERS_STARTED = "workers_started"
     FIRST_STEP = "first_step"
@@ -270,6 +271,11 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
      "partition: a partition on its side), or found the job went on without it (cause "
      "replaced: a healed partition): its workers are stopped and write nothing", {
         "how": "in words", "nodes": "nodes in the round it was cut off from",
+    }),
+    (Kind.RECORD_REFUSED, "a record in the job's store that is not bound to the job's "
+     "secret (forged, damaged, or another job's): ignored, never acted on; said once per "
+     "key (cause: unsigned or bad_signature)", {
+        "key": "the store key", "peer": "the writer the record names, where it names one",
     }),
     # the launcher's own record of its node (host: the node), for any script
     (Kind.LAUNCHER_START, "a node's launcher started (steadfast launch)", {

@@ -514,13 +514,17 @@ def create_handler(params: RendezvousParameters) -> SteadfastRendezvousHandler:
     """torch's rendezvous registry's creator for ``--rdzv-backend steadfast``: the store
     as torch's c10d backend makes it (``--rdzv-endpoint``; ``is_host``, ``read_timeout``
     and ``store_type`` in ``--rdzv-conf``), or, with ``store_type=etcd``, an etcd
-    cluster's v3 API at the comma-separated ``--rdzv-endpoint`` (:mod:`.etcd`); the
+    cluster's v3 API at the comma-separated ``--rdzv-endpoint`` (:mod:`.etcd`; TLS and a
+    user: ``cacert``, ``cert``, ``key``, ``user``, ``password_file``, :mod:`.etcd_access`); the
     settings from ``--nnodes`` and ``--rdzv-conf`` (``join_timeout``,
     ``last_call_timeout``, ``keep_alive_interval``, ``keep_alive_max_attempt``). A
     requeued Slurm job (``SLURM_RESTART_COUNT``) uses keys of its own, so that a store
     that outlived the job's first run (etcd) does not hand it the closed rendezvous of
-    the run before."""
+    the run before. The store is bound to the job's secret, where it has one
+    (:mod:`.signed`)."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    from .signed import bind
 
     run_id = params.run_id
     restart = os.environ.get("SLURM_RESTART_COUNT", "").strip()
@@ -541,13 +545,15 @@ def create_handler(params: RendezvousParameters) -> SteadfastRendezvousHandler:
     store_type = str(params.get("store_type", "tcp") or "tcp").strip().lower()
     if store_type == "etcd":  # no single point of failure: an etcd cluster's v3 API
         from .etcd import EtcdV3Store
+        from .etcd_access import EtcdAccess
 
         read_timeout = _seconds(params, "read_timeout", 300.0)
         store: Any = EtcdV3Store(
             [e for e in params.endpoint.split(",") if e.strip()],
             prefix="",
             timeout=timedelta(seconds=read_timeout),
+            access=EtcdAccess.from_conf(lambda name: params.get(name, None)),
         )
     else:
         _, store = create_backend(params)
-    return SteadfastRendezvousHandler(store, settings)
+    return SteadfastRendezvousHandler(bind(store, run_id, settings.max_nodes), settings)

@@ -343,6 +343,14 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
         + (str(spec.rdzv_port) if spec.rdzv_port else "$((29400 + SLURM_JOB_ID % 1000))"),
         'mkdir -p "$SF_RUN_DIR" || exit 1',
         'export STEADFAST_EVENTS="${STEADFAST_EVENTS:-$SF_RUN_DIR/events.jsonl}"',
+        "# the job's secret (steadfast.secret): only the job's own nodes steer its",
+        "# rendezvous; one per job id, kept across its requeues, 0600 in the run folder",
+        'if [ -z "${STEADFAST_JOB_SECRET:-}${STEADFAST_JOB_SECRET_FILE:-}" ]; then',
+        '    export STEADFAST_JOB_SECRET_FILE="$SF_RUN_DIR/.secret-$SLURM_JOB_ID"',
+        '    [ -s "$STEADFAST_JOB_SECRET_FILE" ] || "$SF_PYTHON" -c "import sys, pathlib;'
+        " from steadfast.secret import make_secret_file;"
+        ' make_secret_file(pathlib.Path(sys.argv[1]))" "$STEADFAST_JOB_SECRET_FILE" || exit 1',
+        "fi",
         *spec.setup,
         'SF_HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         '[ -n "$SF_HEAD" ] || { echo "steadfast: no first node in $SLURM_JOB_NODELIST" >&2;'
