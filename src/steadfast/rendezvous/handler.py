@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -61,7 +62,8 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from .keys import BACKEND, Keys, Verdict, encode_members
+from .keys import BACKEND, Keys, MalformedRecord, Verdict, encode_members, parse_holder
+from .signed import RecordRefused, report_refused
 
 __all__ = ["BACKEND", "Settings", "SteadfastRendezvousHandler", "create_handler"]
 
@@ -127,6 +129,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
         self._pending: tuple[int, int, int, int | None] | None = None
         self._expired: set[str] = set()
         self._waiting = (0.0, 0)  # (when read, value) of num_nodes_waiting
+        self._refused: set[str] = set()  # keys of malformed records said already
 
     # ------------------------------------------------------------------ the handler API
     def get_backend(self) -> str:
@@ -238,6 +241,16 @@ class SteadfastRendezvousHandler(RendezvousHandler):
     def _closed(self) -> str:
         return f"the rendezvous {self.settings.run_id!r} is closed"
 
+    def _verdict(self, r: int, raw: bytes) -> Verdict:
+        """Round ``r``'s verdict; one no node of the job wrote is refused: no node acts on it."""
+        try:
+            return Verdict.from_json(raw)
+        except MalformedRecord as exc:
+            key = self.keys.verdict(r)
+            report_refused(key, raw, "malformed", self._refused)
+            msg = f"round {r}'s verdict ({key}) is not one this job's nodes wrote ({exc})"
+            raise RendezvousError(msg + ": give the job a secret (control-plane.md)") from None
+
     def _current_round(self) -> int:
         return int(self.store.compare_set(self.keys.round, "", "0"))
 
@@ -292,7 +305,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             self._pending = None
             if raw == CLOSED.encode():
                 raise RendezvousClosedError(self._closed())
-            verdict = Verdict.from_json(raw)
+            verdict = self._verdict(r, raw)
             rank = verdict.rank(ticket, seat)
             if rank is None:  # a spare of round r, or too late for it
                 r, previous = self._wait_for_next(r, deadline)
@@ -313,7 +326,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
         raw = s.get(k.verdict(r))
         if raw == CLOSED.encode():
             raise RendezvousClosedError(self._closed())
-        world = Verdict.from_json(raw).world
+        world = self._verdict(r, raw).world
         spare = world >= self.settings.max_nodes
         s.add(k.delta(r), 1)
         if not spare:
@@ -345,7 +358,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
         if r == 0 or not s.check([k.verdict(r - 1)]):
             return None
         raw = s.get(k.verdict(r - 1))
-        return None if raw == CLOSED.encode() else Verdict.from_json(raw).world
+        return None if raw == CLOSED.encode() else self._verdict(r - 1, raw).world
 
     def _completes(self, r: int, ticket: int, previous: int | None) -> bool:
         """Whether ``ticket`` completes round ``r``: ``max_nodes`` tickets in the first
@@ -407,7 +420,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             count = int(s.add(k.lost_count(r - 1), 0))
             keys = [k.lost_seq(r - 1, i) for i in range(1, count + 1)]
             if keys and s.check(keys):
-                lost = {bytes(v).decode() for v in s.multi_get(keys)}
+                lost = {bytes(v).decode(errors="replace") for v in s.multi_get(keys)}
         now, alive = time.time(), []
         for info in infos:
             node, at = str(info[0]), float(info[2])
@@ -416,9 +429,26 @@ class SteadfastRendezvousHandler(RendezvousHandler):
                 continue
             if now - at > cfg.stale_after:  # joined a while ago: its heartbeat says
                 key = k.heartbeat(node)
-                at = float(s.get(key)) if s.check([key]) else 0.0
+                at = self._beat(key) if s.check([key]) else 0.0
             alive.append(at > 0 and now - at <= cfg.stale_after)
         return alive
+
+    def _sealed(self, key: str) -> bytes | None:
+        with contextlib.suppress(RecordRefused):
+            return bytes(self.store.get(key))
+        return None
+
+    def _beat(self, key: str) -> float:
+        """A heartbeat key's time (0: none a node wrote, reported once)."""
+        raw = self.store.get(key)
+        try:
+            at = float(raw)
+        except (ValueError, UnicodeDecodeError):
+            at = math.nan
+        if not math.isfinite(at):
+            report_refused(key, raw, "malformed", self._refused)
+            return 0.0
+        return at
 
     def _decide(self, r: int) -> None:
         """Write round ``r``'s verdict if ``min_nodes`` live ticket holders are there:
@@ -430,14 +460,25 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             return
         count = int(s.add(k.ticket(r), 0))
         holders = [k.holder(r, t) for t in range(1, count + 1)]
-        # one wait, answered at once when every holder wrote its key: a node between its
-        # ticket and its key costs no more calls (a poll's number grew with a loaded
-        # machine's delays); one that died there: one check per holder, this once
+        # one wait, answered at once when every holder wrote its key (a poll's count grew
+        # with a loaded machine's delays); one that died there: a check per holder, once
         if holders and not self._wait_all(holders, 1.0):
             holders = [h for h in holders if s.check([h])]
         if not holders:
             return
-        infos = [json.loads(raw) for raw in s.multi_get(holders)]
+        try:
+            raws: list[bytes | None] = list(s.multi_get(holders))
+        except RecordRefused:  # one is not the job's (said once): one by one, this once
+            raws = [self._sealed(h) for h in holders]
+        infos, kept = [], []
+        for holder, raw in zip(holders, raws, strict=True):
+            try:  # a record not a node's is left out of the round, said once
+                if raw is not None:
+                    infos.append(parse_holder(raw))
+                    kept.append(holder)
+            except MalformedRecord:
+                report_refused(holder, raw or b"", "malformed", self._refused)
+        holders = kept
         seats: dict[int, list[Any]] = {}
         newcomers: dict[int, list[Any]] = {}
         seen: set[str] = set()

@@ -29,10 +29,64 @@ job's prefix ``/steadfast/<run_id>/``:
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["BACKEND", "Keys", "Verdict", "decode_members", "encode_members", "rank_of"]
+__all__ = [
+    "BACKEND",
+    "Keys",
+    "MalformedRecord",
+    "Verdict",
+    "decode_members",
+    "encode_members",
+    "parse_holder",
+    "rank_of",
+]
+
+#: The longest node key, host name or encoded member list a record may hold (a store
+#: that lets anyone write cannot bound what it hands back: the reader does).
+MAX_TEXT = 4096
+_RUNS = re.compile(r"^(\d+(-\d+)?)?(,\d+(-\d+)?)*$")
+
+
+class MalformedRecord(ValueError):
+    """A rendezvous record that no node of the job wrote (damaged, or a peer's)."""
+
+
+def _text(value: object) -> bool:
+    return isinstance(value, str) and len(value) <= MAX_TEXT
+
+
+def _count(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def parse_holder(raw: bytes | str) -> list[Any]:
+    """A ticket holder's record ``[node, seat, time, host, port, order]`` as a node
+    writes it; raises :class:`MalformedRecord` for anything else."""
+    try:
+        info = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise MalformedRecord(f"not JSON ({exc.__class__.__name__})") from None
+    if not (
+        isinstance(info, list)
+        and len(info) in (5, 6)
+        and _text(info[0])
+        and info[0]
+        and _count(info[1], -1, 1 << 24)
+        and isinstance(info[2], (int, float))
+        and not isinstance(info[2], bool)
+        and math.isfinite(info[2])
+        and _text(info[3])
+        and _count(info[4], 0, 65535)
+        and (len(info) == 5 or _count(info[5], 0, 1))
+    ):
+        raise MalformedRecord("not a ticket holder's record")
+    return info
+
 
 #: the name torchrun's ``--rdzv-backend`` knows it by
 BACKEND = "steadfast"
@@ -135,9 +189,27 @@ class Verdict:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Verdict:
-        data = json.loads(raw)
-        return cls(int(data["w"]), int(data["p"]), str(data["v"]), str(data["n"]),
-                   str(data.get("a", "")), int(data.get("o", 0)))  # fmt: skip
+        """The verdict a node wrote; raises :class:`MalformedRecord` for anything else."""
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise MalformedRecord(f"verdict: not JSON ({exc.__class__.__name__})") from None
+        if not (
+            isinstance(data, dict)
+            and _count(data.get("w"), 1, 1 << 24)
+            and _count(data.get("p"), 0, 1 << 24)
+            and all(_text(data.get(f)) and _RUNS.match(data[f]) for f in ("v", "n"))
+            and _text(data.get("a", ""))
+            and _count(data.get("o", 0), 0, 65535)
+        ):
+            raise MalformedRecord("not a verdict a node writes")
+        runs = [r for f in ("v", "n") for r in decode_members(data[f])]
+        if any(first > last for first, last in runs) or sum(
+            last - first + 1 for first, last in runs
+        ) > (1 << 16):
+            raise MalformedRecord("a verdict's members out of bounds")
+        return cls(data["w"], data["p"], data["v"], data["n"], data.get("a", ""),
+                   data.get("o", 0))  # fmt: skip
 
     def rank(self, ticket: int, seat: int) -> int | None:
         """The rank of the node that holds ``ticket`` (``seat``: its rank in the round

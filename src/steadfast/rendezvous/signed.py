@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .. import events
 
-__all__ = ["RecordRefused", "SignedStore", "bind", "job_prefix"]
+__all__ = ["RecordRefused", "SignedStore", "bind", "job_prefix", "report_refused"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,17 +102,7 @@ class SignedStore(dist.Store):  # type: ignore[misc,name-defined]
 
     def _refuse(self, key: str, data: bytes, cause: str) -> None:
         with self._lock:
-            first = key not in self._refused
-            self._refused.add(key)
-        if first:
-            peer = _claimed_writer(data)
-            logger.error(
-                "store record %s refused (%s): not bound to this job's secret; ignored%s",
-                key,
-                cause,
-                f" (it names {peer})" if peer else "",
-            )
-            events.emit("record_refused", cause=cause, key=key, peer=peer)
+            report_refused(key, data, cause, self._refused)
         raise RecordRefused(f"store record {key!r} is not bound to this job's secret ({cause})")
 
     # ------------------------------------------------------------------ the store API
@@ -170,6 +160,22 @@ class SignedStore(dist.Store):  # type: ignore[misc,name-defined]
             close()
 
 
+def report_refused(key: str, data: bytes | str, cause: str, seen: set[str]) -> None:
+    """Log a refused record and write its ``record_refused`` event, once per key
+    (``seen``: the keys said already)."""
+    if key in seen:
+        return
+    seen.add(key)
+    peer = _claimed_writer(_bytes(data))
+    logger.error(
+        "store record %s refused (%s): not one this job's nodes wrote; ignored%s",
+        key,
+        cause,
+        f" (it names {peer})" if peer else "",
+    )
+    events.emit("record_refused", cause=cause, key=key, peer=peer)
+
+
 _warned_open = False
 
 
@@ -198,8 +204,10 @@ def _claimed_writer(data: bytes) -> str | None:
     """The writer a refused record names (a node's key, host or address), if any."""
     try:
         record = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
+    if isinstance(record, list) and record and isinstance(record[0], str):
+        return record[0][:200] or None  # a ticket holder's: [node, seat, ...]
     if not isinstance(record, dict):
         return None
     for field in ("node", "host", "name", "key", "addr", "a"):
