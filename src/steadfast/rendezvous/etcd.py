@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import datetime
 import http.client
 import json
@@ -77,8 +78,8 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
         if not endpoints:
             raise ValueError("rdzv-endpoint: no etcd endpoint given (host1:2379,host2:2379)")
         https = any(e.strip().startswith("https://") for e in endpoints)
-        self.access = access or EtcdAccess()
-        self.access.https = self.access.https or https
+        given = access or EtcdAccess()  # the caller's is left as it is
+        self.access = dataclasses.replace(given, https=given.https or https)
         self.access.context()  # a bad certificate file: said now, not at the first request
         self.endpoints = [self._split(e) for e in endpoints]
         self.prefix = prefix.rstrip("/") + "/" if prefix else ""
@@ -120,9 +121,7 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
                     renewed = True  # expired, or issued before the auth store changed
                     self._tokens.pop(index, None)
                     continue
-                where = f"{host}:{port} {path}"
-                refused = self.access.refusal(where, status, data)
-                last = EtcdStoreError(refused or f"etcd {where}: {status} {data[:200]!r}")
+                last = EtcdStoreError(self.access.error(f"{host}:{port} {path}", status, data))
                 if status < 500:
                     raise last  # a request etcd refuses: another member refuses it too
             except ssl.SSLError as exc:  # certificates: no other member or retry helps
@@ -161,8 +160,7 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
             )
             if status != 200:
                 where = f"{host}:{port} /v3/auth/authenticate"
-                refused = self.access.refusal(where, status, data)
-                error = EtcdStoreError(refused or f"etcd {where}: {status} {data[:200]!r}")
+                error = EtcdStoreError(self.access.error(where, status, data))
                 if status < 500:
                     raise error
                 raise http.client.HTTPException(str(error))  # a member's trouble: the next
@@ -335,8 +333,7 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
                     data = response.read()
                     if not self.access.renews(response.status, data):
                         where = f"{host}:{port} /v3/watch"
-                        refused = self.access.refusal(where, response.status, data)
-                        raise EtcdStoreError(refused or f"etcd {where}: {response.status}")
+                        raise EtcdStoreError(self.access.error(where, response.status, data))
                     self._tokens.pop(index, None)  # expired: the next watch logs in again
                     continue
                 while time.monotonic() < deadline:

@@ -135,6 +135,11 @@ class EtcdAccess:
         gRPC code 16), or one issued before the auth store changed."""
         return status == 401 or b"revision of auth store is old" in body
 
+    def error(self, where: str, status: int, body: bytes) -> str:
+        """What a failed answer says: :meth:`refusal`'s clear message where it has one,
+        else the status and the start of the body."""
+        return self.refusal(where, status, body) or f"etcd {where}: {status} {body[:200]!r}"
+
     def refusal(self, where: str, status: int, body: bytes) -> str | None:
         """A clear message for an answer that no retry or other member changes (None:
         not one of them)."""

@@ -64,13 +64,18 @@ def _count(value: object, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
+def _loads(raw: bytes | str, what: str) -> Any:
+    """``raw``'s JSON value; raises :class:`MalformedRecord` naming ``what``."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise MalformedRecord(f"{what}: not JSON ({exc.__class__.__name__})") from None
+
+
 def parse_holder(raw: bytes | str) -> list[Any]:
     """A ticket holder's record ``[node, seat, time, host, port, order]`` as a node
     writes it; raises :class:`MalformedRecord` for anything else."""
-    try:
-        info = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise MalformedRecord(f"not JSON ({exc.__class__.__name__})") from None
+    info = _loads(raw, "ticket holder")
     if not (
         isinstance(info, list)
         and len(info) in (5, 6)
@@ -190,10 +195,7 @@ class Verdict:
     @classmethod
     def from_json(cls, raw: bytes) -> Verdict:
         """The verdict a node wrote; raises :class:`MalformedRecord` for anything else."""
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise MalformedRecord(f"verdict: not JSON ({exc.__class__.__name__})") from None
+        data = _loads(raw, "verdict")
         if not (
             isinstance(data, dict)
             and _count(data.get("w"), 1, 1 << 24)
