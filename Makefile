@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 # The stamp's name carries the torch requirement, so `make test TORCH=...` reinstalls.
 STAMP   = $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint shellcheck typecheck pytest bench clean slurm nodes
+.PHONY: demo test lint shellcheck typecheck pytest soak bench clean slurm nodes
 
 # Debian packages: tests/slurm/ runs a real single-node Slurm (slurm-wlm and munge),
 # tests/multinode/ makes nodes from network namespaces (iproute2, util-linux) with an
@@ -62,6 +62,13 @@ pytest: $(STAMP) slurm nodes
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# The multi-process tests while a neighbour keeps every core busy at normal priority
+# (scripts/soak.sh): real nodes are never idle. SOAK_TESTS narrows it, SOAK_REPEAT=N
+# runs it N times.
+SOAK_TESTS ?= tests/multinode tests/dist tests/e2e
+soak: $(STAMP) slurm nodes
+	bash scripts/soak.sh $(BIN)/python $(SOAK_TESTS) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
