@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,7 +145,7 @@ def test_the_fence_lets_the_current_round_write_and_no_one_else(server, rosters,
     # the job formed a newer round without these nodes (a spare took their place)
     job = client(server, prefix=None)
     record = json.loads(job.get("steadfast/job/round"))
-    job.set("steadfast/job/round", json.dumps({**record, "token": "newer"}))
+    job.set("steadfast/job/round", json.dumps({**record, "token": uuid.uuid4().hex}))
     del job
     time.sleep(0.6)  # past the reuse of the last answer
     assert "newer round" in (check() or "")

@@ -6,6 +6,7 @@ process may leave."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -13,6 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from .schema import EVENT_KINDS, EventLogError
+
+#: The longest line read as an event (the writer refuses events over 64 KiB): a longer
+#: one is refused unparsed.
+MAX_LINE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -46,15 +51,21 @@ def parse_event(line: str, where: str = "<event>") -> Event:
 
 
 def _parse_line(raw: str, where: str) -> Event:
+    if len(raw) > MAX_LINE:
+        raise EventLogError(f"{where}: {len(raw)} characters, longer than any event is written")
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise EventLogError(f"{where}: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise EventLogError(f"{where}: nested deeper than any event is written") from None
     if not isinstance(obj, dict):
         raise EventLogError(f"{where}: an event must be a JSON object")
     for key, typ in (("time", (int, float)), ("kind", str)):
         if not isinstance(obj.get(key), typ) or isinstance(obj.get(key), bool):
             raise EventLogError(f"{where}: field {key!r} is missing or has the wrong type")
+    if not math.isfinite(obj["time"]) or not obj["kind"] or len(obj["kind"]) > 64:
+        raise EventLogError(f"{where}: field 'time' or 'kind' out of bounds")
     for key in ("rank", "step"):
         val = obj.get(key)
         if val is not None and (not isinstance(val, int) or isinstance(val, bool)):

@@ -274,7 +274,8 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     }),
     (Kind.RECORD_REFUSED, "a record in the job's store that is not bound to the job's "
      "secret (forged, damaged, or another job's): ignored, never acted on; said once per "
-     "key (cause: unsigned or bad_signature)", {
+     "key (cause: unsigned or bad_signature, where the job has a secret; malformed: not a "
+     "record its nodes write)", {
         "key": "the store key", "peer": "the writer the record names, where it names one",
     }),
     # the launcher's own record of its node (host: the node), for any script

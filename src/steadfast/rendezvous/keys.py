@@ -29,11 +29,12 @@ job's prefix ``/steadfast/<run_id>/``:
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from ..records import MalformedRecord, count, loads, moment, text
 
 __all__ = [
     "BACKEND",
@@ -46,48 +47,23 @@ __all__ = [
     "rank_of",
 ]
 
-#: The longest node key, host name or encoded member list a record may hold (a store
-#: that lets anyone write cannot bound what it hands back: the reader does).
-MAX_TEXT = 4096
 _RUNS = re.compile(r"^(\d+(-\d+)?)?(,\d+(-\d+)?)*$")
-
-
-class MalformedRecord(ValueError):
-    """A rendezvous record that no node of the job wrote (damaged, or a peer's)."""
-
-
-def _text(value: object) -> bool:
-    return isinstance(value, str) and len(value) <= MAX_TEXT
-
-
-def _count(value: object, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-def _loads(raw: bytes | str, what: str) -> Any:
-    """``raw``'s JSON value; raises :class:`MalformedRecord` naming ``what``."""
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise MalformedRecord(f"{what}: not JSON ({exc.__class__.__name__})") from None
 
 
 def parse_holder(raw: bytes | str) -> list[Any]:
     """A ticket holder's record ``[node, seat, time, host, port, order]`` as a node
     writes it; raises :class:`MalformedRecord` for anything else."""
-    info = _loads(raw, "ticket holder")
+    info = loads(raw, "ticket holder")
     if not (
         isinstance(info, list)
         and len(info) in (5, 6)
-        and _text(info[0])
+        and text(info[0])
         and info[0]
-        and _count(info[1], -1, 1 << 24)
-        and isinstance(info[2], (int, float))
-        and not isinstance(info[2], bool)
-        and math.isfinite(info[2])
-        and _text(info[3])
-        and _count(info[4], 0, 65535)
-        and (len(info) == 5 or _count(info[5], 0, 1))
+        and count(info[1], -1, 1 << 24)
+        and moment(info[2])
+        and text(info[3])
+        and count(info[4], 0, 65535)
+        and (len(info) == 5 or count(info[5], 0, 1))
     ):
         raise MalformedRecord("not a ticket holder's record")
     return info
@@ -195,14 +171,14 @@ class Verdict:
     @classmethod
     def from_json(cls, raw: bytes) -> Verdict:
         """The verdict a node wrote; raises :class:`MalformedRecord` for anything else."""
-        data = _loads(raw, "verdict")
+        data = loads(raw, "verdict")
         if not (
             isinstance(data, dict)
-            and _count(data.get("w"), 1, 1 << 24)
-            and _count(data.get("p"), 0, 1 << 24)
-            and all(_text(data.get(f)) and _RUNS.match(data[f]) for f in ("v", "n"))
-            and _text(data.get("a", ""))
-            and _count(data.get("o", 0), 0, 65535)
+            and count(data.get("w"), 1, 1 << 24)
+            and count(data.get("p"), 0, 1 << 24)
+            and all(text(data.get(f)) and _RUNS.match(data[f]) for f in ("v", "n"))
+            and text(data.get("a", ""))
+            and count(data.get("o", 0), 0, 65535)
         ):
             raise MalformedRecord("not a verdict a node writes")
         runs = [r for f in ("v", "n") for r in decode_members(data[f])]

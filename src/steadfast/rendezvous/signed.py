@@ -160,9 +160,9 @@ class SignedStore(dist.Store):  # type: ignore[misc,name-defined]
             close()
 
 
-def report_refused(key: str, data: bytes | str, cause: str, seen: set[str]) -> None:
+def report_refused(key: str, data: bytes | str, cause: str, seen: set[str], why: str = "") -> None:
     """Log a refused record and write its ``record_refused`` event, once per key
-    (``seen``: the keys said already)."""
+    (``seen``: the keys said already; ``why``: what is wrong with it, for the log)."""
     if key in seen:
         return
     seen.add(key)
@@ -170,7 +170,7 @@ def report_refused(key: str, data: bytes | str, cause: str, seen: set[str]) -> N
     logger.error(
         "store record %s refused (%s): not one this job's nodes wrote; ignored%s",
         key,
-        cause,
+        f"{cause}: {why}" if why else cause,
         f" (it names {peer})" if peer else "",
     )
     events.emit("record_refused", cause=cause, key=key, peer=peer)

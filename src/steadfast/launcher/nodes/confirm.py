@@ -22,6 +22,8 @@ from typing import Any
 
 from ... import events
 from ...events import Kind
+from ...records import MalformedRecord
+from .records import parse_leaving, parse_loss, parse_rank
 from .round import Peer, Round
 
 __all__ = [
@@ -34,6 +36,9 @@ __all__ = [
     "recorded_losses",
 ]
 
+#: the longest reason for leaving recorded (its readers refuse longer records)
+MAX_REASON = 2000
+
 
 def claim_loss(current: Round, peer: Peer, cause: str, how: str) -> tuple[bool, str, str] | None:
     """Record ``peer`` lost in the round's store: ``(first to record it, cause, how)``,
@@ -44,9 +49,12 @@ def claim_loss(current: Round, peer: Peer, cause: str, how: str) -> tuple[bool, 
     keys, store = current.keys, current.store
     real_cause, real_how = cause, how
     if store.check([keys.left(peer.rank)]):
-        record = json.loads(store.get(keys.left(peer.rank)))
-        real_cause = str(record["cause"])
-        real_how = f"it left the job: {record['reason']}"
+        raw = store.get(keys.left(peer.rank))
+        try:  # a reason no node wrote is refused: the loss is reported as seen
+            real_cause, reason = parse_leaving(raw)
+            real_how = f"it left the job: {reason}"
+        except MalformedRecord as exc:
+            current.peers.refused.say(keys.left(peer.rank), raw, exc)
     # the description first: whoever reads lost/R finds lost_how/R
     if not store.check([keys.lost_how(peer.rank)]):
         store.set(keys.lost_how(peer.rank), f"{real_cause}:{real_how}")
@@ -62,9 +70,13 @@ def _lost_ranks(store: Any, current: Round, count: int) -> list[int]:
     added the count a moment ago) is read at the next look."""
     keys = current.keys
     found: list[int] = []
-    for i in range(1, count + 1):
+    for i in range(1, min(count, current.nodes) + 1):  # no more losses than nodes
         if store.check([keys.lost_seq(i)]):
-            found.append(int(store.get(keys.lost_seq(i))))
+            raw = store.get(keys.lost_seq(i))
+            try:
+                found.append(parse_rank(raw, current.nodes))
+            except MalformedRecord as exc:  # not a node of the round: skipped
+                current.peers.refused.say(keys.lost_seq(i), raw, exc)
     return found
 
 
@@ -76,7 +88,13 @@ def recorded_losses(current: Round) -> list[tuple[int, str]]:
     found: list[tuple[int, str]] = []
     for r in _lost_ranks(store, current, count):
         current.peers[r]
-        found.append((r, store.get(keys.lost_how(r)).decode()))
+        raw = store.get(keys.lost_how(r))
+        try:
+            cause, how = parse_loss(raw)
+        except MalformedRecord as exc:
+            current.peers.refused.say(keys.lost_how(r), raw, exc)
+            cause, how = "unknown", "its record of how was refused"
+        found.append((r, f"{cause}:{how}"))
     return found
 
 
@@ -91,7 +109,7 @@ def confirmed_losses(store: Any, current: Round, known: set[int]) -> set[int]:
 
 def record_leaving(current: Round, cause: str, reason: str) -> None:
     """Record in the round's store that this node leaves the job, and why."""
-    record = json.dumps({"cause": cause, "reason": reason})
+    record = json.dumps({"cause": cause[:64], "reason": reason[:MAX_REASON]})
     current.store.set(current.keys.left(current.rank), record)
 
 

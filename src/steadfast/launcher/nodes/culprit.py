@@ -49,7 +49,9 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+from ...records import MalformedRecord, loads
 from ...signals import signal_name
+from .records import Refusals, parse_claim, parse_verdict
 from .round import Round
 
 __all__ = ["CLAIM_WINDOW", "Claim", "Verdict", "agree", "exit_cause", "node_claim", "rank_claim"]
@@ -103,8 +105,9 @@ class Claim:
 
     @classmethod
     def loads(cls, raw: bytes | str) -> Claim:
-        """From the store."""
-        return cls(**json.loads(raw))
+        """From the store; :class:`~steadfast.records.MalformedRecord` for a record no
+        node wrote."""
+        return cls(**parse_claim(loads(raw, "a culprit claim")))
 
 
 @dataclass(frozen=True)
@@ -167,30 +170,39 @@ def node_claim(node: str, node_rank: int | None, cause: str, latency: float | No
     return Claim("node lost", node, node_rank, None, cause, now - (latency or 0.0), now, 2)
 
 
-def _offer(store: Any, key: str, mine: Claim) -> None:
+def _offer(store: Any, key: str, mine: Claim, refused: Refusals) -> None:
     """Put ``mine`` in ``key`` unless the claim there beats it (compare-and-set: a claim
-    that beats ours replaces it under our feet, and we look again)."""
-    raw = mine.dumps()
-    expected = ""
+    that beats ours replaces it under our feet, and we look again). A claim there that
+    no node wrote (refused) is replaced by ours."""
+    raw = mine.dumps().encode()
+    expected = b""
     while True:
         now = store.compare_set(key, expected, raw)
-        now = now.decode() if isinstance(now, bytes) else str(now)
+        now = now if isinstance(now, bytes) else str(now).encode()
         if now == raw:
             return
-        if not mine.beats(Claim.loads(now)):
-            return
+        try:
+            if not mine.beats(Claim.loads(now)):
+                return
+        except MalformedRecord as exc:
+            refused.say(key, now, exc)
         expected = now
 
 
-def _seal(store: Any, keys: Any) -> bytes | None:
+def _seal(store: Any, keys: Any, refused: Refusals) -> bytes | None:
     """Write the verdict once: the best claim and the claims made so far, as one value
-    (the first node to seal it wins; every node reads that one). None: no claim."""
+    (the first node to seal it wins; every node reads that one). None: no claim, or
+    one no node wrote (refused)."""
     if not store.check([keys.fault_claim]):
         return None
-    best = store.get(keys.fault_claim)
-    best = best.decode() if isinstance(best, bytes) else str(best)
+    raw = store.get(keys.fault_claim)
+    try:
+        best = Claim.loads(raw)
+    except MalformedRecord as exc:
+        refused.say(keys.fault_claim, raw, exc)
+        return None
     claims = int(store.add(keys.fault_claims, 0))
-    value = json.dumps({"claim": json.loads(best), "claims": claims}, sort_keys=True)
+    value = json.dumps({"claim": asdict(best), "claims": claims}, sort_keys=True)
     sealed = store.compare_set(keys.fault_verdict, "", value)
     return sealed if isinstance(sealed, bytes) else str(sealed).encode()
 
@@ -207,7 +219,7 @@ def agree(current: Round, mine: Claim | None, expected: int, window: float) -> V
     except (RuntimeError, NotImplementedError, AttributeError):
         store = current.store  # etcd's: each call is a request of its own already
     if mine is not None:
-        _offer(store, keys.fault_claim, mine)
+        _offer(store, keys.fault_claim, mine, current.peers.refused)
         store.add(keys.fault_claims, 1)
     counted = int(store.add(keys.fault_count, 1))
     sealed = None
@@ -218,8 +230,12 @@ def agree(current: Round, mine: Claim | None, expected: int, window: float) -> V
     if store.check([keys.fault_verdict]):
         sealed = store.get(keys.fault_verdict)
     else:
-        sealed = _seal(store, keys)
+        sealed = _seal(store, keys, current.peers.refused)
     if sealed is None:
         return None
-    verdict = json.loads(sealed)
-    return Verdict(Claim(**verdict["claim"]), f"{keys.record}/{current.token}", verdict["claims"])
+    try:
+        claim, claims = parse_verdict(sealed)
+    except MalformedRecord as exc:  # no verdict: each node reports its own view
+        current.peers.refused.say(keys.fault_verdict, sealed, exc)
+        return None
+    return Verdict(Claim(**claim), f"{keys.record}/{current.token}", claims)

@@ -32,8 +32,18 @@ from .confirm import (
 )
 from .culprit import CLAIM_WINDOW, Claim, Verdict, agree
 from .fence import Fence
+from .records import Refusals
 from .ring import WATCHERS, Ring
-from .round import Loss, Peer, PeerBook, Round, RoundKeys
+from .round import (
+    Loss,
+    Peer,
+    PeerBook,
+    Round,
+    RoundKeys,
+    every_peer,
+    previous_hosts,
+    round_token,
+)
 from .store_calls import Deadlines, StoreCalls
 
 __all__ = ["CONFIRM_MIN", "MARK_GRACE", "NodeRoster", "RosterState"]
@@ -147,31 +157,27 @@ class NodeRoster:
         if self._state is RosterState.CLOSED:
             raise RuntimeError("the node roster is closed")
         keys = RoundKeys(run_id, generation)
+        refused = Refusals()
         me = Peer(rank, self.name, self.host, self.port, os.getpid(), rdzv)
         self._ring.admit()  # before the others can find this node: they watch it again
         store.set(keys.node(rank), json.dumps(me.__dict__))
         watched = {(rank + k) % nodes for k in range(1, min(WATCHERS, nodes - 1) + 1)}
         known = {rank: me}
         for r in sorted(watched):  # the few this node watches: O(1) reads per node
-            known[r] = Peer(**json.loads(store.get(keys.node(r))))
+            known[r] = Peer.read(store, keys.node(r), r, refused)
         job_store = getattr(store, "underlying_store", store)
         if rank == 0:  # the round's record: every node's host, one read of them all
-            everyone = [keys.node(r) for r in range(nodes)]
-            known.update(
-                (r, Peer(**json.loads(raw))) for r, raw in enumerate(store.multi_get(everyone))
-            )
+            known.update(every_peer(store, keys, nodes, refused))
             token = uuid.uuid4().hex
-            previous = None
-            if job_store.check([keys.record_nodes]):
-                previous = json.loads(job_store.get(keys.record_nodes))
+            previous = previous_hosts(job_store, keys, refused)
             job_store.set(keys.record_nodes, json.dumps([known[r].host for r in range(nodes)]))
             job_store.set(keys.record, json.dumps({"token": token}))
             store.set(keys.token, token)
             if previous is not None:
                 emit_joined({r: known[r] for r in range(nodes)}, previous)
         else:
-            token = store.get(keys.token).decode()
-        peers = PeerBook(store, keys, known)
+            token = round_token(store, keys, refused, self.timeout)
+        peers = PeerBook(store, keys, known, refused)
         with self._lock:
             self._round = Round(store, job_store, rank, nodes, peers, token, keys)
             self._state, self._why = RosterState.WATCHING, None
@@ -180,7 +186,8 @@ class NodeRoster:
             self._finished = {}
             self._fence.forget()
         for k in range(1, min(WATCHERS, nodes - 1) + 1):
-            self._ring.watch(peers[(rank + k) % nodes])
+            if peers[(rank + k) % nodes].reachable:  # a refused record: not watched
+                self._ring.watch(peers[(rank + k) % nodes])
         return peers
 
     def leave_round(self, reason: str | None = None, cause: str = "unhealthy") -> None:

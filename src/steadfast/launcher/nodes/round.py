@@ -5,11 +5,23 @@ keeps in the stores (:class:`RoundKeys`, the one place they are spelt)."""
 
 from __future__ import annotations
 
-import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Loss", "Peer", "PeerBook", "Round", "RoundKeys"]
+from ...records import MalformedRecord
+from .records import Refusals, parse_hosts, parse_peer, parse_round, parse_token
+
+__all__ = [
+    "Loss",
+    "Peer",
+    "PeerBook",
+    "Round",
+    "RoundKeys",
+    "every_peer",
+    "previous_hosts",
+    "round_token",
+]
 
 
 @dataclass(frozen=True)
@@ -22,6 +34,28 @@ class Peer:
     port: int
     pid: int
     rdzv: list[Any] | None  # its node in torch's rendezvous (seam.rendezvous_node_id)
+
+    @classmethod
+    def read(cls, store: Any, key: str, rank: int, refused: Refusals) -> Peer:
+        """Node ``rank``'s record at ``key``; one its launcher did not write (refused,
+        said once) gives a stand-in that names the node by its rank and has no address:
+        never watched, so a forged address is not taken for the node lost."""
+        raw = store.get(key)
+        try:
+            return cls(**parse_peer(raw, rank))
+        except MalformedRecord as exc:
+            refused.say(key, raw, exc)
+            return cls.stand_in(rank)
+
+    @classmethod
+    def stand_in(cls, rank: int) -> Peer:
+        """Node ``rank`` whose record was refused: named by its rank, no address."""
+        return cls(rank, f"node rank {rank}", "", 0, 0, None)
+
+    @property
+    def reachable(self) -> bool:
+        """Whether its record gave an address to watch it at."""
+        return self.port > 0
 
 
 @dataclass(frozen=True)
@@ -107,8 +141,16 @@ class PeerBook:
     lost, so entering a round costs it O(1) store reads whatever the job's size (reading
     every node's key made each round O(N^2) reads job-wide)."""
 
-    def __init__(self, store: Any, keys: RoundKeys, known: dict[int, Peer]) -> None:
+    def __init__(
+        self,
+        store: Any,
+        keys: RoundKeys,
+        known: dict[int, Peer],
+        refused: Refusals | None = None,
+    ) -> None:
         self._store, self._keys, self._known = store, keys, dict(known)
+        #: the round's records refused so far (each said once)
+        self.refused = refused or Refusals()
 
     def known(self) -> set[int]:
         """The node ranks already read (no store call to name them)."""
@@ -117,7 +159,7 @@ class PeerBook:
     def __getitem__(self, rank: int) -> Peer:
         peer = self._known.get(rank)
         if peer is None:
-            peer = Peer(**json.loads(self._store.get(self._keys.node(rank))))
+            peer = Peer.read(self._store, self._keys.node(rank), rank, self.refused)
             self._known[rank] = peer
         return peer
 
@@ -136,5 +178,56 @@ class Round:
 
     def job_token(self) -> str:
         """The token of the job's current round (a live read of the job's store): this
-        round's :attr:`token` while the job has formed no newer one."""
-        return str(json.loads(self.job_store.get(self.keys.record))["token"])
+        round's :attr:`token` while the job has formed no newer one. A record no node
+        wrote (refused, said once) tells of no newer round: this round's token."""
+        raw = self.job_store.get(self.keys.record)
+        try:
+            return parse_round(raw)
+        except MalformedRecord as exc:
+            self.peers.refused.say(self.keys.record, raw, exc)
+            return self.token
+
+
+def every_peer(store: Any, keys: RoundKeys, nodes: int, refused: Refusals) -> dict[int, Peer]:
+    """Every node's record, in one read (node rank 0's round record)."""
+    found: dict[int, Peer] = {}
+    for r, raw in enumerate(store.multi_get([keys.node(r) for r in range(nodes)])):
+        try:
+            found[r] = Peer(**parse_peer(raw, r))
+        except MalformedRecord as exc:
+            refused.say(keys.node(r), raw, exc)
+            found[r] = Peer.stand_in(r)
+    return found
+
+
+def previous_hosts(job_store: Any, keys: RoundKeys, refused: Refusals) -> list[str] | None:
+    """The job's previous round's hosts (None: no round before, or a record no node
+    wrote: then no ``node_joined`` is said)."""
+    if not job_store.check([keys.record_nodes]):
+        return None
+    raw = job_store.get(keys.record_nodes)
+    try:
+        return parse_hosts(raw)
+    except MalformedRecord as exc:
+        refused.say(keys.record_nodes, raw, exc)
+        return None
+
+
+def round_token(store: Any, keys: RoundKeys, refused: Refusals, timeout: float) -> str:
+    """The round's token as node rank 0 set it. A token no node wrote is read again (node
+    rank 0's own may overwrite it) up to ``timeout`` seconds, then refused with one error
+    naming the key."""
+    deadline = time.monotonic() + timeout
+    while True:
+        raw = store.get(keys.token)
+        try:
+            return parse_token(raw)
+        except MalformedRecord as exc:
+            refused.say(keys.token, raw, exc)
+            if time.monotonic() > deadline:
+                raise MalformedRecord(
+                    f"the round's token ({keys.token}) is not one node rank 0 writes ({exc}), "
+                    f"and no other came in {timeout:g} s: give the job a secret "
+                    "(docs/control-plane.md)"
+                ) from None
+            time.sleep(0.2)
