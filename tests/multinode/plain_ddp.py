@@ -41,6 +41,13 @@ def main() -> None:
         help="(tests) on this host, the ranks never end after their last line: a teardown "
         "that hangs",
     )
+    parser.add_argument(
+        "--hold",
+        default=None,
+        help="(tests) after its last epoch the job waits while this file exists, "
+        "evaluating the model every --epoch-sleep (signs of progress, no change to the "
+        "state): a fault a test makes lands in a running job however slow the machine",
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -79,6 +86,10 @@ def main() -> None:
                 os.replace(tmp, args.snapshot)
             trace.write(f"epoch {epoch} world {world} rank {rank} host {host} time {time.time()}\n")
             trace.flush()
+        while args.hold is not None and _held(args.hold):
+            with torch.no_grad():
+                model(data.tensors[0][:32])
+            time.sleep(args.epoch_sleep)
         if rank == 0:
             torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
         trace.write(
@@ -88,6 +99,13 @@ def main() -> None:
         while True:  # stuck in its teardown, as a rank in a collective its peers left
             time.sleep(1)
     dist.destroy_process_group()
+
+
+def _held(path: str) -> bool:
+    """Whether ``path`` exists, as rank 0 sees it (every rank decides alike)."""
+    flag = torch.tensor([os.path.exists(path) if dist.get_rank() == 0 else False])
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
 
 
 if __name__ == "__main__":

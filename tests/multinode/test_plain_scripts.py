@@ -33,12 +33,25 @@ def job(nnodes: str, *, backend: str = "steadfast", endpoint: str = "node1:29500
     ]  # fmt: skip
 
 
-def script(bed: Any) -> list[str]:
+def script(bed: Any, hold: bool = False) -> list[str]:
+    """The script's arguments; with ``hold``, the job does not end until :func:`release`:
+    a fault the test makes lands in a running job, however loaded the machine (under
+    load the last epochs once ran out before a kill landed: the spare then waited for a
+    round that never came)."""
+    held = []
+    if hold:
+        (bed.shared / "hold").touch()
+        held = ["--hold", str(bed.shared / "hold")]
     return [
         "--snapshot", str(bed.shared / "snapshot.pt"), "--epochs", str(EPOCHS),
         "--epoch-sleep", os.environ.get("PLAIN_SLEEP", "0.2"), "--out", str(bed.shared / "out.pt"),
-        "--trace", str(bed.shared / "trace"),
+        "--trace", str(bed.shared / "trace"), *held,
     ]  # fmt: skip
+
+
+def release(bed: Any) -> None:
+    """Let a job started with ``script(bed, hold=True)`` end."""
+    (bed.shared / "hold").unlink(missing_ok=True)
 
 
 def trace(bed: Any) -> list[dict[str, Any]]:
@@ -124,7 +137,7 @@ def test_a_spare_replaces_a_killed_node_and_every_launcher_ends(
     c10d the survivors waited for the spare in 4 runs of 6), and the spare's
     ``workers_exited`` is in the log."""
     bed = bed_factory(4)
-    flags, args = job("3", backend=backend), script(bed)
+    flags, args = job("3", backend=backend), script(bed, hold=True)
     launches = [
         bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2", "node3")
     ]
@@ -139,6 +152,8 @@ def test_a_spare_replaces_a_killed_node_and_every_launcher_ends(
         bed.do("kill", "node2")
         bed.wait_event("node_lost", node="node2")
         launches.append(bed.launch("node4", *flags, script=args, program=PLAIN))
+    bed.wait_event("node_joined", node="node4")
+    release(bed)
     codes = wait_all(launches)
     assert codes["node1"] == codes["node3"] == codes["node4"] == 0, bed.logs()
     assert codes["node2"] != 0
@@ -279,7 +294,7 @@ def test_a_plain_script_survives_a_lost_node_with_a_spare(bed_factory, fault, ba
     else:
         flags, victim = job("2", backend=backend), "node2"
     flags = [*flags, "--ft-node-heartbeat-interval", "0.25", "--ft-node-heartbeat-timeout", "2"]
-    args = script(bed)
+    args = script(bed, hold=True)
     launches = [bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2")]
     wait_epoch(bed, 0)
     launches.append(bed.launch("node3", *flags, script=args, program=PLAIN))
@@ -293,6 +308,8 @@ def test_a_plain_script_survives_a_lost_node_with_a_spare(bed_factory, fault, ba
         bed.wait_event("node_joined", node="node3")
         wait_epoch(bed, KILL_AT + 3)  # the new round trains
         bed.do("heal", victim)
+    bed.wait_event("node_joined", node="node3")
+    release(bed)
     codes = wait_all(launches)
     survivors = [lc for lc in launches if lc.node != victim]
     assert [codes[lc.node] for lc in survivors] == [0, 0], bed.logs()
@@ -320,7 +337,7 @@ def test_under_c10d_the_lost_store_host_ends_every_survivor_with_75(bed_factory)
     bed = bed_factory(3)
     lost_timeout = 10
     flags = [*job("2", backend="c10d"), "--ft-node-lost-timeout", str(lost_timeout)]
-    args = script(bed)
+    args = script(bed, hold=True)  # never released: the survivors end with 75
     launches = [bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2")]
     wait_epoch(bed, 0)
     launches.append(bed.launch("node3", *flags, script=args, program=PLAIN))
@@ -347,7 +364,7 @@ def test_a_frozen_rank_on_node2_is_the_one_agreed_culprit_in_every_nodes_log(bed
     and report name node2's rank as the one culprit; the job restarts from the script's
     snapshot and every epoch runs."""
     bed = bed_factory(3)
-    flags, args = job("3", backend="c10d"), script(bed)
+    flags, args = job("3", backend="c10d"), script(bed, hold=True)
     nodes = ("node1", "node2", "node3")
     launches = [bed.launch(n, *flags, script=args, program=PLAIN, own_log=True) for n in nodes]
     started = bed.wait_event("workers_started", host="node2")
@@ -355,6 +372,8 @@ def test_a_frozen_rank_on_node2_is_the_one_agreed_culprit_in_every_nodes_log(bed
     wait_epoch(bed, KILL_AT)
     bed.do("run", "node2", "kill", "-STOP", str(pid))
     stopped = time.time()
+    bed.wait_event("hang_confirmed")
+    release(bed)
     codes = wait_all(launches)
     assert codes == dict.fromkeys(nodes, 0), bed.logs()
     [confirmed] = bed.events("hang_confirmed")

@@ -258,7 +258,10 @@ def _launch_agent(argv: list[str], started: list[bool]) -> int:
         return 128 + int(exc.sigval)
     finally:
         for agent in agents:
-            agent.close()
+            try:
+                agent.close()
+            except Exception:  # the job's outcome is decided: its exit code stays
+                logger.exception("steadfast launch: cleaning up after the workers failed")
     return EXIT_OK
 
 

@@ -33,6 +33,7 @@ reading and recording of a generation's failures (``failures.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -163,19 +164,26 @@ class FTAgent(LocalElasticAgent):
 
     def close(self) -> None:
         """Stop the watcher and the node roster, and remove the heartbeat table and the
-        memory tier's snapshots."""
-        self.watcher.stop()
-        self._gpus.close()
-        self.compile_cache.close()
-        if self.roster is not None:
-            self.roster.close()
-        if self.template is not None:
-            self.template.close()
-        self.table.close()
-        self.memory_dir.remove()
-        own_cache = () if self.compile_cache.users else (CACHE_ENV,)  # a user's is kept
-        for name in (HB_TABLE_ENV, FT_CONFIG_ENV, MEMORY_DIR_ENV, PROGRESS_ENV, *own_cache):
-            os.environ.pop(name, None)
+        memory tier's snapshots. Every step runs, whatever an earlier one raised (the
+        first error is raised once all have run): a roster or template that fails to
+        close, racing a fence under load, once left the node's shared memory behind."""
+
+        def unset() -> None:
+            own_cache = () if self.compile_cache.users else (CACHE_ENV,)  # a user's is kept
+            for name in (HB_TABLE_ENV, FT_CONFIG_ENV, MEMORY_DIR_ENV, PROGRESS_ENV, *own_cache):
+                os.environ.pop(name, None)
+
+        with contextlib.ExitStack() as steps:  # run last to first
+            steps.callback(unset)
+            steps.callback(self.memory_dir.remove)
+            steps.callback(self.table.close)
+            if self.template is not None:
+                steps.callback(self.template.close)
+            if self.roster is not None:
+                steps.callback(self.roster.close)
+            steps.callback(self.compile_cache.close)
+            steps.callback(self._gpus.close)
+            steps.callback(self.watcher.stop)
 
     def _global_rank(self, local_rank: int) -> int:
         for worker in self.get_worker_group().workers:

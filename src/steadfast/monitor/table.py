@@ -243,24 +243,27 @@ class HeartbeatTable:
         return cls(path, rows, owner=False)
 
     def close(self) -> None:
-        """Unmap; the creator also removes the file."""
-        for slots in self._slots:
-            slots.release()
-        self._slots = []
-        for floats, area in self._progress:
-            floats.release()
-            area.release()
-        self._progress = []
-        self._view.release()
-        self._map.close()
+        """Unmap; the creator also removes the file, its wake and ask channels first,
+        so that nothing is left in /dev/shm should unmapping fail (a view still held)."""
         if self.owner:
             self.path.unlink(missing_ok=True)
             wake_path(self.path).unlink(missing_ok=True)
             for row in range(self.rows):
                 ask_path(self.path, row).unlink(missing_ok=True)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        try:
+            for slots in self._slots:
+                slots.release()
+            self._slots = []
+            for floats, area in self._progress:
+                floats.release()
+                area.release()
+            self._progress = []
+            self._view.release()
+            self._map.close()
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     # ------------------------------------------------------------------ wake channel
     def open_wake_reader(self) -> int:

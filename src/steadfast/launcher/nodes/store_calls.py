@@ -87,20 +87,27 @@ class Deadlines:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._timers: list[threading.Timer] = []
+        self._closed = False
 
     def start(self, seconds: float, fn: Callable[..., None], *args: Any) -> threading.Timer:
-        """``fn(*args)`` in ``seconds`` unless cancelled first."""
+        """``fn(*args)`` in ``seconds`` unless cancelled first. Once closed, the timer
+        returned never runs (a deadline of a call the roster no longer waits for)."""
         timer = threading.Timer(seconds, fn, args=args)
         timer.daemon = True
-        with self._lock:
+        with self._lock:  # started under the lock: close never meets one not yet started
+            if self._closed:
+                timer.cancel()
+                return timer
             self._timers = [t for t in self._timers if t.is_alive()] + [timer]
-        timer.start()
+            timer.start()
         return timer
 
     def close(self) -> None:
-        """Cancel the timers still waiting (and wait for any running its ``fn``)."""
+        """Cancel the timers still waiting (and wait for any running its ``fn``, unless
+        that is the caller: a deadline's ``fn`` may end in closing the roster)."""
         with self._lock:
-            timers, self._timers = self._timers, []
+            timers, self._timers, self._closed = self._timers, [], True
         for timer in timers:  # a deadline still waiting: the roster is gone
             timer.cancel()
-            timer.join()
+            if timer is not threading.current_thread():
+                timer.join()
