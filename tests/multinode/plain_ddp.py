@@ -44,10 +44,11 @@ def main() -> None:
     parser.add_argument(
         "--hold",
         default=None,
-        help="(tests) after its last epoch the job waits while this file exists, "
-        "evaluating the model every --epoch-sleep (signs of progress, no change to the "
-        "state): a fault a test makes lands in a running job however slow the machine",
+        help="(tests) a run that starts from no snapshot waits before epoch --hold-at while "
+        "this file exists, evaluating the model every --epoch-sleep (signs of progress, no "
+        "change to the state): a fault a test makes lands mid-run however slow the machine",
     )
+    parser.add_argument("--hold-at", type=int, default=0)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -73,6 +74,10 @@ def main() -> None:
     name = os.path.join(args.trace, f"rank{rank}-restart{restart}-pid{os.getpid()}")
     with open(name, "a") as trace:
         for epoch in range(first_epoch, args.epochs):
+            while args.hold and epoch == args.hold_at and first_epoch == 0 and _held(args.hold):
+                with torch.no_grad():
+                    model(data.tensors[0][:32])
+                time.sleep(args.epoch_sleep)
             sampler.set_epoch(epoch)
             for x, y in loader:
                 optimizer.zero_grad()
@@ -86,10 +91,6 @@ def main() -> None:
                 os.replace(tmp, args.snapshot)
             trace.write(f"epoch {epoch} world {world} rank {rank} host {host} time {time.time()}\n")
             trace.flush()
-        while args.hold is not None and _held(args.hold):
-            with torch.no_grad():
-                model(data.tensors[0][:32])
-            time.sleep(args.epoch_sleep)
         if rank == 0:
             torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
         trace.write(

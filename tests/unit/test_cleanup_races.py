@@ -14,8 +14,8 @@ from steadfast.checkpoint.memory import MemoryDir
 from steadfast.config import FaultToleranceConfig
 from steadfast.launcher.agent import FTAgent
 from steadfast.launcher.compile_cache import CompileCache
-from steadfast.launcher.nodes import NodeRoster
-from steadfast.launcher.nodes import store_calls
+from steadfast.launcher.job_end import hung_in_teardown
+from steadfast.launcher.nodes import NodeRoster, store_calls
 from steadfast.launcher.nodes.health import GpuCheck
 from steadfast.launcher.nodes.store_calls import Deadlines
 from steadfast.monitor.table import HeartbeatTable
@@ -87,4 +87,15 @@ def test_the_agent_removes_its_shared_memory_whatever_an_earlier_step_raises(tmp
     with pytest.raises(RuntimeError, match="cannot join"):
         agent.close()
     assert not table.exists() and not memory.exists()
-    assert not agent.watcher.is_alive() if hasattr(agent.watcher, "is_alive") else True
+
+
+def test_a_hang_after_another_node_finished_is_the_jobs_end_not_a_fault_to_restart():
+    """A rank found hung once another node of the round finished its workers: every rank
+    had passed the job's last collective, so it hung in its teardown (torch 2.13's gloo
+    can deadlock there), and a restart would wait for a round the finished node never
+    joins. The launcher stops it as hung at the job's end (exit 79) instead."""
+    ended = time.monotonic() - 3.0
+    ranks, overrun = hung_in_teardown({1: ("no_progress", 0.0)}, ended, lambda r: r + 4)
+    assert ranks == [5] and overrun >= 3.0
+    assert hung_in_teardown({}, ended, lambda r: r) is None  # no hang: a plain failure
+    assert hung_in_teardown({0: ("step", 0.0)}, None, lambda r: r) is None  # no node ended

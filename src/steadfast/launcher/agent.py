@@ -71,7 +71,7 @@ from .failures import (
     stopped_failures,
 )
 from .generations import Generations, wall_times
-from .job_end import exit_barrier, hung_at_end
+from .job_end import exit_barrier, hung_at_end, hung_in_teardown
 from .nodes import GpuCheck, Loss, NodeRoster, health_check
 from .nodes.culprit import Verdict, node_claim, rank_claim
 from .rendezvous import Rendezvous
@@ -164,26 +164,16 @@ class FTAgent(LocalElasticAgent):
 
     def close(self) -> None:
         """Stop the watcher and the node roster, and remove the heartbeat table and the
-        memory tier's snapshots. Every step runs, whatever an earlier one raised (the
-        first error is raised once all have run): a roster or template that fails to
-        close, racing a fence under load, once left the node's shared memory behind."""
-
-        def unset() -> None:
-            own_cache = () if self.compile_cache.users else (CACHE_ENV,)  # a user's is kept
-            for name in (HB_TABLE_ENV, FT_CONFIG_ENV, MEMORY_DIR_ENV, PROGRESS_ENV, *own_cache):
-                os.environ.pop(name, None)
-
+        memory tier's snapshots: every step, whatever an earlier one raised (then raised
+        at the end; a roster that failed to close once left the node's /dev/shm behind)."""
+        own_cache = [] if self.compile_cache.users else [CACHE_ENV]  # a user's is kept
         with contextlib.ExitStack() as steps:  # run last to first
-            steps.callback(unset)
-            steps.callback(self.memory_dir.remove)
-            steps.callback(self.table.close)
-            if self.template is not None:
-                steps.callback(self.template.close)
-            if self.roster is not None:
-                steps.callback(self.roster.close)
-            steps.callback(self.compile_cache.close)
-            steps.callback(self._gpus.close)
-            steps.callback(self.watcher.stop)
+            for name in (HB_TABLE_ENV, FT_CONFIG_ENV, MEMORY_DIR_ENV, PROGRESS_ENV, *own_cache):
+                steps.callback(os.environ.pop, name, None)
+            closers = [self.memory_dir.remove, self.table.close]
+            closers += [part.close for part in (self.template, self.roster) if part is not None]
+            for close in [*closers, self.compile_cache.close, self._gpus.close, self.watcher.stop]:
+                steps.callback(close)
 
     def _global_rank(self, local_rank: int) -> int:
         for worker in self.get_worker_group().workers:
@@ -410,6 +400,11 @@ class FTAgent(LocalElasticAgent):
         if result.state == WorkerState.SUCCEEDED and self.roster is not None:
             self.roster.finish()  # its launcher leaving now is not a lost node
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+        after_end = None
+        if failed and self.roster is not None:
+            after_end = hung_in_teardown(
+                self.watcher.hung(), self.roster.job_ended_at(), self._global_rank
+            )
         if failed:
             self._record_failures(result.failures)
         if result.state == WorkerState.SUCCEEDED:
@@ -424,6 +419,16 @@ class FTAgent(LocalElasticAgent):
             if rerun_code is not None:
                 self._stop_workers(worker_group)
                 raise RerunExit(rerun_code)
+        if after_end is not None:  # the job's work is done: a restart would find no round
+            ranks, overrun = after_end
+            self._stop_workers(worker_group)
+            if self.roster is not None:
+                self.roster.finish()
+            raise JobEndHangError(
+                f"rank(s) {ranks} hung {overrun:.1f} s after another node finished its "
+                "workers: stopped as hung at the job's end, not restarted",
+                ranks,
+            )
         return result
 
     def _record_failures(self, failures: Mapping[int, Any]) -> None:

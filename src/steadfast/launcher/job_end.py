@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .. import events
 from .nodes import NodeRoster
 
-__all__ = ["exit_barrier", "hung_at_end", "process_state"]
+__all__ = ["exit_barrier", "hung_at_end", "hung_in_teardown", "process_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,20 @@ def hung_at_end(
         )
         ranks.append(rank)
     return sorted(ranks)
+
+
+def hung_in_teardown(
+    hung: Iterable[int], ended: float | None, global_rank: Callable[[int], int]
+) -> tuple[list[int], float] | None:
+    """The global ranks of this node's ``hung`` ranks (local) and how long after another
+    node of the round finished its workers (``ended``, monotonic), if one did: every rank
+    had then passed the job's last collective, so the hang is in the script's teardown
+    (torch 2.13's gloo can deadlock there: docs/architecture.md), and a restart could
+    only wait for a round the finished node never joins. None otherwise."""
+    ranks = sorted(global_rank(r) for r in hung)
+    if not ranks or ended is None:
+        return None
+    return ranks, time.monotonic() - ended
 
 
 def process_state(pid: int) -> tuple[str, str | None]:
