@@ -205,10 +205,9 @@ def test_garbage_in_a_rounds_store_is_refused_and_changes_nothing(event_log: Pat
         server.add(keys.lost(1), 1)
         server.add(keys.lost_count, 2)  # one real loss, one place a peer writes
         server.set(keys.lost_seq(1), "1")
+        here = dict(zip(GARBAGE_AT, real, strict=True))  # the same key in this round
         for key, raw in garbage.items():
-            server.set(
-                key.replace(KEYS.prefix, keys.prefix).replace("/job/", f"/job{len(tried)}/"), raw
-            )
+            server.set(here[key], raw)
         rounds = [_round(c, r, token, keys) for r, c in enumerate(clients)]
         me = rounds[0]
         peer = me.peers[1]
