@@ -87,6 +87,8 @@ def recorded_losses(current: Round) -> list[tuple[int, str]]:
     count = int(store.add(keys.lost_count, 0))
     found: list[tuple[int, str]] = []
     for r in _lost_ranks(store, current, count):
+        if not store.check([keys.lost_how(r)]):
+            continue  # a place with no description first: no node recorded it (never waited for)
         current.peers[r]
         raw = store.get(keys.lost_how(r))
         try:
