@@ -6,23 +6,32 @@ damaged record, a peer's, or one from another version never reaches the code tha
 acts on it as a ``KeyError``, a ``TypeError`` or a value out of range.
 
 A store that lets anyone write cannot bound what it hands back: the reader does
-(:data:`MAX_TEXT`, :data:`MAX_RECORD`)."""
+(:data:`MAX_TEXT`, :data:`MAX_RECORD`). A record refused, by these checks or by the
+job's seal (:mod:`steadfast.rendezvous.signed`), is said once per key by
+:class:`Refusals` (``record_refused``)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import threading
 from typing import Any
+
+from . import events
 
 __all__ = [
     "MAX_RECORD",
     "MAX_TEXT",
     "MalformedRecord",
+    "Refusals",
     "count",
     "loads",
     "moment",
     "text",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: The longest node key, host name, reason or encoded member list a record may hold.
 MAX_TEXT = 4096
@@ -58,3 +67,48 @@ def loads(raw: bytes | str, what: str) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise MalformedRecord(f"{what}: not JSON ({exc.__class__.__name__})") from None
+
+
+class Refusals:
+    """The records one reader refused, each said once: logged, and a ``record_refused``
+    event naming the key and the writer the record claims."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def say(self, key: str, raw: bytes | str, cause: str, why: str = "") -> None:
+        """Report ``key``'s record refused for ``cause`` (``why``: what is wrong with it,
+        for the log), unless said already."""
+        with self._lock:
+            if key in self._seen:
+                return
+            self._seen.add(key)
+        peer = _claimed_writer(raw)
+        logger.error(
+            "store record %s refused (%s): not one this job's nodes wrote; ignored%s",
+            key,
+            f"{cause}: {why}" if why else cause,
+            f" (it names {peer})" if peer else "",
+        )
+        events.emit("record_refused", cause=cause, key=key, peer=peer)
+
+    def malformed(self, key: str, raw: bytes | str, exc: MalformedRecord) -> None:
+        """Report ``key``'s record refused by a reader's checks."""
+        self.say(key, raw, "malformed", str(exc))
+
+
+def _claimed_writer(raw: bytes | str) -> str | None:
+    """The writer a refused record names (a node's key, host or address), if any."""
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(record, list) and record and isinstance(record[0], str):
+        return record[0][:200] or None  # a ticket holder's: [node, seat, ...]
+    if not isinstance(record, dict):
+        return None
+    for field in ("node", "host", "name", "key", "addr", "a"):
+        if isinstance(record.get(field), str) and record[field]:
+            return str(record[field])[:200]
+    return None

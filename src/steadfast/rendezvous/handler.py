@@ -62,8 +62,9 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
+from ..records import Refusals
 from .keys import BACKEND, Keys, MalformedRecord, Verdict, encode_members, parse_holder
-from .signed import RecordRefused, report_refused
+from .signed import RecordRefused
 
 __all__ = ["BACKEND", "Settings", "SteadfastRendezvousHandler", "create_handler"]
 
@@ -123,13 +124,12 @@ class SteadfastRendezvousHandler(RendezvousHandler):
         #: this node's name in the store (a launcher started again is another node)
         self.node = node or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._round: int | None = None  # the round this node is a member of
-        self._seat = -1  # its rank there
-        self._world = 0
+        self._seat, self._world = -1, 0  # its rank there, and that round's size
         # (round, ticket, seat, the round before's size) of a join awaiting its verdict
         self._pending: tuple[int, int, int, int | None] | None = None
         self._expired: set[str] = set()
         self._waiting = (0.0, 0)  # (when read, value) of num_nodes_waiting
-        self._refused: set[str] = set()  # keys of malformed records said already
+        self._refused = Refusals()  # malformed records, each said once
 
     # ------------------------------------------------------------------ the handler API
     def get_backend(self) -> str:
@@ -247,7 +247,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             return Verdict.from_json(raw)
         except MalformedRecord as exc:
             key = self.keys.verdict(r)
-            report_refused(key, raw, "malformed", self._refused)
+            self._refused.say(key, raw, "malformed")
             msg = f"round {r}'s verdict ({key}) is not one this job's nodes wrote ({exc})"
             raise RendezvousError(msg + ": give the job a secret (control-plane.md)") from None
 
@@ -446,7 +446,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
         except (ValueError, UnicodeDecodeError):
             at = math.nan
         if not math.isfinite(at):
-            report_refused(key, raw, "malformed", self._refused)
+            self._refused.say(key, raw, "malformed")
             return 0.0
         return at
 
@@ -477,7 +477,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
                     infos.append(parse_holder(raw))
                     kept.append(holder)
             except MalformedRecord:
-                report_refused(holder, raw or b"", "malformed", self._refused)
+                self._refused.say(holder, raw or b"", "malformed")
         holders = kept
         seats: dict[int, list[Any]] = {}
         newcomers: dict[int, list[Any]] = {}

@@ -32,16 +32,14 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
-import json
 import logging
-import threading
 from typing import Any
 
 import torch.distributed as dist
 
-from .. import events
+from ..records import Refusals
 
-__all__ = ["RecordRefused", "SignedStore", "bind", "job_prefix", "report_refused"]
+__all__ = ["RecordRefused", "SignedStore", "bind", "job_prefix"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +72,7 @@ class SignedStore(dist.Store):  # type: ignore[misc,name-defined]
         self.store = store
         self._secret = secret
         self.prefix = job_prefix(secret, scope)
-        self._refused: set[str] = set()
-        self._lock = threading.Lock()
+        self._refused = Refusals()
 
     # ------------------------------------------------------------------ the seal
     def _key(self, key: str) -> str:
@@ -101,8 +98,7 @@ class SignedStore(dist.Store):  # type: ignore[misc,name-defined]
         return value
 
     def _refuse(self, key: str, data: bytes, cause: str) -> None:
-        with self._lock:
-            report_refused(key, data, cause, self._refused)
+        self._refused.say(key, data, cause)
         raise RecordRefused(f"store record {key!r} is not bound to this job's secret ({cause})")
 
     # ------------------------------------------------------------------ the store API
@@ -160,22 +156,6 @@ class SignedStore(dist.Store):  # type: ignore[misc,name-defined]
             close()
 
 
-def report_refused(key: str, data: bytes | str, cause: str, seen: set[str], why: str = "") -> None:
-    """Log a refused record and write its ``record_refused`` event, once per key
-    (``seen``: the keys said already; ``why``: what is wrong with it, for the log)."""
-    if key in seen:
-        return
-    seen.add(key)
-    peer = _claimed_writer(_bytes(data))
-    logger.error(
-        "store record %s refused (%s): not one this job's nodes wrote; ignored%s",
-        key,
-        f"{cause}: {why}" if why else cause,
-        f" (it names {peer})" if peer else "",
-    )
-    events.emit("record_refused", cause=cause, key=key, peer=peer)
-
-
 _warned_open = False
 
 
@@ -198,19 +178,3 @@ def bind(store: Any, run_id: str, max_nodes: int) -> Any:
             SECRET_FILE_ENV,
         )
     return store
-
-
-def _claimed_writer(data: bytes) -> str | None:
-    """The writer a refused record names (a node's key, host or address), if any."""
-    try:
-        record = json.loads(data)
-    except (ValueError, RecursionError):
-        return None
-    if isinstance(record, list) and record and isinstance(record[0], str):
-        return record[0][:200] or None  # a ticket holder's: [node, seat, ...]
-    if not isinstance(record, dict):
-        return None
-    for field in ("node", "host", "name", "key", "addr", "a"):
-        if isinstance(record.get(field), str) and record[field]:
-            return str(record[field])[:200]
-    return None

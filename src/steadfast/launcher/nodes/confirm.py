@@ -54,7 +54,7 @@ def claim_loss(current: Round, peer: Peer, cause: str, how: str) -> tuple[bool, 
             real_cause, reason = parse_leaving(raw)
             real_how = f"it left the job: {reason}"
         except MalformedRecord as exc:
-            current.peers.refused.say(keys.left(peer.rank), raw, exc)
+            current.peers.refused.malformed(keys.left(peer.rank), raw, exc)
     # the description first: whoever reads lost/R finds lost_how/R
     if not store.check([keys.lost_how(peer.rank)]):
         store.set(keys.lost_how(peer.rank), f"{real_cause}:{real_how}")
@@ -76,7 +76,7 @@ def _lost_ranks(store: Any, current: Round, count: int) -> list[int]:
             try:
                 found.append(parse_rank(raw, current.nodes))
             except MalformedRecord as exc:  # not a node of the round: skipped
-                current.peers.refused.say(keys.lost_seq(i), raw, exc)
+                current.peers.refused.malformed(keys.lost_seq(i), raw, exc)
     return found
 
 
@@ -94,7 +94,7 @@ def recorded_losses(current: Round) -> list[tuple[int, str]]:
         try:
             cause, how = parse_loss(raw)
         except MalformedRecord as exc:
-            current.peers.refused.say(keys.lost_how(r), raw, exc)
+            current.peers.refused.malformed(keys.lost_how(r), raw, exc)
             cause, how = "unknown", "its record of how was refused"
         found.append((r, f"{cause}:{how}"))
     return found

@@ -49,9 +49,9 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-from ...records import MalformedRecord, loads
+from ...records import MalformedRecord, Refusals, loads
 from ...signals import signal_name
-from .records import Refusals, parse_claim, parse_verdict
+from .records import parse_claim, parse_verdict
 from .round import Round
 
 __all__ = ["CLAIM_WINDOW", "Claim", "Verdict", "agree", "exit_cause", "node_claim", "rank_claim"]
@@ -185,7 +185,7 @@ def _offer(store: Any, key: str, mine: Claim, refused: Refusals) -> None:
             if not mine.beats(Claim.loads(now)):
                 return
         except MalformedRecord as exc:
-            refused.say(key, now, exc)
+            refused.malformed(key, now, exc)
         expected = now
 
 
@@ -199,7 +199,7 @@ def _seal(store: Any, keys: Any, refused: Refusals) -> bytes | None:
     try:
         best = Claim.loads(raw)
     except MalformedRecord as exc:
-        refused.say(keys.fault_claim, raw, exc)
+        refused.malformed(keys.fault_claim, raw, exc)
         return None
     claims = int(store.add(keys.fault_claims, 0))
     value = json.dumps({"claim": asdict(best), "claims": claims}, sort_keys=True)
@@ -236,6 +236,6 @@ def agree(current: Round, mine: Claim | None, expected: int, window: float) -> V
     try:
         claim, claims = parse_verdict(sealed)
     except MalformedRecord as exc:  # no verdict: each node reports its own view
-        current.peers.refused.say(keys.fault_verdict, sealed, exc)
+        current.peers.refused.malformed(keys.fault_verdict, sealed, exc)
         return None
     return Verdict(Claim(**claim), f"{keys.record}/{current.token}", claims)

@@ -2,8 +2,8 @@
 (:mod:`steadfast.records`): a node's :class:`~.round.Peer`, a round's token and hosts,
 a node's reason for leaving, a loss's description and place, and a fault's culprit
 claims. Each ``parse_*`` raises :class:`~steadfast.records.MalformedRecord` for
-anything a node of the job does not write; :class:`Refusals` says each refused record
-once (``record_refused``, cause ``malformed``).
+anything a node of the job does not write; the roster says each refused record once
+(:class:`~steadfast.records.Refusals`, cause ``malformed``).
 
 What the roster does with a refused record (never acting on it):
 
@@ -22,13 +22,11 @@ What the roster does with a refused record (never acting on it):
 from __future__ import annotations
 
 import re
-import threading
 from typing import Any
 
 from ...records import MAX_TEXT, MalformedRecord, count, loads, moment, text
 
 __all__ = [
-    "Refusals",
     "parse_claim",
     "parse_hosts",
     "parse_leaving",
@@ -172,18 +170,3 @@ def parse_verdict(raw: bytes | str) -> tuple[dict[str, Any], int]:
     ):
         raise MalformedRecord("a culprit verdict: not {claim, claims}")
     return parse_claim(data["claim"]), data["claims"]
-
-
-class Refusals:
-    """The records refused in a round: each said once (``record_refused``)."""
-
-    def __init__(self) -> None:
-        self._seen: set[str] = set()
-        self._lock = threading.Lock()
-
-    def say(self, key: str, raw: bytes | str, exc: MalformedRecord) -> None:
-        """Report ``key``'s record refused (once), with why."""
-        from ...rendezvous.signed import report_refused
-
-        with self._lock:
-            report_refused(key, raw, "malformed", self._seen, why=str(exc))

@@ -21,6 +21,7 @@ from typing import Any
 
 from ...config import FaultToleranceConfig
 from ...fence import FENCE_ENV, FENCE_TIMEOUT_ENV
+from ...records import Refusals
 from .confirm import (
     claim_loss,
     confirmed_losses,
@@ -32,7 +33,6 @@ from .confirm import (
 )
 from .culprit import CLAIM_WINDOW, Claim, Verdict, agree
 from .fence import Fence
-from .records import Refusals
 from .ring import WATCHERS, Ring
 from .round import (
     Loss,

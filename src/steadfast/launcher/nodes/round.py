@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ...records import MalformedRecord
-from .records import Refusals, parse_hosts, parse_peer, parse_round, parse_token
+from ...records import MalformedRecord, Refusals
+from .records import parse_hosts, parse_peer, parse_round, parse_token
 
 __all__ = [
     "Loss",
@@ -37,14 +37,18 @@ class Peer:
 
     @classmethod
     def read(cls, store: Any, key: str, rank: int, refused: Refusals) -> Peer:
-        """Node ``rank``'s record at ``key``; one its launcher did not write (refused,
-        said once) gives a stand-in that names the node by its rank and has no address:
-        never watched, so a forged address is not taken for the node lost."""
-        raw = store.get(key)
+        """Node ``rank``'s record at ``key`` (see :meth:`parse`)."""
+        return cls.parse(store.get(key), key, rank, refused)
+
+    @classmethod
+    def parse(cls, raw: bytes | str, key: str, rank: int, refused: Refusals) -> Peer:
+        """Node ``rank``'s record ``raw``; one its launcher did not write (refused, said
+        once) gives a stand-in that names the node by its rank and has no address: never
+        watched, so a forged address is not taken for the node lost."""
         try:
             return cls(**parse_peer(raw, rank))
         except MalformedRecord as exc:
-            refused.say(key, raw, exc)
+            refused.malformed(key, raw, exc)
             return cls.stand_in(rank)
 
     @classmethod
@@ -184,20 +188,17 @@ class Round:
         try:
             return parse_round(raw)
         except MalformedRecord as exc:
-            self.peers.refused.say(self.keys.record, raw, exc)
+            self.peers.refused.malformed(self.keys.record, raw, exc)
             return self.token
 
 
 def every_peer(store: Any, keys: RoundKeys, nodes: int, refused: Refusals) -> dict[int, Peer]:
     """Every node's record, in one read (node rank 0's round record)."""
-    found: dict[int, Peer] = {}
-    for r, raw in enumerate(store.multi_get([keys.node(r) for r in range(nodes)])):
-        try:
-            found[r] = Peer(**parse_peer(raw, r))
-        except MalformedRecord as exc:
-            refused.say(keys.node(r), raw, exc)
-            found[r] = Peer.stand_in(r)
-    return found
+    everyone = [keys.node(r) for r in range(nodes)]
+    return {
+        r: Peer.parse(raw, keys.node(r), r, refused)
+        for r, raw in enumerate(store.multi_get(everyone))
+    }
 
 
 def previous_hosts(job_store: Any, keys: RoundKeys, refused: Refusals) -> list[str] | None:
@@ -209,7 +210,7 @@ def previous_hosts(job_store: Any, keys: RoundKeys, refused: Refusals) -> list[s
     try:
         return parse_hosts(raw)
     except MalformedRecord as exc:
-        refused.say(keys.record_nodes, raw, exc)
+        refused.malformed(keys.record_nodes, raw, exc)
         return None
 
 
@@ -223,7 +224,7 @@ def round_token(store: Any, keys: RoundKeys, refused: Refusals, timeout: float) 
         try:
             return parse_token(raw)
         except MalformedRecord as exc:
-            refused.say(keys.token, raw, exc)
+            refused.malformed(keys.token, raw, exc)
             if time.monotonic() > deadline:
                 raise MalformedRecord(
                     f"the round's token ({keys.token}) is not one node rank 0 writes ({exc}), "
