@@ -226,6 +226,16 @@ def rendezvous_node_id(handler: Any) -> list[Any] | None:
     return [str(node.addr), int(node.pid), int(node.local_id)]
 
 
+def rendezvous_round(handler: Any) -> int | None:
+    """The round a dynamic rendezvous handler last joined: the number in the key prefix
+    of the store its ``next_rendezvous`` handed out (``torch.rendezvous.<run>.<round>``),
+    which stays while this node takes part in it (it moves on only once every
+    participant has left). None for a handler other than torch's dynamic one."""
+    if not _dynamic(handler):
+        return None
+    return int(handler._state_holder.state.round)
+
+
 def stop_rendezvous_heartbeats(handler: Any) -> None:
     """Stop a dynamic rendezvous handler's keep-alive timer (``_stop_heartbeats``), as a
     node that is lost stops beating: the simulator's node loss, and its clean-up."""

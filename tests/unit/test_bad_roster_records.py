@@ -6,8 +6,12 @@ a real TCPStore, through the calls that act on the records: no call raises, no h
 node is taken for lost or cut off, and each refused record is said once
 (``record_refused``).
 
+With the job's secret (the store bound to it, as under any rendezvous), the same
+garbage is written at the sealed keys (a peer that read the prefix off the store): none
+of it opens, none is acted on, and not even a well-formed claim counts.
+
 The cases tried are each test's ``max_examples``: 1,000 records for each parser, 1,000
-event lines, 40 rounds of garbage on a real store."""
+event lines, 40 rounds of garbage on a real store, without a secret and with one."""
 
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from steadfast.launcher.nodes.records import (
 )
 from steadfast.launcher.nodes.round import Peer, PeerBook, Round, RoundKeys, round_token
 from steadfast.records import MalformedRecord
+from steadfast.rendezvous.signed import SignedStore
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -108,7 +113,7 @@ def test_a_nodes_record_is_its_launchers_or_refused(raw: bytes) -> None:
 @given(broken(GOOD["verdict"]))
 def test_a_culprit_verdict_is_a_nodes_or_refused(raw: bytes) -> None:
     found = _refused_or(parse_verdict, raw)
-    if found is not None:
+    if found is not None and found[0] is not None:  # None: a verdict naming no culprit
         claim = Claim(**found[0])
         assert claim.beats(claim) is False and found[1] >= 0  # comparable, never raises
 
@@ -183,15 +188,24 @@ GARBAGE_AT = _records(KEYS)
 ROUNDS = 40
 
 
-def test_garbage_in_a_rounds_store_is_refused_and_changes_nothing(event_log: Path) -> None:
+SECRET = b"k" * 32
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["no-secret", "secret"])
+def test_garbage_in_a_rounds_store_is_refused_and_changes_nothing(
+    event_log: Path, signed: bool
+) -> None:
     """A peer writes broken records at the roster's keys of a running round of 3 nodes
     (each of the 40 rounds on keys of its own, on one real store). The calls that read
     them do not raise; the round stays the job's (no node is taken for replaced), only
     the ranks of the round are lost, a refused node's record gives a stand-in that is
     never watched, a culprit is a real claim or none, and each refused record is said
-    once."""
+    once. With a secret, what the nodes write is sealed and the garbage lands at the
+    sealed keys."""
     made = [_server()]
     clients = [_client(made[0]) for _ in range(3)]
+    if signed:
+        clients = [SignedStore(c, SECRET, "job") for c in clients]
     tried: list[dict[str, bytes]] = []
 
     @settings(max_examples=ROUNDS, deadline=None)
@@ -207,7 +221,13 @@ def test_garbage_in_a_rounds_store_is_refused_and_changes_nothing(event_log: Pat
     )
     def one_round(garbage: dict[str, bytes]) -> None:
         tried.append(garbage)
-        server = made[0]
+        raw_store = made[0]
+        # what the nodes write (sealed, with a secret); where a peer writes raw bytes
+        server = SignedStore(raw_store, SECRET, "job") if signed else raw_store
+
+        def at(key: str) -> str:  # where a peer that read the job's prefix writes
+            return server.prefix + key if signed else key
+
         keys = RoundKeys(f"job{len(tried)}", len(tried))  # a round of its own
         real = _records(keys)
         token = uuid.uuid4().hex
@@ -221,7 +241,7 @@ def test_garbage_in_a_rounds_store_is_refused_and_changes_nothing(event_log: Pat
         server.set(keys.lost_seq(1), "1")
         here = dict(zip(GARBAGE_AT, real, strict=True))  # the same key in this round
         for key, raw in garbage.items():
-            server.set(here[key], raw)
+            raw_store.set(at(here[key]), raw)
         rounds = [_round(c, r, token, keys) for r, c in enumerate(clients)]
         me = rounds[0]
         peer = me.peers[1]
@@ -249,11 +269,12 @@ def test_garbage_in_a_rounds_store_is_refused_and_changes_nothing(event_log: Pat
         # without a secret a well-formed claim is a node's as far as anyone can tell:
         # it may win; one that is not well formed never does
         forged = garbage.get(KEYS.fault_claim)
-        claims = {mine} | ({Claim.loads(forged)} if _well_formed(forged) else set())
+        claims = {mine} | ({Claim.loads(forged)} if _well_formed(forged) and not signed else set())
         assert len(culprits) <= 1 and culprits <= claims
         said = [json.loads(line) for line in event_log.read_text().splitlines()]
         said = [e for e in said if e["kind"] == "record_refused"]
-        assert all(e["cause"] == "malformed" for e in said)
+        causes = {"unsigned", "bad_signature"} if signed else {"malformed"}
+        assert {e["cause"] for e in said} <= causes
         keys_said = [e["key"] for e in said]  # once by each node (all 3 in this process)
         assert all(keys_said.count(k) <= 3 for k in keys_said)
 

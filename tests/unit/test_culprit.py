@@ -119,6 +119,25 @@ def test_no_claim_no_verdict(server):
     assert agree(rounds[0], None, 1, window=0.1) is None
 
 
+def test_a_fault_no_node_claims_ends_every_nodes_wait_with_no_verdict(server):
+    """No node has a claim (or the one there is not a node's): the node that completes
+    the count seals a verdict naming no culprit, so the others stop waiting for one
+    instead of sitting out the window (60 s here)."""
+    rounds = [_round(server, r, 3) for r in range(3)]
+    server.store.set(rounds[0].keys.fault_claim, b"not a claim")  # a peer's, refused
+    out: list[object] = ["unset"] * 3
+    threads = [
+        threading.Thread(target=lambda i=i: out.__setitem__(i, agree(rounds[i], None, 3, 60.0)))
+        for i in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a node waited out the window"
+    assert out == [None, None, None]
+
+
 def test_claims_round_trip_through_the_store_format():
     c = _claim("node2", 0, 12.5, 1)
     assert Claim.loads(c.dumps()) == c

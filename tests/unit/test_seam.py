@@ -371,6 +371,24 @@ def test_expire_rendezvous_nodes_lets_a_spare_replace_a_lost_node(
         _close(handlers)
 
 
+def test_rendezvous_round_is_the_number_in_the_rounds_store_prefix() -> None:
+    """The round a handler joined names the keys of the store it handed out, the same
+    on every node, and moves on with the next round (the roster seals with it)."""
+    run_id = str(uuid.uuid4())
+    handlers = _handlers(2, run_id)
+    try:
+        for _ in range(2):  # the first round, then the next one after both leave it
+            infos = _join_all(handlers)
+            (number,) = {seam.rendezvous_round(h) for h in handlers}
+            assert isinstance(number, int)
+            infos[0].store.set("probe", "1")
+            base = infos[0].store.underlying_store
+            assert base.check([f"torch.rendezvous.{run_id}.{number}/probe"])
+        assert number >= 1
+    finally:
+        _close(handlers)
+
+
 def test_rendezvous_join_timeout_bounds_one_join() -> None:
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
@@ -393,6 +411,7 @@ def test_rendezvous_touch_points_ignore_other_handlers() -> None:
 
     other = Other()
     assert seam.rendezvous_node_id(other) is None
+    assert seam.rendezvous_round(other) is None
     assert seam.expire_rendezvous_nodes(other, [["x", 1, 0]]) == 0
     with seam.rendezvous_join_timeout(other, 1.0):
         pass

@@ -59,6 +59,7 @@ from ..config import ConfigError, FaultToleranceConfig
 from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
 from ..monitor.learned import LEARNED_FILE, Learned, learn_bits
 from ..progress.probe import PROGRESS_ENV
+from ..rendezvous.signed import bind_roster
 from .compile_cache import CACHE_ENV, SHARED_NAME, CompileCache
 from .errors import JobEndHangError, NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
 from .failures import (
@@ -283,7 +284,9 @@ class FTAgent(LocalElasticAgent):
         self.rounds += 1
         if self.roster is not None:
             self.roster.enter_round(
-                worker_group.store,
+                bind_roster(
+                    worker_group.store, handler.get_run_id(), seam.rendezvous_round(handler)
+                ),
                 int(worker_group.group_rank or 0),
                 int(worker_group.group_world_size or 1),
                 handler.get_run_id(),

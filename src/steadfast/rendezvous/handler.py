@@ -49,7 +49,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -64,7 +63,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from ..records import Refusals
 from .keys import BACKEND, Keys, MalformedRecord, Verdict, encode_members, parse_holder
-from .signed import RecordRefused
+from .signed import RecordRefused, round_view
 
 __all__ = ["BACKEND", "Settings", "SteadfastRendezvousHandler", "create_handler"]
 
@@ -314,7 +313,7 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             break
         self._round, self._seat, self._world = r, rank, verdict.world
         self._waiting = (time.monotonic(), 0)
-        store = dist.PrefixStore(k.round_store(r), s)  # type: ignore[attr-defined]
+        store = round_view(s, k.round_store(r))  # a signed store's can clone
         bootstrap = RendezvousStoreInfo(verdict.master_addr, verdict.master_port)
         return RendezvousInfo(store, rank, verdict.world, bootstrap)
 

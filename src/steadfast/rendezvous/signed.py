@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..records import Refusals
 
-__all__ = ["RecordRefused", "SignedStore", "bind", "job_prefix"]
+__all__ = ["RecordRefused", "SignedStore", "bind", "bind_roster", "job_prefix", "round_view"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,49 @@ class SignedStore(dist.Store):  # type: ignore[misc,name-defined]
     """A c10d ``Store`` in front of ``store`` whose keys live under the job's prefix and
     whose values are sealed with ``secret``."""
 
-    def __init__(self, store: Any, secret: bytes, scope: str) -> None:
+    def __init__(
+        self,
+        store: Any,
+        secret: bytes,
+        scope: str,
+        *,
+        job: SignedStore | None = None,
+        prefix: str | None = None,
+        refused: Refusals | None = None,
+    ) -> None:
+        """``scope``: the run's id (a round's, for a round's store); ``job``: the job's
+        store, where this is one round's (its ``underlying_store``, as a ``PrefixStore``
+        has one: the node roster keeps its job-wide records there)."""
         super().__init__()
         self.store = store
         self._secret = secret
-        self.prefix = job_prefix(secret, scope)
-        self._refused = Refusals()
+        self.prefix = job_prefix(secret, scope) if prefix is None else prefix
+        self._refused = Refusals() if refused is None else refused
+        self._job = job
+        if job is not None:
+            self.underlying_store = job
+
+    def child(self, sub: str) -> SignedStore:
+        """The records under ``sub`` (a round's store) at the keys ``PrefixStore(sub,
+        self)`` gives them (torch joins with ``/``), in a store that can :meth:`clone`: a
+        Python store under torch's C++ ``PrefixStore`` cannot (the clone dies with the
+        wrapper)."""
+        prefix = f"{self.prefix}{sub}/"
+        return SignedStore(
+            self.store, self._secret, "", job=self, prefix=prefix, refused=self._refused
+        )
+
+    def clone(self) -> SignedStore:
+        """The same records over a connection of their own (the client's ``clone``: a
+        TCPStore's; ``AttributeError`` for a client that has none, as etcd's)."""
+        return SignedStore(
+            self.store.clone(),
+            self._secret,
+            "",
+            job=self._job,
+            prefix=self.prefix,
+            refused=self._refused,
+        )
 
     # ------------------------------------------------------------------ the seal
     def _key(self, key: str) -> str:
@@ -154,6 +191,36 @@ class SignedStore(dist.Store):  # type: ignore[misc,name-defined]
         close = getattr(self.store, "close", None)
         if callable(close):
             close()
+
+
+def round_view(store: Any, sub: str) -> Any:
+    """The round's store under ``sub``: a :class:`SignedStore`'s :meth:`~SignedStore.child`,
+    else torch's ``PrefixStore``."""
+    if isinstance(store, SignedStore):
+        return store.child(sub)
+    return dist.PrefixStore(sub, store)  # type: ignore[attr-defined]
+
+
+def bind_roster(store: Any, run_id: str, round_number: int | None) -> Any:
+    """The node roster's view of a round's ``store`` bound to the job's secret, where
+    the rendezvous that handed it out binds nothing (torch's c10d and static, etcd-v2):
+    the job's records under the run's prefix, the round's under the round's
+    (``round_number``: the rendezvous's, where it has one; under static the roster's
+    keys hold the round already). Unchanged without a secret, or already bound
+    (steadfast's rendezvous)."""
+    from ..secret import load_secret
+
+    if isinstance(store, SignedStore):
+        return store
+    secret = load_secret()
+    if secret is None:
+        return store
+    base = getattr(store, "underlying_store", None)
+    job = SignedStore(store if base is None else base, secret, run_id)
+    if base is None:  # one store for the job and its rounds (etcd-v2)
+        return job
+    scope = run_id if round_number is None else f"{run_id}\0round{round_number}"
+    return SignedStore(store, secret, scope, job=job, refused=job._refused)
 
 
 _warned_open = False

@@ -22,8 +22,7 @@ from typing import Any
 
 from ... import events
 from ...events import Kind
-from ...records import MalformedRecord
-from .records import parse_leaving, parse_loss, parse_rank
+from .records import parse_leaving, parse_loss, parse_rank, read
 from .round import Peer, Round
 
 __all__ = [
@@ -49,12 +48,10 @@ def claim_loss(current: Round, peer: Peer, cause: str, how: str) -> tuple[bool, 
     keys, store = current.keys, current.store
     real_cause, real_how = cause, how
     if store.check([keys.left(peer.rank)]):
-        raw = store.get(keys.left(peer.rank))
-        try:  # a reason no node wrote is refused: the loss is reported as seen
-            real_cause, reason = parse_leaving(raw)
-            real_how = f"it left the job: {reason}"
-        except MalformedRecord as exc:
-            current.peers.refused.malformed(keys.left(peer.rank), raw, exc)
+        # a reason no node wrote is refused: the loss is reported as seen
+        leaving = read(store, keys.left(peer.rank), current.peers.refused, parse_leaving)
+        if leaving is not None:
+            real_cause, real_how = leaving[0], f"it left the job: {leaving[1]}"
     # the description first: whoever reads lost/R finds lost_how/R
     if not store.check([keys.lost_how(peer.rank)]):
         store.set(keys.lost_how(peer.rank), f"{real_cause}:{real_how}")
@@ -71,12 +68,13 @@ def _lost_ranks(store: Any, current: Round, count: int) -> list[int]:
     keys = current.keys
     found: list[int] = []
     for i in range(1, min(count, current.nodes) + 1):  # no more losses than nodes
-        if store.check([keys.lost_seq(i)]):
-            raw = store.get(keys.lost_seq(i))
-            try:
-                found.append(parse_rank(raw, current.nodes))
-            except MalformedRecord as exc:  # not a node of the round: skipped
-                current.peers.refused.malformed(keys.lost_seq(i), raw, exc)
+        if store.check([keys.lost_seq(i)]):  # not a node of the round: skipped
+            rank = read(
+                store, keys.lost_seq(i), current.peers.refused,
+                lambda raw: parse_rank(raw, current.nodes),
+            )  # fmt: skip
+            if rank is not None:
+                found.append(rank)
     return found
 
 
@@ -90,12 +88,8 @@ def recorded_losses(current: Round) -> list[tuple[int, str]]:
         if not store.check([keys.lost_how(r)]):
             continue  # a place with no description first: no node recorded it (never waited for)
         current.peers[r]
-        raw = store.get(keys.lost_how(r))
-        try:
-            cause, how = parse_loss(raw)
-        except MalformedRecord as exc:
-            current.peers.refused.malformed(keys.lost_how(r), raw, exc)
-            cause, how = "unknown", "its record of how was refused"
+        loss = read(store, keys.lost_how(r), current.peers.refused, parse_loss)
+        cause, how = ("unknown", "its record of how was refused") if loss is None else loss
         found.append((r, f"{cause}:{how}"))
     return found
 

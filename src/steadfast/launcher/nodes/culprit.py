@@ -50,8 +50,9 @@ from datetime import timedelta
 from typing import Any
 
 from ...records import MalformedRecord, Refusals, loads
+from ...rendezvous.signed import RecordRefused
 from ...signals import signal_name
-from .records import parse_claim, parse_verdict
+from .records import parse_claim, parse_verdict, read
 from .round import Round
 
 __all__ = ["CLAIM_WINDOW", "Claim", "Verdict", "agree", "exit_cause", "node_claim", "rank_claim"]
@@ -189,20 +190,17 @@ def _offer(store: Any, key: str, mine: Claim, refused: Refusals) -> None:
         expected = now
 
 
-def _seal(store: Any, keys: Any, refused: Refusals) -> bytes | None:
+def _seal(store: Any, keys: Any, refused: Refusals) -> bytes:
     """Write the verdict once: the best claim and the claims made so far, as one value
-    (the first node to seal it wins; every node reads that one). None: no claim, or
-    one no node wrote (refused)."""
-    if not store.check([keys.fault_claim]):
-        return None
-    raw = store.get(keys.fault_claim)
-    try:
-        best = Claim.loads(raw)
-    except MalformedRecord as exc:
-        refused.malformed(keys.fault_claim, raw, exc)
-        return None
+    (the first node to seal it wins; every node reads that one). With no claim, or one
+    no node wrote (refused), the verdict names no culprit: the nodes still waiting for
+    it stop waiting."""
+    best = None
+    if store.check([keys.fault_claim]):
+        best = read(store, keys.fault_claim, refused, Claim.loads)
     claims = int(store.add(keys.fault_claims, 0))
-    value = json.dumps({"claim": asdict(best), "claims": claims}, sort_keys=True)
+    claim = None if best is None else asdict(best)
+    value = json.dumps({"claim": claim, "claims": claims}, sort_keys=True)
     sealed = store.compare_set(keys.fault_verdict, "", value)
     return sealed if isinstance(sealed, bytes) else str(sealed).encode()
 
@@ -212,30 +210,36 @@ def agree(current: Round, mine: Claim | None, expected: int, window: float) -> V
     takes part), count this node in; the node that completes the count of ``expected``
     seals the verdict at once, the others wait for it (one blocking wait on a connection
     of their own) up to ``window`` and seal it themselves if it has not come. About 8
-    store operations per node. None when no node claimed anything."""
+    store operations per node. None when no node claimed anything, or when a claim or
+    verdict not bound to the job's secret holds its key (said once): a sealed
+    compare-and-set cannot replace a value that does not open, so no node acts on it
+    and each reports its own view."""
     keys = current.keys
     try:
         store = current.store.clone()  # the wait below must not hold the roster's client
     except (RuntimeError, NotImplementedError, AttributeError):
         store = current.store  # etcd's: each call is a request of its own already
     if mine is not None:
-        _offer(store, keys.fault_claim, mine, current.peers.refused)
+        with contextlib.suppress(RecordRefused):
+            _offer(store, keys.fault_claim, mine, current.peers.refused)
         store.add(keys.fault_claims, 1)
     counted = int(store.add(keys.fault_count, 1))
-    sealed = None
     if counted < expected and not store.check([keys.fault_verdict]):
         # the window passed (a node that never counts): this node seals it below
         with contextlib.suppress(Exception):
             store.wait([keys.fault_verdict], timedelta(seconds=window))
-    if store.check([keys.fault_verdict]):
-        sealed = store.get(keys.fault_verdict)
-    else:
-        sealed = _seal(store, keys, current.peers.refused)
-    if sealed is None:
+    try:
+        if store.check([keys.fault_verdict]):
+            sealed = store.get(keys.fault_verdict)
+        else:
+            sealed = _seal(store, keys, current.peers.refused)
+    except RecordRefused:
         return None
     try:
         claim, claims = parse_verdict(sealed)
     except MalformedRecord as exc:  # no verdict: each node reports its own view
         current.peers.refused.malformed(keys.fault_verdict, sealed, exc)
+        return None
+    if claim is None:
         return None
     return Verdict(Claim(**claim), f"{keys.record}/{current.token}", claims)

@@ -17,14 +17,20 @@ What the roster does with a refused record (never acting on it):
 - a loss's description: ``unknown``; a loss's place (``lost_seq``) out of the round:
   skipped;
 - a culprit claim or verdict: no verdict (each node reports its own view).
+
+Where the job has a secret, a record that is not bound to it never reaches a parser:
+the signed store refuses it (cause ``unsigned`` or ``bad_signature``), and :func:`read`
+hands the roster None, as for a record a parser refuses.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from ...records import MAX_TEXT, MalformedRecord, count, loads, moment, text
+from ...records import MAX_TEXT, MalformedRecord, Refusals, count, loads, moment, text
+from ...rendezvous.signed import RecordRefused
 
 __all__ = [
     "parse_claim",
@@ -36,7 +42,10 @@ __all__ = [
     "parse_round",
     "parse_token",
     "parse_verdict",
+    "read",
 ]
+
+T = TypeVar("T")
 
 _TOKEN = re.compile(r"^[0-9a-f]{32}$")
 #: the most nodes a round may hold (the rendezvous bounds a round's members alike)
@@ -160,8 +169,9 @@ def parse_claim(data: Any) -> dict[str, Any]:
     return dict(data)
 
 
-def parse_verdict(raw: bytes | str) -> tuple[dict[str, Any], int]:
-    """A sealed culprit verdict: the claim's fields and the claims made."""
+def parse_verdict(raw: bytes | str) -> tuple[dict[str, Any] | None, int]:
+    """A sealed culprit verdict: the claim's fields (None: no node claimed one that a
+    node wrote) and the claims made."""
     data = loads(raw, "a culprit verdict")
     if not (
         isinstance(data, dict)
@@ -169,4 +179,19 @@ def parse_verdict(raw: bytes | str) -> tuple[dict[str, Any], int]:
         and count(data["claims"], 0, MAX_NODES)
     ):
         raise MalformedRecord("a culprit verdict: not {claim, claims}")
-    return parse_claim(data["claim"]), data["claims"]
+    return (None if data["claim"] is None else parse_claim(data["claim"])), data["claims"]
+
+
+def read(store: Any, key: str, refused: Refusals, parse: Callable[[bytes], T]) -> T | None:
+    """The record at ``key`` as ``parse`` reads it; None for one no node of the job
+    wrote: not bound to the job's secret (:class:`RecordRefused`: the signed store said
+    so) or refused by ``parse`` (said here, once per key)."""
+    try:
+        raw = store.get(key)
+    except RecordRefused:
+        return None
+    try:
+        return parse(raw)
+    except MalformedRecord as exc:
+        refused.malformed(key, raw, exc)
+        return None

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...records import MalformedRecord, Refusals
-from .records import parse_hosts, parse_peer, parse_round, parse_token
+from ...rendezvous.signed import RecordRefused
+from .records import parse_hosts, parse_peer, parse_round, parse_token, read
 
 __all__ = [
     "Loss",
@@ -38,7 +39,8 @@ class Peer:
     @classmethod
     def read(cls, store: Any, key: str, rank: int, refused: Refusals) -> Peer:
         """Node ``rank``'s record at ``key`` (see :meth:`parse`)."""
-        return cls.parse(store.get(key), key, rank, refused)
+        peer = read(store, key, refused, lambda raw: cls(**parse_peer(raw, rank)))
+        return cls.stand_in(rank) if peer is None else peer
 
     @classmethod
     def parse(cls, raw: bytes | str, key: str, rank: int, refused: Refusals) -> Peer:
@@ -184,21 +186,18 @@ class Round:
         """The token of the job's current round (a live read of the job's store): this
         round's :attr:`token` while the job has formed no newer one. A record no node
         wrote (refused, said once) tells of no newer round: this round's token."""
-        raw = self.job_store.get(self.keys.record)
-        try:
-            return parse_round(raw)
-        except MalformedRecord as exc:
-            self.peers.refused.malformed(self.keys.record, raw, exc)
-            return self.token
+        token = read(self.job_store, self.keys.record, self.peers.refused, parse_round)
+        return self.token if token is None else token
 
 
 def every_peer(store: Any, keys: RoundKeys, nodes: int, refused: Refusals) -> dict[int, Peer]:
     """Every node's record, in one read (node rank 0's round record)."""
     everyone = [keys.node(r) for r in range(nodes)]
-    return {
-        r: Peer.parse(raw, keys.node(r), r, refused)
-        for r, raw in enumerate(store.multi_get(everyone))
-    }
+    try:
+        found = store.multi_get(everyone)
+    except RecordRefused:  # one not bound to the secret (said once): one by one, this once
+        return {r: Peer.read(store, keys.node(r), r, refused) for r in range(nodes)}
+    return {r: Peer.parse(raw, keys.node(r), r, refused) for r, raw in enumerate(found)}
 
 
 def previous_hosts(job_store: Any, keys: RoundKeys, refused: Refusals) -> list[str] | None:
@@ -206,12 +205,7 @@ def previous_hosts(job_store: Any, keys: RoundKeys, refused: Refusals) -> list[s
     wrote: then no ``node_joined`` is said)."""
     if not job_store.check([keys.record_nodes]):
         return None
-    raw = job_store.get(keys.record_nodes)
-    try:
-        return parse_hosts(raw)
-    except MalformedRecord as exc:
-        refused.malformed(keys.record_nodes, raw, exc)
-        return None
+    return read(job_store, keys.record_nodes, refused, parse_hosts)
 
 
 def round_token(store: Any, keys: RoundKeys, refused: Refusals, timeout: float) -> str:
@@ -220,15 +214,13 @@ def round_token(store: Any, keys: RoundKeys, refused: Refusals, timeout: float) 
     naming the key."""
     deadline = time.monotonic() + timeout
     while True:
-        raw = store.get(keys.token)
-        try:
-            return parse_token(raw)
-        except MalformedRecord as exc:
-            refused.malformed(keys.token, raw, exc)
-            if time.monotonic() > deadline:
-                raise MalformedRecord(
-                    f"the round's token ({keys.token}) is not one node rank 0 writes ({exc}), "
-                    f"and no other came in {timeout:g} s: give the job a secret "
-                    "(docs/control-plane.md)"
-                ) from None
-            time.sleep(0.2)
+        token = read(store, keys.token, refused, parse_token)
+        if token is not None:
+            return token
+        if time.monotonic() > deadline:
+            raise MalformedRecord(
+                f"the round's token ({keys.token}) is not one node rank 0 writes, and no "
+                f"other came in {timeout:g} s (the log says why it was refused): give the "
+                "job a secret, or keep its store to its own nodes (docs/control-plane.md)"
+            )
+        time.sleep(0.2)
