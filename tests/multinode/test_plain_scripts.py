@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from steadfast.secret import SECRET_FILE_ENV, make_secret_file
+
 pytestmark = pytest.mark.slow
 
 PLAIN = Path(__file__).with_name("plain_ddp.py")
@@ -132,7 +134,7 @@ def assert_every_launcher_left_the_barrier_together(bed: Any, hosts: list[str]) 
 @pytest.mark.parametrize("arrival", ["before_the_loss", "after_the_loss"])
 @pytest.mark.parametrize("backend", ["c10d", "steadfast"])
 def test_a_spare_replaces_a_killed_node_and_every_launcher_ends(
-    bed_factory, backend, arrival, attempt
+    bed_factory, backend, arrival, attempt, monkeypatch
 ):
     """3 nodes and a spare, on torch's c10d rendezvous (the torchrun command line) and on
     steadfast's own; the spare comes while the round runs (it waits on the redundancy
@@ -140,8 +142,11 @@ def test_a_spare_replaces_a_killed_node_and_every_launcher_ends(
     the end; every launcher, the spare's and the store host's included, ends within 2 s
     of its worker with exit 0, each heard every other node finish (issue 36: under
     c10d the survivors waited for the spare in 4 runs of 6), and the spare's
-    ``workers_exited`` is in the log."""
+    ``workers_exited`` is in the log. The job has a secret, as every ``steadfast slurm``
+    job does: under c10d too the roster's records of both rounds are sealed, and none is
+    refused."""
     bed = bed_factory(4)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(make_secret_file(bed.shared / "secret")))
     flags, args = job("3", backend=backend), script(bed, hold=True)
     launches = [
         bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2", "node3")
@@ -172,6 +177,7 @@ def test_a_spare_replaces_a_killed_node_and_every_launcher_ends(
     assert spare_end["cause"] == "succeeded"
     assert os.path.getsize(bed.shared / "out.pt") > 0
     assert_the_report_tells_the_launchers_story(bed, lost[0], backend)
+    assert not bed.events("record_refused")
 
 
 def test_a_rank_that_outlives_the_jobs_end_is_a_hang_and_no_launcher_waits_for_it(
