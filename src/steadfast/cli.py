@@ -1,5 +1,6 @@
 """The ``steadfast`` command: ``launch``, ``demo`` (what ``make demo`` runs), ``report``,
-``health``, ``slurm`` (writes a batch script) and ``requeue``.
+``health``, ``slurm`` (writes a batch script), ``requeue`` and ``nodes`` (the node
+ledger, :mod:`steadfast.ledger`).
 
 ``steadfast demo`` runs ``examples/train.py`` under ``steadfast launch`` with a scripted
 sequence of faults and ends with the run's report (see :mod:`steadfast.demo`);
@@ -296,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     health.set_defaults(func=_health)
     _add_slurm_parser(sub)
+    from .ledger.table import add_nodes_parser
+
+    add_nodes_parser(sub)
     return parser
 
 

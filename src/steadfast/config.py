@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from .node_settings import STRING_FIELDS, NodeSettings
+from .validate import (
+    ConfigError,
+    _MissingSection,
+    parse_signal,
+    require_bool,
+    require_choice,
+    require_number,
+    require_timeout,
+)
 
 __all__ = [
     "ConfigError",
@@ -27,98 +37,11 @@ __all__ = [
 logger = logging.getLogger("steadfast.config")
 
 
-class ConfigError(ValueError):
-    """A configuration value, flag, or state file is invalid; the message names it.
-
-    Subclasses ``ValueError`` so callers that caught the original libraries' ValueError
-    keep working.
-    """
-
-    #: True when a config file was read but has no ``fault_tolerance:`` section (which
-    #: NVRx's launcher accepts when flags give the config)
-    missing_section: bool = False
-
-
-class _MissingSection(ConfigError):
-    missing_section = True
-
-
-def require_choice(field: str, value: Any, choices: Collection[str]) -> str:
-    """Return ``value`` if it is one of ``choices``, else raise a ConfigError naming ``field``."""
-    if not isinstance(value, str) or value not in choices:
-        raise ConfigError(
-            f"{field}: {value!r} is not valid; expected one of {', '.join(map(repr, choices))}"
-        )
-    return value
-
-
-def require_number(
-    field: str,
-    value: Any,
-    *,
-    minimum: float | None = None,
-    exclusive_minimum: float | None = None,
-    integer: bool = False,
-) -> Any:
-    """Return ``value`` if it is a number within bounds, else raise a ConfigError naming it.
-
-    Booleans are rejected (``True`` is an int in Python, never a sensible count), and so
-    are NaN and infinity (a NaN deadline never passes; a timer cannot wait forever).
-    """
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or (integer and not isinstance(value, int))
-    ):
-        what = "an integer" if integer else "a number"
-        raise ConfigError(f"{field}: expected {what}, got {value!r}")
-    number = float(value)
-    if not math.isfinite(number):
-        raise ConfigError(f"{field}: must be a finite number, got {value!r}")
-    if minimum is not None and number < minimum:
-        raise ConfigError(f"{field}: must be >= {minimum}, got {value!r}")
-    if exclusive_minimum is not None and number <= exclusive_minimum:
-        raise ConfigError(f"{field}: must be > {exclusive_minimum}, got {value!r}")
-    return value
-
-
 # ---------------------------------------------------------------------------------------
 # Fault tolerance (in-job restart) configuration
 # ---------------------------------------------------------------------------------------
-def _timeout(field: str, value: Any) -> float | None:
-    """A timeout in seconds; None (YAML ``null``) means infinite."""
-    if value is None:
-        return None
-    return float(require_number(field, value, exclusive_minimum=0))
-
-
-def parse_signal(value: Any, field: str = "signal") -> signal.Signals:
-    """The signal ``value`` names: a name with or without ``SIG`` in any case
-    (``"SIGUSR1"``, ``"usr1"``), a number (``10``, ``"10"``) or a :class:`signal.Signals`;
-    anything else raises a ConfigError naming ``field``. The one parser of signals that
-    configs, flags and the batch script name."""
-    if isinstance(value, signal.Signals):
-        return value
-    text = value.strip() if isinstance(value, str) else None
-    if text is not None and text.isascii() and text.isdigit():
-        number: Any = int(text)
-    else:
-        number = value
-    if isinstance(number, int) and not isinstance(number, bool):
-        try:
-            return signal.Signals(number)
-        except ValueError:
-            pass
-    elif text is not None:
-        name = text.upper()
-        name = name if name.startswith("SIG") else "SIG" + name
-        if name in signal.Signals.__members__:
-            return signal.Signals[name]
-    raise ConfigError(f"{field}: {value!r} is not a signal (e.g. SIGKILL, SIGTERM or 9)")
-
-
 @dataclass
-class FaultToleranceConfig:
+class FaultToleranceConfig(NodeSettings):
     """Settings of the rank monitors and the launcher's restart policy.
 
     The fields and defaults of NVIDIA Resiliency Extension's ``FaultToleranceConfig``
@@ -127,7 +50,8 @@ class FaultToleranceConfig:
     :meth:`from_args`, :meth:`to_yaml_file`), plus the launcher's stop grace period and
     progress guard. A timeout of ``None`` (YAML ``null``) is infinite: it never fires,
     so it must be calculated from observed intervals (``calculate_and_set_*_timeouts``)
-    to be useful.
+    to be useful. The checks a node passes before it is trusted, and the node ledger,
+    are :class:`~steadfast.node_settings.NodeSettings`' fields.
 
     Attributes:
         workload_check_interval: Longest the launcher's watcher sleeps between looks at
@@ -173,12 +97,6 @@ class FaultToleranceConfig:
             whatever the round looks like from there (it then leaves, naming the nodes
             it did not hear from). Raise it where the last rank's own final work (a
             final save that only it does, say) takes longer.
-        node_health_check: A command run on the node before each rendezvous
-            (``--ft-node-health-check CMD``, through ``sh -c``); a non-zero exit keeps
-            the node out of the job (exit 74), its output's last line is the reason.
-        node_health_check_dir: A directory (the checkpoint directory) that must be
-            writable, with ``node_min_free_gb`` free, before the node joins.
-        node_min_free_gb: Free space ``node_health_check_dir`` needs, in GiB.
         learn_timeouts: Learn hang timeouts online (steadfast's default; ``false`` opts
             out): each section's, the time out of sections' and the heartbeat's, from
             the intervals the ranks report, wherever the config leaves them at their
@@ -226,9 +144,6 @@ class FaultToleranceConfig:
     node_heartbeat_timeout: float = 5.0
     node_lost_timeout: float = 60.0
     job_end_timeout: float = 60.0
-    node_health_check: str | None = None
-    node_health_check_dir: str | None = None
-    node_min_free_gb: float = 1.0
     learn_timeouts: bool = True
     learned_timeout_margin: float = 3.0
     learned_timeout_floor: float = 5.0
@@ -248,10 +163,10 @@ class FaultToleranceConfig:
                 p + "workload_check_interval", self.workload_check_interval, exclusive_minimum=0
             )
         )
-        self.initial_rank_heartbeat_timeout = _timeout(
+        self.initial_rank_heartbeat_timeout = require_timeout(
             p + "initial_rank_heartbeat_timeout", self.initial_rank_heartbeat_timeout
         )
-        self.rank_heartbeat_timeout = _timeout(
+        self.rank_heartbeat_timeout = require_timeout(
             p + "rank_heartbeat_timeout", self.rank_heartbeat_timeout
         )
         if not isinstance(self.rank_section_timeouts, Mapping):
@@ -263,9 +178,9 @@ class FaultToleranceConfig:
         for name, value in self.rank_section_timeouts.items():
             if not isinstance(name, str) or not name:
                 raise ConfigError(f"{p}rank_section_timeouts: bad section name {name!r}")
-            sections[name] = _timeout(f"{p}rank_section_timeouts.{name}", value)
+            sections[name] = require_timeout(f"{p}rank_section_timeouts.{name}", value)
         self.rank_section_timeouts = sections
-        self.rank_out_of_section_timeout = _timeout(
+        self.rank_out_of_section_timeout = require_timeout(
             p + "rank_out_of_section_timeout", self.rank_out_of_section_timeout
         )
         self.safety_factor = float(
@@ -288,8 +203,8 @@ class FaultToleranceConfig:
         self.workers_stop_timeout = float(
             require_number(p + "workers_stop_timeout", self.workers_stop_timeout, minimum=0)
         )
-        self.worker_template = _bool(p + "worker_template", self.worker_template)
-        self.learn_timeouts = _bool(p + "learn_timeouts", self.learn_timeouts)
+        self.worker_template = require_bool(p + "worker_template", self.worker_template)
+        self.learn_timeouts = require_bool(p + "learn_timeouts", self.learn_timeouts)
         self.learned_timeout_margin = float(
             require_number(p + "learned_timeout_margin", self.learned_timeout_margin, minimum=1)
         )
@@ -298,7 +213,7 @@ class FaultToleranceConfig:
                 p + "learned_timeout_floor", self.learned_timeout_floor, exclusive_minimum=0
             )
         )
-        self.watch_progress = _bool(p + "watch_progress", self.watch_progress)
+        self.watch_progress = require_bool(p + "watch_progress", self.watch_progress)
         for name in ("progress_startup_bound", "progress_cap"):
             value = require_number(p + name, getattr(self, name), exclusive_minimum=0)
             setattr(self, name, float(value))
@@ -333,13 +248,7 @@ class FaultToleranceConfig:
                 f"{p}node_heartbeat_timeout ({self.node_heartbeat_timeout:g}) must be longer "
                 f"than node_heartbeat_interval ({self.node_heartbeat_interval:g})"
             )
-        for name in ("node_health_check", "node_health_check_dir"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ConfigError(f"{p}{name}: expected a non-empty string or null, got {value!r}")
-        self.node_min_free_gb = float(
-            require_number(p + "node_min_free_gb", self.node_min_free_gb, minimum=0)
-        )
+        self.validate_node_settings(p)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -459,17 +368,6 @@ class FaultToleranceConfig:
         return out
 
 
-def _bool(field: str, value: Any) -> bool:
-    """A yes/no field from a bool or its usual spellings."""
-    if isinstance(value, bool):
-        return value
-    if str(value).lower() in ("true", "1", "yes"):
-        return True
-    if str(value).lower() in ("false", "0", "no"):
-        return False
-    raise ConfigError(f"{field}: expected true or false, got {value!r}")
-
-
 _LOG_LEVELS = {
     "DEBUG": logging.DEBUG,
     "DBG": logging.DEBUG,
@@ -533,7 +431,7 @@ def _scalar(raw: str) -> Any:
 
 
 #: Fields whose command-line value is taken as written (a command, a path).
-_STRING_FIELDS = frozenset({"node_health_check", "node_health_check_dir"})
+_STRING_FIELDS = STRING_FIELDS
 
 
 def _parse_flag(flag: str, name: str, raw: str) -> Any:

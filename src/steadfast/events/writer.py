@@ -128,6 +128,8 @@ def _jsonable(value: Any) -> Any:
 #: that the script counts its own steps (so that the launcher does not count them
 #: again), a restore's replay proof reads the re-done steps' losses.
 step_listeners: list[Callable[[dict[str, Any]], None]] = []
+#: Called with every record this process emits (the launcher's node ledger).
+record_listeners: list[Callable[[dict[str, Any]], None]] = []
 
 
 def emit(
@@ -185,6 +187,8 @@ def emit(
     if kind == "step_done":
         for listener in list(step_listeners):
             listener(record)
+    for listener in list(record_listeners):
+        listener(record)
     path = _writer.path()
     if path is not None:
         data = (line + "\n").encode()

@@ -302,16 +302,26 @@ class EtcdV3Store(dist.Store):  # type: ignore[misc,name-defined]
             if record is None:
                 self._watch(key, revision, max(0.0, deadline - time.monotonic()))
 
+    def _span(self) -> dict[str, str]:
+        """Every key under the prefix, as a range request names them (all keys: from
+        "\\0" to the end, etcd's "\\0")."""
+        if not self.prefix:
+            return {"key": _b64("\0"), "range_end": _b64("\0")}
+        end = self.prefix[:-1] + chr(ord(self.prefix[-1]) + 1)
+        return {"key": _b64(self.prefix), "range_end": _b64(end)}
+
     def num_keys(self) -> int:
-        # every key under the prefix (all keys: from "\0" to the end, etcd's "\0")
-        start, end = (
-            (self.prefix, self.prefix[:-1] + chr(ord(self.prefix[-1]) + 1))
-            if (self.prefix)
-            else ("\0", "\0")
-        )
-        answer = self._post("/v3/kv/range", {"key": _b64(start), "range_end": _b64(end),
-                                             "count_only": True})  # fmt: skip
+        answer = self._post("/v3/kv/range", {**self._span(), "count_only": True})
         return int(answer.get("count", 0))
+
+    def scan(self) -> list[tuple[str, bytes]]:
+        """Every key under the prefix (without it) and its value, in one request."""
+        answer = self._post("/v3/kv/range", self._span())
+        found = []
+        for kv in answer.get("kvs") or []:
+            key = _unb64(kv["key"]).decode(errors="replace")
+            found.append((key[len(self.prefix) :], _unb64(kv.get("value", ""))))
+        return found
 
     def _watch(self, key: str, revision: int, seconds: float) -> None:
         """Wait for ``key`` to be written after ``revision`` (it was absent then): one

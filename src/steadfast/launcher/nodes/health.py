@@ -14,6 +14,7 @@ still importing is replaced by a new one, at the usual priority).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import shutil
@@ -24,6 +25,8 @@ import tempfile
 from ...config import FaultToleranceConfig
 
 __all__ = ["GpuCheck", "health_check"]
+
+logger = logging.getLogger(__name__)
 
 #: What the warm check reads on its stdin to run (anything else, or EOF: it ends).
 ASK = "check\n"
@@ -96,10 +99,22 @@ def _end(proc: subprocess.Popen[str]) -> None:
 
 def health_check(ft: FaultToleranceConfig, gpus: GpuCheck) -> tuple[str, str] | None:
     """This node's health before it joins a rendezvous: ``(check, reason)`` for the
-    first check that failed, None when healthy. In order: ``node_health_check_dir``
+    first check that failed, None when healthy. In order: the node ledger (``ledger``:
+    a node with ``node_ledger_max_faults`` faults there is not trusted; an unreadable
+    ledger is said and does not keep the node out); ``node_health_check_dir``
     writable with ``node_min_free_gb`` free; each of ``gpus`` GPUs
     (:func:`~steadfast.health.check_gpu_health`, in a child process so that the launcher
     holds no CUDA context); the user's ``node_health_check`` command."""
+    if ft.node_ledger and ft.node_ledger_max_faults:
+        from ...ledger import LedgerError, refusal
+
+        try:
+            why = refusal(ft.node_ledger, ft.node_ledger_max_faults, ft.node_ledger_window_days)
+        except LedgerError as exc:
+            logger.warning("node health check: cannot read the node ledger: %s", exc)
+            why = None
+        if why is not None:
+            return "ledger", why
     directory = ft.node_health_check_dir
     if directory is not None:
         try:

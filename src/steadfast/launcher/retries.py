@@ -1,0 +1,87 @@
+"""What the launcher does once a job cannot go on in place: requeue it under Slurm while
+job retries remain (the launcher of ``SLURM_PROCID`` 0 asks), kept away from the nodes
+it must leave, or exit with the code that says why (:mod:`.exit_codes`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .exit_codes import (
+    EXIT_NODE_LOST,
+    EXIT_REQUEUED,
+    EXIT_RESTART_ELSEWHERE,
+    EXIT_RESTARTS_EXHAUSTED,
+    EXIT_RESULT_VALIDATION_FAILED,
+)
+
+__all__ = ["job_retry", "node_lost_exit", "rerun_exit"]
+
+logger = logging.getLogger("steadfast.launcher")
+
+
+def node_lost_exit(retries: int, hosts: list[str] | None = None) -> int:
+    """Exit 75, or a requeue (78) while job retries remain under Slurm, away from the
+    lost ``hosts``."""
+    return job_retry(retries, cause="node_lost", otherwise=EXIT_NODE_LOST, exclude=hosts or [])
+
+
+def rerun_exit(code: int, retries: int) -> int:
+    """The launcher's answer to the re-run state machine's exit codes (see above)."""
+    if code == EXIT_RESULT_VALIDATION_FAILED:
+        logger.error(
+            "steadfast launch: a worker failed result validation (exit 17); not restarting"
+        )
+        return EXIT_RESULT_VALIDATION_FAILED
+    logger.error(
+        "steadfast launch: a worker asked to resume on other hardware (exit 16); not "
+        "restarting on this hardware"
+    )
+    from ..slurm import doubted_hosts, get_slurm_info
+
+    # the nodes whose ranks must move: a requeue that may put them back on the same
+    # node would exit 16 again, spending retries for nothing
+    info = get_slurm_info()
+    doubted = doubted_hosts(info.job_id, info.restart_count) if info is not None else []
+    return job_retry(
+        retries, cause="restart_elsewhere", otherwise=EXIT_RESTART_ELSEWHERE, exclude=doubted
+    )
+
+
+def job_retry(
+    retries: int,
+    cause: str = "restarts_exhausted",
+    otherwise: int = EXIT_RESTARTS_EXHAUSTED,
+    exclude: list[str] | None = None,
+) -> int:
+    """Requeue the Slurm job when job retries remain (the launcher of SLURM_PROCID 0),
+    kept away from the ``exclude`` hosts; ``otherwise`` is the exit code when it is not
+    requeued.
+
+    The retries spent are the job's earlier failure requeues in the event log
+    (:func:`~steadfast.slurm.failure_requeues`): a preemption or an operator's requeue
+    does not spend one. Without a readable log, ``SLURM_RESTART_COUNT`` (every requeue)
+    is used, which can only retry less, never more."""
+    from ..slurm import failure_requeues, get_slurm_info, requeue_job
+
+    info = get_slurm_info()
+    if info is None or retries <= 0:
+        return otherwise
+    spent = failure_requeues(info.job_id, info.restart_count)
+    counted = "failure requeues in the event log"
+    if spent is None:
+        spent, counted = info.restart_count, "SLURM_RESTART_COUNT"
+    if spent >= retries:
+        logger.error(
+            "job retries spent (%d %s, num_job_retries_on_failure=%d)", spent, counted, retries
+        )
+        return otherwise
+    if os.environ.get("SLURM_PROCID", "0") != "0":
+        return EXIT_REQUEUED  # the launcher of SLURM_PROCID 0 asks Slurm
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        requeued = requeue_job(info.job_id, cause=cause, exclude=exclude or [])
+        return EXIT_REQUEUED if requeued else otherwise
+    except SignalException:  # Slurm's SIGTERM of the requeued job, held until the event
+        return EXIT_REQUEUED
