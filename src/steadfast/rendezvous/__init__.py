@@ -15,19 +15,25 @@ from .keys import BACKEND
 __all__ = ["BACKEND", "register", "torchrun_handler"]
 
 
-def torchrun_handler() -> Any:
-    """The creator torch's registry calls for ``--rdzv-backend steadfast`` (the
-    ``torchrun.handlers`` entry point's object)."""
-    from .handler import create_handler
+def create_handler(params: Any) -> Any:
+    """The creator torch's registry calls for ``--rdzv-backend steadfast``
+    (:func:`.handler.create_handler`, imported when called: torch's registry loads its
+    plugins while ``torch.distributed.elastic.rendezvous`` is first imported, which
+    :mod:`.handler` itself does, so importing it from here at registration would import
+    it half-made, and torch would warn of a circular import)."""
+    from .handler import create_handler as create
 
+    return create(params)
+
+
+def torchrun_handler() -> Any:
+    """The ``torchrun.handlers`` entry point's object: :func:`create_handler`."""
     return create_handler
 
 
 def register() -> None:
     """Make ``--rdzv-backend steadfast`` known to torch's rendezvous registry (idempotent)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    from .handler import create_handler
 
     # registered already: the entry point's creator, or ours
     with contextlib.suppress(ValueError):
