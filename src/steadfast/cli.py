@@ -16,6 +16,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from . import events
 
@@ -95,6 +96,8 @@ def _slurm(ns: argparse.Namespace) -> int:
 
     try:  # the parser's destinations are SbatchSpec's field names
         spec = SbatchSpec(**{f.name: getattr(ns, f.name) for f in fields(SbatchSpec)})
+        spec.exclude = _ledger_excluded(spec)
+        spec.validate()
     except ConfigError as exc:
         print(f"steadfast slurm: {exc}", file=sys.stderr)
         return 2
@@ -127,6 +130,30 @@ def _slurm(ns: argparse.Namespace) -> int:
         return proc.returncode
     print(proc.stdout.strip().split(";")[0])  # the job id
     return 0
+
+
+def _ledger_excluded(spec: Any) -> list[str]:
+    """The nodes the node ledger keeps out of the job (said on stderr), and those the
+    user excluded."""
+    from .config import ConfigError
+    from .ledger import LedgerError, excluded_nodes
+
+    if not (spec.node_ledger and spec.node_ledger_max_faults):
+        return list(spec.exclude)
+    try:
+        kept_out = excluded_nodes(
+            spec.node_ledger, spec.node_ledger_max_faults, spec.node_ledger_window_days
+        )
+    except LedgerError as exc:
+        raise ConfigError(f"node_ledger: {exc}") from None
+    if kept_out:
+        print(
+            f"steadfast slurm: the node ledger keeps {', '.join(kept_out)} out of the job "
+            f"(at least {spec.node_ledger_max_faults} faults in {spec.node_ledger_window_days:g}"
+            " days: steadfast nodes says which)",
+            file=sys.stderr,
+        )
+    return sorted({*spec.exclude, *kept_out})
 
 
 def _requeue(ns: argparse.Namespace) -> int:
@@ -239,6 +266,34 @@ def _add_slurm_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=[],
         metavar="ARG",
         help="an extra srun flag (repeatable)",
+    )
+    p.add_argument(
+        "--node-ledger",
+        default=os.environ.get("STEADFAST_NODE_LEDGER") or None,
+        metavar="LOCATION",
+        help="the node ledger (a shared folder, or etcd://host:2379/prefix; default "
+        "$STEADFAST_NODE_LEDGER): every launcher records its node's hours and faults there",
+    )
+    p.add_argument(
+        "--node-ledger-max-faults",
+        type=int,
+        default=d["node_ledger_max_faults"].default,
+        metavar="N",
+        help="keep out of the job the nodes with N faults in the ledger (0: off)",
+    )
+    p.add_argument(
+        "--node-ledger-window-days",
+        type=float,
+        default=d["node_ledger_window_days"].default,
+        metavar="DAYS",
+        help="the window the ledger's faults are counted over",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="NODE",
+        help="a node to keep out of the job (repeatable), besides the ledger's",
     )
     p.add_argument("--write", metavar="FILE", help="write the script to FILE")
     p.add_argument(

@@ -151,9 +151,9 @@ def _launch_agent(argv: list[str], started: list[bool]) -> int:
         seam.launch_agent(make_agent, config, cmd, list(cmd_args))
     except ChildFailedError:
         logger.error("steadfast launch: workers failed and in-job restarts are spent")
-        return job_retry(split.ft.num_job_retries_on_failure)
+        return job_retry(split.ft)
     except RerunExit as exc:
-        return rerun_exit(exc.code, split.ft.num_job_retries_on_failure)
+        return rerun_exit(exc.code, split.ft)
     except NoProgressError as exc:
         logger.error("steadfast launch: %s; stopping (exit %d)", exc, EXIT_NO_PROGRESS)
         return EXIT_NO_PROGRESS
@@ -162,7 +162,7 @@ def _launch_agent(argv: list[str], started: list[bool]) -> int:
         return EXIT_NODE_UNHEALTHY
     except NodeLostError as exc:
         logger.error("steadfast launch: %s", exc)
-        return node_lost_exit(split.ft.num_job_retries_on_failure, exc.hosts)
+        return node_lost_exit(split.ft, exc.hosts)
     except JobEndHangError as exc:
         logger.error("steadfast launch: %s (exit %d)", exc, EXIT_JOB_END_HANG)
         return EXIT_JOB_END_HANG
@@ -171,16 +171,16 @@ def _launch_agent(argv: list[str], started: list[bool]) -> int:
             # the store answered once (the agent exists only once the handler reached it:
             # a spare waiting to join, or the job ran): it went with its node
             logger.error("steadfast launch: the rendezvous is out of reach: %s", exc)
-            return node_lost_exit(split.ft.num_job_retries_on_failure)
+            return node_lost_exit(split.ft)
         if isinstance(exc, RendezvousTimeoutError):  # the nodes never all came
             logger.error("steadfast launch: not enough nodes joined in time: %s", exc)
-            return node_lost_exit(split.ft.num_job_retries_on_failure)
+            return node_lost_exit(split.ft)
         raise
     except RendezvousClosedError:
         # another node ended the job (its restarts spent, or its progress guard): this
         # node's job failed too, and the launcher of SLURM_PROCID 0 may requeue it
         logger.error("steadfast launch: the job was closed by another node")
-        return job_retry(split.ft.num_job_retries_on_failure)
+        return job_retry(split.ft)
     except SignalException as exc:
         # torch's launch_agent left the rendezvous open: other nodes may still
         # re-rendezvous under this id

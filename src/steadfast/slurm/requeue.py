@@ -53,6 +53,7 @@ def requeue_job(
     timeout: float = 60.0,
     cause: str = "restarts_exhausted",
     exclude: Sequence[str] = (),
+    kept_out: Sequence[str] = (),
 ) -> bool:
     """Ask Slurm to requeue the job (``scontrol requeue <job_id>``, default this job).
 
@@ -67,12 +68,14 @@ def requeue_job(
     16), which Slurm would otherwise be free to hand back, and which would then fail the
     same way. They are added to the job's ``ExcNodeList`` once it is pending again
     (Slurm refuses the change while it runs), as the job's own Slurm node names
-    (:func:`exclusion_plan`); the event's ``excluded`` lists them."""
+    (:func:`exclusion_plan`); the event's ``excluded`` lists them. ``kept_out``: the
+    nodes the node ledger keeps out of jobs; those of this job are excluded too (the
+    others are out of its allocation already, or were never in it)."""
     job = job_id or os.environ.get("SLURM_JOB_ID")
     if not job:
         logger.error("cannot requeue: not a Slurm job (SLURM_JOB_ID is not set)")
         return False
-    plan = exclusion_plan(job, exclude, timeout) if exclude else None
+    plan = exclusion_plan(job, exclude, timeout, kept_out) if exclude or kept_out else None
     # Slurm SIGTERMs every process of the job as soon as it accepts the requeue: hold
     # the signals until the event is written, or the retry would go uncounted (and a
     # failing job could be requeued for ever). They are delivered on the way out.
@@ -196,7 +199,9 @@ class ExclusionPlan:
     nodes: list[str]  # every node excluded from then on: the job's earlier ones too
 
 
-def exclusion_plan(job: str, hosts: Sequence[str], timeout: float = 60.0) -> ExclusionPlan | None:
+def exclusion_plan(
+    job: str, hosts: Sequence[str], timeout: float = 60.0, kept_out: Sequence[str] = ()
+) -> ExclusionPlan | None:
     """What to add to job ``job``'s ``ExcNodeList`` to keep it away from ``hosts``.
 
     A host is matched to the job's Slurm node names (its allocation,
@@ -204,7 +209,9 @@ def exclusion_plan(job: str, hosts: Sequence[str], timeout: float = 60.0) -> Exc
     is not a node of the job is left out with a warning (Slurm would refuse it). A plan
     that would leave the partition fewer nodes than the job needs excludes nothing more,
     with an error: a job that can never be placed again is worse than one that may meet
-    the same node. Read before the requeue, while the job still holds its allocation."""
+    the same node. Read before the requeue, while the job still holds its allocation.
+    ``kept_out`` (the node ledger's) are matched alike, and left out without a word when
+    they are not nodes of the job."""
     record = _scontrol(["show", "job", "-o", job], timeout)
     if record is None:
         return None
@@ -214,11 +221,11 @@ def exclusion_plan(job: str, hosts: Sequence[str], timeout: float = 60.0) -> Exc
     names = _hostnames(allocation or fields.get("NodeList", ""), timeout)
     before = _hostnames(fields.get("ExcNodeList", ""), timeout)
     added: list[str] = []
-    for host in hosts:
+    for host in [*hosts, *kept_out]:
         name = next((n for n in names if n in (host, host.split(".")[0])), None)
-        if name is None:
+        if name is None and host in hosts:
             logger.warning("cannot exclude %s: not a node of job %s (%s)", host, job, names)
-        elif name not in before and name not in added:
+        elif name is not None and name not in before and name not in added:
             added.append(name)
     if not added:
         return ExclusionPlan([], before)

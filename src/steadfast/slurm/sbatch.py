@@ -107,6 +107,10 @@ class SbatchSpec:
     the output); ``sbatch_lines`` are extra ``#SBATCH`` options, ``setup`` shell lines run
     before srun (``module load``, ``source venv/bin/activate``), ``launcher_args`` extra
     ``steadfast launch`` flags (``--ft-cfg-path ft.yaml``), ``srun_args`` extra srun flags.
+    ``node_ledger`` is where the launchers keep the node ledger (:mod:`steadfast.ledger`);
+    with ``node_ledger_max_faults``, the nodes with that many faults in it over
+    ``node_ledger_window_days`` are kept out of the job: ``exclude`` (``--exclude``; what
+    ``steadfast slurm`` read from the ledger), a launcher started on one, and a requeue.
     ``rdzv_backend`` is ``steadfast`` (steadfast's own rendezvous) or ``c10d`` (torch's),
     both with the store on the allocation's first node, at ``rdzv_port``, or ``etcd-v2``
     / ``etcd`` with ``rdzv_endpoint`` naming an etcd cluster
@@ -140,6 +144,10 @@ class SbatchSpec:
     setup: list[str] = field(default_factory=list)
     launcher_args: list[str] = field(default_factory=list)
     srun_args: list[str] = field(default_factory=list)
+    node_ledger: str | None = None
+    node_ledger_max_faults: int = 0
+    node_ledger_window_days: float = 30.0
+    exclude: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -210,6 +218,22 @@ class SbatchSpec:
         for i, line in enumerate(self.setup):
             if "\n" in line:
                 raise ConfigError(f"setup[{i}]: one shell line per entry, got {line!r}")
+        self._validate_ledger()
+
+    def _validate_ledger(self) -> None:
+        if self.node_ledger is not None and (
+            not self.node_ledger.strip() or re.search(r"\s", self.node_ledger)
+        ):
+            raise ConfigError(f"node_ledger: {self.node_ledger!r} must be one word")
+        self.node_ledger_max_faults = require_number(
+            "node_ledger_max_faults", self.node_ledger_max_faults, minimum=0, integer=True
+        )
+        require_number("node_ledger_window_days", self.node_ledger_window_days, exclusive_minimum=0)
+        if self.node_ledger_max_faults and not self.node_ledger:
+            raise ConfigError("node_ledger_max_faults: needs a node_ledger to count faults in")
+        for i, name in enumerate(self.exclude):
+            if not re.fullmatch(r"[A-Za-z0-9_.\[\]-]+", name):
+                raise ConfigError(f"exclude[{i}]: {name!r} is not a node name")
 
     def sbatch_options(self) -> list[str]:
         """The ``#SBATCH`` options, in the order written."""
@@ -241,6 +265,8 @@ class SbatchSpec:
             opts.append(f"--gpus-per-node={self.gpus_per_node}")
         if self.cpus_per_task:
             opts.append(f"--cpus-per-task={self.cpus_per_task}")
+        if self.exclude:
+            opts.append(f"--exclude={','.join(self.exclude)}")
         return opts + list(self.sbatch_lines)
 
 
@@ -286,6 +312,12 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
         f"--ft-num-job-retries-on-failure={spec.num_job_retries_on_failure}",
         f"--signals-to-handle={','.join(handled)}",
     ]
+    if spec.node_ledger:
+        command.append(
+            f"--ft-node-ledger={q(spec.node_ledger)} "
+            f"--ft-node-ledger-max-faults={spec.node_ledger_max_faults} "
+            f"--ft-node-ledger-window-days={spec.node_ledger_window_days:g}"
+        )
     if spec.launcher_args:
         command.append(" ".join(q(a) for a in spec.launcher_args))
     command.append(" ".join([q(spec.script), *(q(a) for a in spec.script_args)]))
