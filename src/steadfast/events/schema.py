@@ -328,6 +328,8 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     }),
     (Kind.LAUNCHER_END, "a node's launcher ended", {
         "exit_code": "its exit status", "reason": "why, in words",
+        "no_progress": "consecutive failed generations without a step so far (the job's "
+        "next incarnation goes on from it: max_no_progress_restarts)",
     }),
     (Kind.JOB_REQUEUED, "the Slurm job was requeued (cause: restarts_exhausted, node_lost, or "
      "restart_elsewhere after a worker's exit 16: these spend a job retry; preempted, by "

@@ -12,9 +12,9 @@ On top of torch's behaviour:
   first, ``rank_stopped`` for the ranks that went down after it, ``restart``); with
   more than one node, the first is agreed job-wide (``fault_culprit``, see
   :mod:`.nodes.culprit`), so every node's log names the same one;
-- the progress guard: when ``max_no_progress_restarts`` consecutive generations ended
-  without any rank completing a ``step`` section, the agent stops with
-  :class:`NoProgressError` instead of restarting again;
+- the progress guard (:mod:`.budget`): when ``max_no_progress_restarts`` consecutive
+  generations, the job's earlier incarnations' included, ended without a step, the
+  agent stops with :class:`NoProgressError` instead of restarting again;
 - the re-run state machine's exit codes are not restarted on this hardware: a worker that
   exits 16 (resume on other hardware) or 17 (failed on result validation) stops the agent
   with :class:`RerunExit`;
@@ -60,6 +60,7 @@ from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
 from ..monitor.learned import LEARNED_FILE, Learned, learn_bits
 from ..progress.probe import PROGRESS_ENV
 from ..rendezvous.signed import bind_roster
+from .budget import ProgressGuard, carried_no_progress
 from .compile_cache import CACHE_ENV, SHARED_NAME, CompileCache
 from .errors import JobEndHangError, NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
 from .failures import (
@@ -155,9 +156,10 @@ class FTAgent(LocalElasticAgent):
             _learned_path() if ft.learn_timeouts else None, str(spec.rdzv_handler.get_run_id())
         )
         self._hangs_seen = 0
-        self.no_progress_restarts = 0
         self.restarts = 0
-        self._client_seen = False
+        restart_count = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        carried = carried_no_progress(os.environ.get("SLURM_JOB_ID"), restart_count)
+        self.progress_guard = ProgressGuard(ft.max_no_progress_restarts, carried)
         self.generations = Generations()  # workers_started / workers_exited, once each
         self.template: Template | None = None
         if ft.worker_template:  # importing torch, in parallel with the rendezvous
@@ -382,6 +384,18 @@ class FTAgent(LocalElasticAgent):
             self._workers_exited(worker_group, "stopped", stopped_failures(worker_group))
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = self._look(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            try:  # a generation with no step (or second heartbeat), once ranks report
+                self.progress_guard.generation_failed(
+                    self.watcher.attached(), self.watcher.progress()
+                )
+            except NoProgressError:  # the last generation, its restarts spent or not
+                self._stop_workers(worker_group)
+                raise
+        return result
+
+    def _look(self, worker_group: WorkerGroup) -> RunResult:
         result: RunResult = super()._monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY and self.roster is not None:
             ended = self.roster.job_ended_at()
@@ -546,20 +560,6 @@ class FTAgent(LocalElasticAgent):
             )
             super()._restart_workers(worker_group)
             return
-        # the guard needs ranks that report (RankMonitorClient): once any generation did,
-        # a generation with no step (or second heartbeat), attached or not, counts
-        self._client_seen = self._client_seen or self.watcher.attached()
-        if self._client_seen and self.watcher.progress() == 0:
-            self.no_progress_restarts += 1
-        else:
-            self.no_progress_restarts = 0
-        limit = self.ft.max_no_progress_restarts
-        if limit and self.no_progress_restarts > limit:
-            self._stop_workers(worker_group)
-            raise NoProgressError(
-                f"{self.no_progress_restarts} consecutive worker generations completed no "
-                f"step (max_no_progress_restarts={limit})"
-            )
         self.restarts += 1
         events.emit(
             "restart",

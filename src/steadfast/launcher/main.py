@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import ConfigError
@@ -40,24 +41,37 @@ def _launch(argv: list[str]) -> int:
     script: the report's wall time and the node's story come from them)."""
     from .. import events
 
-    started = [False]
+    run = _Run()
     code = EXIT_LAUNCHER_ERROR
     reason = "the launcher raised"
     try:
-        code = _launch_agent(argv, started)
+        code = _launch_agent(argv, run)
         reason = EXIT_REASONS.get(code) or (
             f"stopped by signal {code - 128}" if code > 128 else f"exit {code}"
         )
+        if run.detail:
+            reason = f"{reason}: {run.detail}"
         return code
     except BaseException as exc:
         reason = f"the launcher raised {type(exc).__name__}: {exc}"
         raise
     finally:
-        if started[0]:
-            events.emit("launcher_end", exit_code=code, reason=reason)
+        if run.started:
+            events.emit("launcher_end", exit_code=code, reason=reason, no_progress=run.no_progress)
 
 
-def _launch_agent(argv: list[str], started: list[bool]) -> int:
+@dataclass
+class _Run:
+    """What the launcher's end event tells of its run."""
+
+    started: bool = False
+    #: the progress guard's count at the end (carried into a requeue: :mod:`.budget`)
+    no_progress: int = 0
+    #: the error that ended it, in words, where the exit code alone does not say
+    detail: str = ""
+
+
+def _launch_agent(argv: list[str], run: _Run) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -100,7 +114,7 @@ def _launch_agent(argv: list[str], started: list[bool]) -> int:
         max_restarts=int(args.max_restarts),
         rdzv_backend=str(args.rdzv_backend),
     )
-    started[0] = True
+    run.started = True
     single_node_default = (
         args.rdzv_backend == "static"
         and not args.rdzv_endpoint
@@ -156,6 +170,7 @@ def _launch_agent(argv: list[str], started: list[bool]) -> int:
         return rerun_exit(exc.code, split.ft)
     except NoProgressError as exc:
         logger.error("steadfast launch: %s; stopping (exit %d)", exc, EXIT_NO_PROGRESS)
+        run.detail = str(exc)
         return EXIT_NO_PROGRESS
     except NodeUnhealthyError as exc:
         logger.error("steadfast launch: %s; this node leaves the job (exit %d)", exc, 74)
@@ -186,6 +201,8 @@ def _launch_agent(argv: list[str], started: list[bool]) -> int:
         # re-rendezvous under this id
         return 128 + int(exc.sigval)
     finally:
+        if agents:
+            run.no_progress = agents[-1].progress_guard.streak
         for agent in agents:
             try:
                 agent.close()
