@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .validate import ConfigError, require_number
+from .validate import ConfigError, require_bool, require_number
 
 __all__ = ["STRING_FIELDS", "NodeSettings"]
 
 #: Fields whose command-line value is taken as written (a command, a path).
-STRING_FIELDS = frozenset({"node_health_check", "node_health_check_dir", "node_ledger"})
+STRING_FIELDS = frozenset(
+    {"node_health_check", "node_health_check_dir", "node_ledger", "node_check_mounts"}
+)
 
 
 @dataclass
@@ -39,6 +41,19 @@ class NodeSettings:
             (the default): the site sets it.
         node_ledger_window_days: The window the ledger's faults and hours are counted
             over, in days.
+        node_check_mounts: Folders the job writes to (comma-separated: the checkpoint
+            folder, the output's), each checked before a round: there, and a 4 KiB
+            write and fsync within ``node_check_write_timeout`` seconds. None: none.
+        node_check_write_timeout: The bound of that write, in seconds.
+        node_check_network: Check the link of the interface the job uses
+            (``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``, or the route to the
+            rendezvous): up, at ``node_min_link_gbps`` or more. On by default: a node
+            whose link is down is kept out before it joins.
+        node_min_link_gbps: The least link speed (Gb/s) the site expects; 0: any.
+        node_gpu_memory_free_timeout: Before a restart on the same node, how long the
+            previous workers may take to free their GPU memory (NVML) before the node
+            is taken for unhealthy; 0: not checked. Skipped, with the reason, without
+            an NVIDIA driver.
     """
 
     node_health_check: str | None = None
@@ -47,6 +62,11 @@ class NodeSettings:
     node_ledger: str | None = None
     node_ledger_max_faults: int = 0
     node_ledger_window_days: float = 30.0
+    node_check_mounts: str | None = None
+    node_check_write_timeout: float = 30.0
+    node_check_network: bool = True
+    node_min_link_gbps: float = 0.0
+    node_gpu_memory_free_timeout: float = 60.0
 
     def validate_node_settings(self, p: str) -> None:
         """Check these fields (``p``: the section's prefix, for the error)."""
@@ -67,6 +87,14 @@ class NodeSettings:
                 p + "node_ledger_window_days", self.node_ledger_window_days, exclusive_minimum=0
             )
         )
+        self.node_check_write_timeout = float(
+            require_number(
+                p + "node_check_write_timeout", self.node_check_write_timeout, exclusive_minimum=0
+            )
+        )
+        self.node_check_network = require_bool(p + "node_check_network", self.node_check_network)
+        for name in ("node_min_link_gbps", "node_gpu_memory_free_timeout"):
+            setattr(self, name, float(require_number(p + name, getattr(self, name), minimum=0)))
         if self.node_ledger_max_faults and not self.node_ledger:
             raise ConfigError(
                 f"{p}node_ledger_max_faults: {self.node_ledger_max_faults} needs a node_ledger "

@@ -73,6 +73,7 @@ class Job:
         *train: str,
         spares: int = 0,
         backend: str = "steadfast",
+        slurm_args: tuple[str, ...] = (),
     ) -> None:
         self.slurm, self.tmp = slurm, tmp_path
         self.run_dir = tmp_path / "run"
@@ -83,10 +84,12 @@ class Job:
         cmd += [f"--rdzv-backend={backend}"]
         cmd += ["--job-name", tmp_path.name[:40], "--write", str(script)]
         cmd += [f"--launcher-arg={arg}" for arg in LAUNCHER]
+        cmd += list(slurm_args)
         cmd += [str(TRAIN), "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "out.pt")]
         cmd += ["--steps", str(STEPS), *train]
         made = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert made.returncode == 0, made.stderr
+        self.said = made.stderr
         self.id = slurm.sbatch(script)
 
     def events(self, kind: str | None = None, **match: Any) -> list[dict[str, Any]]:
@@ -322,3 +325,51 @@ def test_preemption_across_nodes_saves_on_both_and_resumes(
     assert resumed == {str(tmp_path / "ck" / f"step_{step + 1}")}
     assert job.events("rank_failed") == []  # a planned stop, not a crash
     assert_bit_exact(tmp_path / "out.pt", reference)
+
+
+def test_a_node_that_failed_twice_in_two_jobs_is_left_out_of_the_third(
+    slurm_bed: BedCluster, tmp_path: Path, reference
+):
+    """The node ledger across jobs: node2 fails its health check (a bad DIMM, its check
+    says) in two jobs that were placed on it; each time its launcher records the fault in
+    the ledger on the shared file system and leaves the job (exit 74), which is then
+    cancelled. The third job, written with the site's threshold of two faults, excludes
+    node2 from its allocation (``--exclude``), runs on two other nodes and ends bit-exact;
+    ``steadfast nodes`` names node2 first, with both faults' evidence."""
+    ledger = tmp_path / "ledger"
+    check = tmp_path / "check.sh"
+    check.write_text('#!/bin/sh\n[ "$(hostname)" != node2 ] || { echo "DIMM B3: ECC"; exit 1; }\n')
+    check.chmod(0o755)
+    for attempt in (1, 2):
+        work = tmp_path / f"job{attempt}"
+        work.mkdir()
+        job = Job(slurm_bed, work, slurm_args=(
+            f"--node-ledger={ledger}", "--sbatch=--nodelist=node2",
+            f"--launcher-arg=--ft-node-health-check={check}",
+        ))  # fmt: skip
+        unhealthy = job.wait_event("node_unhealthy", timeout=120)
+        assert (unhealthy["host"], unhealthy["cause"]) == ("node2", "command")
+        assert "DIMM B3: ECC" in unhealthy["reason"]
+        slurm_bed.run("scancel", job.id)
+        job.finish()
+    work = tmp_path / "job3"
+    work.mkdir()
+    third = Job(slurm_bed, work, slurm_args=(
+        f"--node-ledger={ledger}", "--node-ledger-max-faults=2",
+        f"--launcher-arg=--ft-node-health-check={check}",
+    ))  # fmt: skip
+    assert "keeps node2 out of the job" in third.said
+    info = third.finish()
+    assert info["JobState"] == "COMPLETED", third.out()
+    assert "node2" in info["ExcNodeList"] and "node2" not in third.nodes(), info
+    assert not third.events("node_unhealthy")
+    assert_bit_exact(work / "out.pt", reference)
+    listed = subprocess.run(
+        [sys.executable, "-m", "steadfast.cli", "nodes", "--ledger", str(ledger), "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    worst = json.loads(listed.stdout)["nodes"][0]
+    assert (worst["node"], worst["faults"]) == ("node2", 2)
+    assert {e["cause"] for e in worst["evidence"]} == {"health_check"}
+    assert len(worst["jobs"]) == 2 and worst["node_hours"] > 0

@@ -59,6 +59,7 @@ class Kind(str, Enum):
     NODE_LOST = "node_lost"
     NODE_JOINED = "node_joined"
     NODE_UNHEALTHY = "node_unhealthy"
+    NODE_CHECK = "node_check"
     NODE_ISOLATED = "node_isolated"
     RECORD_REFUSED = "record_refused"
     LAUNCHER_START = "launcher_start"
@@ -264,6 +265,13 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "node": "its host name", "node_rank": "its rank among the round's nodes",
         "nodes": "nodes in the new round", "replaced": "the nodes of the previous round "
         "that are not in this one",
+    }),
+    (Kind.NODE_CHECK, "a check this node ran before it joined a round (cause: storage, "
+     "network or gpu_memory), with its figure", {
+        "figure": "what it measured: the slowest write (s), the link's speed (Gb/s), the "
+        "GPU memory the previous workers still held (MiB); null where it could not tell",
+        "unit": "the figure's unit", "passed": "whether the node passed it",
+        "reason": "why it failed", "skipped": "why it could not run here",
     }),
     (Kind.NODE_UNHEALTHY, "this node failed its health check before a rendezvous: it does not "
      "join (cause: the check)", {"reason": "what failed"}),

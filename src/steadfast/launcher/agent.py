@@ -113,6 +113,7 @@ class FTAgent(LocalElasticAgent):
         term_timeout: float | None = None,
         nnodes: int = 1,
         local_addr: str | None = None,
+        rdzv_endpoint: str = "",
         **kwargs: Any,
     ) -> None:
         # torch's agent stops the workers with this on a signal it got (NVRx's
@@ -132,6 +133,7 @@ class FTAgent(LocalElasticAgent):
         )
         self.lost: list[Loss] = []  # the nodes lost before the coming rendezvous
         self._gpus = GpuCheck(_local_gpus(spec.local_world_size))
+        self._rdzv_host = rdzv_endpoint.rpartition(":")[0].strip("[]") or None
         self.table = HeartbeatTable.create(rows=spec.local_world_size)
         # the workers inherit these from the launcher's environment
         os.environ[HB_TABLE_ENV] = str(self.table.path)
@@ -256,7 +258,7 @@ class FTAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         handler = self.rendezvous.wrapped
         with self.generations.health_check():
-            problem = health_check(self.ft, self._gpus)
+            problem = health_check(self.ft, self._gpus, self._rdzv_host, self.generations.last_pids)
         if problem is not None:
             self._leave_unhealthy(*problem)
         if self.roster is not None:

@@ -35,6 +35,9 @@ class Generations:
 
     def __init__(self) -> None:
         self.current: tuple[float, dict[int, int], WorkerGroup] | None = None
+        #: the pids of the last generation that ended (whose GPU memory a restart
+        #: waits to see freed)
+        self.last_pids: list[int] = []
         self._health = 0.0
         self._rendezvous: list[float] = []
         self._spawn: float | None = None
@@ -108,6 +111,7 @@ class Generations:
             return
         started, pids, worker_group = self.current
         self.current = None
+        self.last_pids = sorted(pids.values())
         now_wall = time.time()
         exits_at = wall_times(exit_times)
         stopped_at = now_wall if cause == "stopped" else None  # no longer watched

@@ -154,6 +154,7 @@ def _launch_agent(argv: list[str], run: _Run) -> int:
             term_timeout=term_timeout,
             nnodes=config.max_nodes,
             local_addr=config.local_addr,
+            rdzv_endpoint=str(config.rdzv_endpoint or ""),
             **kwargs,
         )
         agents.append(agent)

@@ -21,8 +21,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Collection, Iterator
 
+from ... import events
 from ...config import FaultToleranceConfig
+from .trust import Check, check_mounts, check_network, gpu_memory_freed, job_interface
 
 __all__ = ["GpuCheck", "health_check"]
 
@@ -97,14 +100,22 @@ def _end(proc: subprocess.Popen[str]) -> None:
         proc.communicate(timeout=10)
 
 
-def health_check(ft: FaultToleranceConfig, gpus: GpuCheck) -> tuple[str, str] | None:
+def health_check(
+    ft: FaultToleranceConfig,
+    gpus: GpuCheck,
+    rendezvous_host: str | None = None,
+    previous_pids: Collection[int] = (),
+) -> tuple[str, str] | None:
     """This node's health before it joins a rendezvous: ``(check, reason)`` for the
     first check that failed, None when healthy. In order: the node ledger (``ledger``:
     a node with ``node_ledger_max_faults`` faults there is not trusted; an unreadable
     ledger is said and does not keep the node out); ``node_health_check_dir``
     writable with ``node_min_free_gb`` free; each of ``gpus`` GPUs
     (:func:`~steadfast.health.check_gpu_health`, in a child process so that the launcher
-    holds no CUDA context); the user's ``node_health_check`` command."""
+    holds no CUDA context); the storage, the network interface the job uses (its route
+    to ``rendezvous_host``) and, before a restart, the GPU memory of the previous workers
+    (``previous_pids``) freed (:mod:`.trust`, each a ``node_check`` event); the user's
+    ``node_health_check`` command."""
     if ft.node_ledger and ft.node_ledger_max_faults:
         from ...ledger import LedgerError, refusal
 
@@ -131,6 +142,16 @@ def health_check(ft: FaultToleranceConfig, gpus: GpuCheck) -> tuple[str, str] | 
                 f"{directory} has {free:.2f} GiB free, below node_min_free_gb="
                 f"{ft.node_min_free_gb:g}",
             )
+    for check in _trust_checks(ft, gpus, rendezvous_host, previous_pids):
+        if check.skipped is not None:
+            logger.debug("node check %s skipped: %s", check.name, check.skipped)
+            continue
+        events.emit(
+            "node_check", cause=check.name, figure=check.figure, unit=check.unit,
+            passed=check.failed is None, reason=check.failed, skipped=check.skipped,
+        )  # fmt: skip
+        if check.failed is not None:
+            return check.name, check.failed
     if gpus.gpus > 0:
         done = gpus.run(300)
         if done is not None:
@@ -141,6 +162,23 @@ def health_check(ft: FaultToleranceConfig, gpus: GpuCheck) -> tuple[str, str] | 
         if done is not None:
             return "command", done
     return None
+
+
+def _trust_checks(
+    ft: FaultToleranceConfig,
+    gpus: GpuCheck,
+    rendezvous_host: str | None,
+    previous_pids: Collection[int],
+) -> Iterator[Check]:
+    """The checks of :mod:`.trust` the settings ask for, one at a time (the first that
+    fails ends the health check)."""
+    if ft.node_check_mounts:
+        paths = [p.strip() for p in ft.node_check_mounts.split(",") if p.strip()]
+        yield check_mounts(paths, ft.node_check_write_timeout)
+    if ft.node_check_network:
+        yield check_network(job_interface(rendezvous_host), ft.node_min_link_gbps)
+    if gpus.gpus > 0 and previous_pids and ft.node_gpu_memory_free_timeout > 0:
+        yield gpu_memory_freed(previous_pids, ft.node_gpu_memory_free_timeout)
 
 
 def _run(argv: list[str], timeout: float) -> str | None:
