@@ -41,7 +41,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,22 +60,20 @@ from ..monitor import FT_CONFIG_ENV, HB_TABLE_ENV, HeartbeatTable, Watcher
 from ..monitor.learned import LEARNED_FILE, Learned, learn_bits
 from ..progress.probe import PROGRESS_ENV
 from ..rendezvous.signed import bind_roster
+from .blame import agree_loss, loss_cause, nodes_named, record_failures
 from .budget import ProgressGuard, carried_no_progress
 from .compile_cache import CACHE_ENV, SHARED_NAME, CompileCache
 from .errors import JobEndHangError, NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
 from .failures import (
     describe,
     emit_agreed,
-    emit_failures,
-    failure_fields,
     first_failures,
     rerun_exit_code,
     stopped_failures,
 )
-from .generations import Generations, wall_times
+from .generations import Generations
 from .job_end import exit_barrier, hung_at_end, hung_in_teardown
 from .nodes import GpuCheck, Loss, NodeRoster, health_check
-from .nodes.culprit import Verdict, node_claim, rank_claim
 from .rendezvous import Rendezvous
 from .template import Template, take_prestarted
 
@@ -268,7 +266,7 @@ class FTAgent(LocalElasticAgent):
             with self.generations.rendezvous():
                 super()._rendezvous(worker_group)
         else:
-            names = _nodes(loss.peer.host for loss in lost)
+            names = nodes_named(loss.peer.host for loss in lost)
             hosts = sorted({loss.peer.host for loss in lost})
             try:
                 with (
@@ -408,11 +406,11 @@ class FTAgent(LocalElasticAgent):
             if lost or isolated:  # a collective with a dead peer may hang: stop them now
                 self._stop_workers(worker_group)  # unwatches them first
                 stops = _worker_stops(worker_group)
-                verdict = self._agree_loss(lost) if not isolated else None
+                verdict = agree_loss(self.roster, lost) if not isolated else None
                 if verdict is not None:
                     emit_agreed(stops, verdict, self.roster.name, self.rounds)
                 else:
-                    cause = self._loss_cause(lost, isolated)
+                    cause = loss_cause(lost, isolated)
                     for rank, fields in stops.items():
                         events.emit("rank_stopped", cause=cause, rank=rank, **fields)
                 return RunResult(state=WorkerState.FAILED, failures=stopped_failures(worker_group))
@@ -451,74 +449,16 @@ class FTAgent(LocalElasticAgent):
         return result
 
     def _record_failures(self, failures: Mapping[int, Any]) -> None:
-        """``rank_failed`` for the rank(s) that failed first, ``rank_stopped`` for the
-        ranks that went down after them: torch's agent reports every worker of a failed
-        group as failed, the survivors it stopped (and those that ended on their own
-        when a collective lost its peer) included, but the fault is counted once. With more
-        than one node the culprit is agreed job-wide first (:mod:`.nodes.culprit`): the
-        ranks of a node whose workers only followed another node's fault are all
-        ``rank_stopped``, pointing to it, and every node writes ``fault_culprit``.
-
-        The order is the watcher's (a pidfd per worker, ms resolution); without pidfds,
-        torch's failure timestamps (1 s resolution) decide, and ties count as failed."""
-        seen = time.time()
-        if self.roster is not None:
-            # a rank that lost its peer exits as fast as the peer's node is seen lost:
-            # give the roster a moment to tell which it was
-            grace = min(1.0, self.ft.node_heartbeat_timeout)
-            lost = self.roster.wait_for_loss(grace)
-            isolated = self.roster.isolated()
-            if lost or isolated:
-                verdict = self._agree_loss(lost) if not isolated else None
-                if verdict is not None:
-                    stops = {int(r): failure_fields(f) for r, f in failures.items()}
-                    emit_agreed(stops, verdict, self.roster.name, self.rounds)
-                else:
-                    emit_failures(failures, {}, loss=self._loss_cause(lost, isolated))
-                return
-        exits = self.watcher.exit_times()
-        deadline = time.monotonic() + 0.5  # the watcher thread records an exit within ms
-        while any(int(f.local_rank) not in exits for f in failures.values()):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.005)
-            exits = self.watcher.exit_times()
-        if self.roster is not None:  # one culprit for the job, not one per node
-            claim = rank_claim(
-                self.roster.name,
-                int(self.get_worker_group().group_rank or 0),
-                failures,
-                wall_times(exits),
-                self.watcher.hung(),
-                first_failures(failures, exits),
-                detected=seen,
-                global_rank=self._global_rank,
-            )
-            verdict = self.roster.agree_culprit(claim)
-            if verdict is not None:
-                stops = {int(r): failure_fields(f) for r, f in failures.items()}
-                emit_agreed(stops, verdict, self.roster.name, self.rounds)
-                return
-        emit_failures(failures, exits)
-
-    def _agree_loss(self, lost: list[Loss]) -> Verdict | None:
-        """The round's culprit where this node saw nodes lost: its claim is the earliest
-        of them (a node lost takes its ranks down with it)."""
-        if self.roster is None or not lost:
-            return None
-        claims = [
-            node_claim(loss.peer.host, loss.peer.rank, loss.cause, loss.latency) for loss in lost
-        ]
-        best = claims[0]
-        for claim in claims[1:]:
-            best = claim if claim.beats(best) else best
-        return self.roster.agree_culprit(best, absent=len(lost))
-
-    @staticmethod
-    def _loss_cause(lost: list[Loss], isolated: str | None) -> str:
-        if lost:
-            return f"after the loss of {_nodes(loss.peer.host for loss in lost)}"
-        return f"this node is cut off from the job: {isolated}"
+        """The failed group's events, its culprit agreed job-wide (:mod:`.blame`)."""
+        record_failures(
+            failures,
+            roster=self.roster,
+            watcher=self.watcher,
+            node_rank=int(self.get_worker_group().group_rank or 0),
+            rounds=self.rounds,
+            global_rank=self._global_rank,
+            grace=min(1.0, self.ft.node_heartbeat_timeout),
+        )
 
     def _expire_lost(self) -> None:
         """Before the next rendezvous: the lost nodes are expired from torch's rendezvous
@@ -591,9 +531,3 @@ def _learned_path() -> Path | None:
     """Where the learned timeouts are kept: in the run directory."""
     run_dir = _run_dir()
     return run_dir / LEARNED_FILE if run_dir else None
-
-
-def _nodes(hosts: Iterable[str]) -> str:
-    """``node node2`` / ``nodes node2, node5``, for messages."""
-    names = list(hosts)
-    return ("node " if len(names) == 1 else "nodes ") + ", ".join(names)
