@@ -417,3 +417,18 @@ def started_probe() -> Iterator[Any]:
     finally:
         probe.close()
         table.close()
+
+
+def enter_round(rosters: list[Any], stores: list[Any], run_id: str = "job") -> None:
+    """Every node roster enters the same round at once (node rank = its index), as the
+    launchers do after a rendezvous."""
+    import threading
+
+    threads = [
+        threading.Thread(target=r.enter_round, args=(s, i, len(rosters), run_id, None))
+        for i, (r, s) in enumerate(zip(rosters, stores, strict=True))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)

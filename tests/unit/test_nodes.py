@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from sfharness import enter_round as enter
 from sfharness import read_events, refusing_fence, wait_for
 from steadfast import CheckpointFenced, CheckpointManager
 from steadfast.config import ConfigError, FaultToleranceConfig
@@ -61,18 +62,6 @@ def _td(seconds: float):
     import datetime
 
     return datetime.timedelta(seconds=seconds)
-
-
-def enter(rosters: list[NodeRoster], stores: list[dist.Store]) -> None:
-    """Every roster enters the same round at once, as the launchers do after a rendezvous."""
-    threads = [
-        threading.Thread(target=r.enter_round, args=(s, i, len(rosters), "job", None))
-        for i, (r, s) in enumerate(zip(rosters, stores, strict=True))
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from sfharness import enter_round as enter
 from sfharness import read_events
 from steadfast import seam
 from steadfast.config import FaultToleranceConfig
@@ -85,17 +86,6 @@ def c10d_round(port: int, count: int) -> Iterator[tuple[Any, Any]]:
     finally:
         for h in handlers:
             h.shutdown()
-
-
-def enter(rosters: list[NodeRoster], stores: list[Any]) -> None:
-    threads = [
-        threading.Thread(target=r.enter_round, args=(s, rank, len(rosters), "job", None))
-        for rank, (r, s) in enumerate(zip(rosters, stores, strict=True))
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
 
 
 def test_under_torchs_c10d_the_rosters_records_are_sealed_and_forgeries_refused(
