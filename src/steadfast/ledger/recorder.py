@@ -21,6 +21,7 @@ the job goes on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -55,12 +56,16 @@ class Recorder:
         self._lock = threading.Lock()
         self._publishing = threading.Lock()  # one at a time, the newest last
         self._published = 0.0
+        self._log_from = 0
         self._failed = False
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Publish the stint and listen to this process's events."""
+        path = events.current_path()
+        with contextlib.suppress(OSError):  # where this stint's part of the log begins
+            self._log_from = os.path.getsize(path) if path else 0
         self._publish()
         event_writer.record_listeners.append(self.observe)
 
@@ -104,29 +109,51 @@ class Recorder:
 
     def _persistent_verdicts(self) -> list[Fault]:
         """This job's ``persistent`` verdicts written on this node since the stint
-        began, each charged to the node its result was doubted on."""
+        began, each charged to the node its result was doubted on (the
+        ``rerun_elsewhere`` before it, in an earlier incarnation). Only this stint's part
+        of the log is read, unless it holds such a verdict: a long job's log is large."""
         path = events.current_path()
         if path is None or not os.path.exists(path):
             return []
-        doubted: str | None = None
-        found = []
         try:
-            for ev in events.read_events(path):
-                if not self._this_job(ev):
-                    continue
+            if not self._verdicts(path, self._log_from, {"rerun_verdict"}):
+                return []
+            doubted: str | None = None
+            found = []
+            for ev in self._verdicts(path, 0, {"rerun_verdict", "rerun_elsewhere"}):
                 if ev.kind == events.Kind.RERUN_ELSEWHERE:
                     doubted = str(ev.get("host") or "") or None
-                elif (
-                    ev.kind == events.Kind.RERUN_VERDICT
-                    and ev.get("verdict") == "persistent"
-                    and ev.get("host") == self.host
-                    and ev.time >= self._stint.start
-                    and doubted is not None
-                ):
+                elif self._mine(ev) and doubted is not None:
                     why = f"step {ev.step}'s result did not reproduce off {doubted}"
                     found.append(Fault(doubted, self.job, ev.time, "rerun_persistent", why))
         except (OSError, events.EventLogError) as exc:
             logger.warning("node ledger: cannot read the re-run verdicts from %s: %s", path, exc)
+            return []
+        return found
+
+    def _mine(self, ev: Any) -> bool:
+        """A persistent verdict of this job written on this node in this stint."""
+        return bool(
+            ev.kind == events.Kind.RERUN_VERDICT
+            and ev.get("verdict") == "persistent"
+            and ev.get("host") == self.host
+            and ev.time >= self._stint.start
+        )
+
+    def _verdicts(self, path: str, offset: int, kinds: set[str]) -> list[Any]:
+        """This job's events of ``kinds`` in the log from byte ``offset`` on (a line is
+        parsed only when it names one of them); with ``offset``, only persistent
+        verdicts of this stint."""
+        wanted = [f'"kind":"{kind}"'.encode() for kind in kinds]
+        found = []
+        with open(path, "rb") as log:
+            log.seek(offset)
+            for number, line in enumerate(log, 1):
+                if not any(w in line for w in wanted):
+                    continue
+                ev = events.parse_event(line.decode(errors="replace"), f"{path}:+{number}")
+                if self._this_job(ev) and (not offset or self._mine(ev)):
+                    found.append(ev)
         return found
 
     def _this_job(self, ev: Any) -> bool:
