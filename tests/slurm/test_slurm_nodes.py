@@ -373,3 +373,31 @@ def test_a_node_that_failed_twice_in_two_jobs_is_left_out_of_the_third(
     assert (worst["node"], worst["faults"]) == ("node2", 2)
     assert {e["cause"] for e in worst["evidence"]} == {"health_check"}
     assert len(worst["jobs"]) == 2 and worst["node_hours"] > 0
+
+
+def test_a_requeue_leaves_out_the_jobs_node_that_the_ledger_now_keeps_out(
+    slurm_bed: BedCluster, tmp_path: Path, reference
+):
+    """A node of a running job crosses the site's threshold (another job's launcher
+    recorded a fault of it meanwhile: here, written into the ledger by the test). When
+    the job's restarts are spent and the launcher requeues it, the requeue excludes that
+    node as it excludes a lost one: the job comes back on other nodes and ends bit-exact."""
+    from steadfast.ledger import Entry, Fault, FileLedger, Stint
+
+    ledger = tmp_path / "ledger"
+    job = Job(slurm_bed, tmp_path, "--fault", "exception", "--fault-rank", "0",
+              "--fault-step", "12", "--step-sleep", "0.2", slurm_args=(
+                  f"--node-ledger={ledger}", "--node-ledger-max-faults=1", "--max-restarts=0",
+              ))  # fmt: skip
+    _, other = _training_nodes(job)
+    now = time.time()
+    fault = Fault(other, "another-job", now, "hardware_signal", "rank 3 died of SIGBUS")
+    stint = Stint(other, "another-job", now - 60, now)
+    FileLedger(ledger).publish("elsewhere", Entry("elsewhere", [stint], [fault]))
+    info = job.finish()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.out()
+    (requeued,) = job.events("job_requeued")
+    assert requeued["cause"] == "restarts_exhausted" and requeued["excluded"] == [other]
+    assert other in info["ExcNodeList"] and other not in set(job.hosts_of(1).values())
+    assert not job.events("node_unhealthy")  # kept out by Slurm, not refused on arrival
+    assert_bit_exact(tmp_path / "out.pt", reference)
