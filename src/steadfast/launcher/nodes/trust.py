@@ -201,7 +201,7 @@ def _nvml_reader() -> tuple[Callable[[Collection[int]], int], Callable[[], None]
     read here (no NVML: no NVIDIA driver, or no GPU)."""
     try:
         # nvidia-ml-py: NVIDIA's own binding, ctypes over the driver's NVML
-        import pynvml  # type: ignore[import-not-found,unused-ignore]
+        import pynvml  # type: ignore[import-untyped,import-not-found,unused-ignore]
     except ImportError:
         return "nvidia-ml-py is not installed"
     try:
