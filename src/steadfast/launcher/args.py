@@ -59,6 +59,9 @@ _VALUE_FLAGS = {
     "--workers-stop-timeout": "ft:workers_stop_timeout",
     "--ft-restart-policy": "restart_policy",
     "--restart-policy": "restart_policy",
+    "--metrics-port": "metrics_port",
+    "--metrics-addr": "metrics_addr",
+    "--metrics-sd-dir": "metrics_sd_dir",
 }
 #: steadfast's flags without a value
 _SWITCHES = {"--ignore-missing-fault-tol-cfg": "ignore_missing_cfg"}
@@ -80,6 +83,12 @@ class LaunchArgs:
     restart_policy: str = "any-failed"
     #: torchrun's flags before the training script (where ``-h`` asks for help)
     launcher_flags: list[str] = field(default_factory=list)
+    #: ``--metrics-port``: the Prometheus endpoint's port (0: a free one; None: none)
+    metrics_port: int | None = None
+    #: ``--metrics-addr``: the address it listens on (default: every address)
+    metrics_addr: str = ""
+    #: ``--metrics-sd-dir``: where its file_sd target file goes
+    metrics_sd_dir: str | None = None
 
 
 def resolve_events_path(
@@ -204,6 +213,9 @@ def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> LaunchArgs:
             "going with an elastic --nnodes MIN:MAX instead"
         )
     term = taken.get("term_timeout")
+    port = taken.get("metrics_port")
+    if port is not None and not (port.isascii() and port.isdigit() and int(port) <= 65535):
+        raise ConfigError(f"--metrics-port: {port!r} is not a TCP port (0 for a free one)")
     return LaunchArgs(
         torchrun,
         base.with_overrides(overrides) if overrides else base,
@@ -212,6 +224,9 @@ def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> LaunchArgs:
         term_timeout=_seconds("--term-timeout", term) if term is not None else None,
         restart_policy=policy,
         launcher_flags=before if before is not None else list(torchrun),
+        metrics_port=int(port) if port is not None else None,
+        metrics_addr=taken.get("metrics_addr", ""),
+        metrics_sd_dir=taken.get("metrics_sd_dir"),
     )
 
 
@@ -277,6 +292,26 @@ def get_args_parser() -> argparse.ArgumentParser:
         choices=RESTART_POLICIES,
         default="any-failed",
         help="any-failed: every node's workers restart when any fails (min-healthy: not supported)",
+    )
+    group.add_argument(
+        "--metrics-port",
+        dest="metrics_port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on PORT (0: a free port, said in the log and the "
+        "file_sd file); the job-wide series from the launcher of node rank 0",
+    )
+    group.add_argument(
+        "--metrics-addr",
+        dest="metrics_addr",
+        metavar="ADDR",
+        help="the address the metrics endpoint listens on (default: all)",
+    )
+    group.add_argument(
+        "--metrics-sd-dir",
+        dest="metrics_sd_dir",
+        metavar="DIR",
+        help="write a Prometheus file_sd target file for the endpoint in DIR",
     )
     group.add_argument(
         "--ignore-missing-fault-tol-cfg",

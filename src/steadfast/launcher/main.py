@@ -161,6 +161,7 @@ def _launch_agent(argv: list[str], run: _Run) -> int:
         return agent
 
     ledger = _ledger(split.ft, str(args.rdzv_id))
+    metrics = _metrics(split, agents, str(args.rdzv_id))
     try:
         _handle_signals_now(config.signals_to_handle)
         seam.launch_agent(make_agent, config, cmd, list(cmd_args))
@@ -211,6 +212,8 @@ def _launch_agent(argv: list[str], run: _Run) -> int:
                 logger.exception("steadfast launch: cleaning up after the workers failed")
         if ledger is not None:
             ledger.close()
+        if metrics is not None:
+            metrics.close()
     return EXIT_OK
 
 
@@ -231,6 +234,33 @@ def _ledger(ft: Any, run_id: str) -> Any:
     )
     recorder.start()
     return recorder
+
+
+def _metrics(split: Any, agents: list[Any], run_id: str) -> Any:
+    """The launcher's Prometheus endpoint (``--metrics-port``), None without one. The
+    job-wide series come from the launcher of node rank 0; every one serves its node's."""
+    if split.metrics_port is None:
+        return None
+    from .. import events
+    from ..metrics import learned_in_force, serve
+
+    def lead() -> bool:
+        group = agents[-1].get_worker_group() if agents else None
+        return group is not None and int(group.group_rank or 0) == 0
+
+    def learned() -> dict[str, float]:
+        agent = agents[-1] if agents else None
+        found = getattr(agent, "learned", None)
+        return learned_in_force(found, split.ft) if found is not None else {}
+
+    try:
+        return serve(
+            events.current_path() or "", split.metrics_port, addr=split.metrics_addr,
+            sd_dir=split.metrics_sd_dir, node=socket.gethostname(), lead=lead,
+            learned=learned, labels={"steadfast_job": run_id, "node": socket.gethostname()},
+        )  # fmt: skip
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port {split.metrics_port}: {exc}") from None
 
 
 def _handle_signals_now(names: str) -> None:
