@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 # The stamp's name carries the torch requirement, so `make test TORCH=...` reinstalls.
 STAMP   = $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint shellcheck typecheck pytest soak bench clean slurm nodes
+.PHONY: demo test lint shellcheck typecheck pytest soak bench clean slurm nodes prometheus
 
 # Debian packages: tests/slurm/ runs a real single-node Slurm (slurm-wlm and munge),
 # tests/multinode/ makes nodes from network namespaces (iproute2, util-linux) with an
@@ -58,7 +58,12 @@ slurm:
 nodes:
 	@bash $(NODES_SCRIPT) install || $(call optional,iproute2 util-linux etcd (tests/multinode))
 
-pytest: $(STAMP) slurm nodes
+# a real Prometheus scrapes a run (tests/e2e/test_metrics_prometheus.py) and promtool
+# checks the metrics; installed without its recommends, its service never started
+prometheus:
+	@bash $(DEBIAN) ensure prometheus || $(call optional,prometheus (the metrics tests))
+
+pytest: $(STAMP) slurm nodes prometheus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest

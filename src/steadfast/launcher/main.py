@@ -242,7 +242,7 @@ def _metrics(split: Any, agents: list[Any], run_id: str) -> Any:
     if split.metrics_port is None:
         return None
     from .. import events
-    from ..metrics import learned_in_force, serve
+    from ..metrics import learned_in_force, ledger_counts, serve
 
     def lead() -> bool:
         group = agents[-1].get_worker_group() if agents else None
@@ -258,6 +258,8 @@ def _metrics(split: Any, agents: list[Any], run_id: str) -> Any:
             events.current_path() or "", split.metrics_port, addr=split.metrics_addr,
             sd_dir=split.metrics_sd_dir, node=socket.gethostname(), lead=lead,
             learned=learned, labels={"steadfast_job": run_id, "node": socket.gethostname()},
+            ledger=ledger_counts(split.ft.node_ledger, split.ft.node_ledger_window_days)
+            if split.ft.node_ledger else None,
         )  # fmt: skip
     except OSError as exc:
         raise ConfigError(f"--metrics-port {split.metrics_port}: {exc}") from None

@@ -4,6 +4,7 @@ as it grows (:mod:`.figures`, :mod:`.follow`)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -20,6 +21,7 @@ __all__ = [
     "LogFollower",
     "MetricsServer",
     "learned_in_force",
+    "ledger_counts",
     "serve",
 ]
 
@@ -48,7 +50,32 @@ def serve(
     lead: Callable[[], bool],
     learned: Callable[[], Mapping[str, float]],
     labels: Mapping[str, str] | None = None,
+    ledger: Callable[[], Mapping[str, int]] | None = None,
 ) -> MetricsServer:
     """The launcher's endpoint: the run's figures from ``log``."""
-    collector = JobCollector(Figures(log), lead, learned, node)
+    collector = JobCollector(Figures(log), lead, learned, node, ledger)
     return MetricsServer(collector, port, addr=addr, sd_dir=sd_dir, labels=labels)
+
+
+def ledger_counts(
+    location: str, window_days: float, every: float = 60.0
+) -> Callable[[], dict[str, int]]:
+    """The node ledger's faults by node, read at most every ``every`` seconds (a scrape
+    a second must not list the ledger's folder each time); an unreadable ledger gives
+    the last counts."""
+    import time
+
+    from ..ledger import LedgerError, node_records
+
+    cache: dict[str, Any] = {"at": -math.inf, "counts": {}}
+
+    def counts() -> dict[str, int]:
+        now = time.monotonic()
+        if now - cache["at"] >= every:
+            cache["at"] = now
+            with contextlib.suppress(LedgerError):  # unreadable: the last counts
+                found = node_records(location, window_days)
+                cache["counts"] = {r.node: len(r.faults) for r in found}
+        return dict(cache["counts"])
+
+    return counts

@@ -53,8 +53,11 @@ class JobCollector(Collector):
         lead: Callable[[], bool],
         learned: Callable[[], Mapping[str, float]],
         node: str,
+        ledger: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
+        """``ledger``: the node ledger's faults by node (None: the job keeps none)."""
         self.figures, self.lead, self.learned, self.node = figures, lead, learned, node
+        self.ledger = ledger
 
     def collect(self) -> Iterator[Metric]:
         f = self.figures
@@ -120,6 +123,16 @@ class JobCollector(Collector):
         for rank, score in sorted(f.stragglers.items()):
             scores.add_metric([str(rank)], score)
         yield scores
+        if self.ledger is not None:
+            counts = self.ledger()
+            ledger = GaugeMetricFamily(
+                "steadfast_node_ledger_faults",
+                "faults the node ledger holds of each of the job's nodes in its window",
+                labels=["node"],
+            )
+            for host in sorted(set(f.nodes) | {self.node}):
+                ledger.add_metric([host], counts.get(host, 0))
+            yield ledger
 
 
 class MetricsServer:
