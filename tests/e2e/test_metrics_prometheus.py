@@ -118,7 +118,7 @@ def test_a_real_prometheus_scrapes_a_run_with_a_fault(tmp_path: Path) -> None:
              "--nproc-per-node=2", "--events", str(tmp_path / "events.jsonl"),
              "--metrics-port=0", "--metrics-addr=127.0.0.1", f"--metrics-sd-dir={sd}",
              f"--ft-node-ledger={tmp_path / 'ledger'}",
-             str(TRAIN), "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", "40",
+             str(TRAIN), "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", "60",
              "--save-every", "5", "--step-sleep", "0.25", "--fault", "rank_killed:1:20"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
