@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 # The stamp's name carries the torch requirement, so `make test TORCH=...` reinstalls.
 STAMP   = $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint shellcheck typecheck pytest soak bench clean slurm nodes prometheus
+.PHONY: demo test lint shellcheck typecheck pytest soak bench clean slurm nodes metrics
 
 # Debian packages: tests/slurm/ runs a real single-node Slurm (slurm-wlm and munge),
 # tests/multinode/ makes nodes from network namespaces (iproute2, util-linux) with an
@@ -59,11 +59,12 @@ nodes:
 	@bash $(NODES_SCRIPT) install || $(call optional,iproute2 util-linux etcd (tests/multinode))
 
 # a real Prometheus scrapes a run (tests/e2e/test_metrics_prometheus.py) and promtool
-# checks the metrics; installed without its recommends, its service never started
-prometheus:
-	@bash $(DEBIAN) ensure prometheus || $(call optional,prometheus (the metrics tests))
+# checks the metrics (installed without its recommends, its service never started);
+# tmux is the terminal `steadfast watch` is tested in (tests/e2e/test_watch.py)
+metrics:
+	@bash $(DEBIAN) ensure prometheus tmux || $(call optional,prometheus tmux (the metrics tests))
 
-pytest: $(STAMP) slurm nodes prometheus
+pytest: $(STAMP) slurm nodes metrics
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest

@@ -353,8 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     health.set_defaults(func=_health)
     _add_slurm_parser(sub)
     from .ledger.table import add_nodes_parser
+    from .watch import add_watch_parser
 
     add_nodes_parser(sub)
+    add_watch_parser(sub)
     return parser
 
 

@@ -58,8 +58,8 @@ class Figures:
         self._goodput_at = 0.0
         self._lock = threading.Lock()
 
-    def refresh(self) -> None:
-        """Fold in the events written since the last call."""
+    def refresh(self) -> list[events.Event]:
+        """Fold in the events written since the last call; returns them."""
         with self._lock:
             new = self._follower.read()
             for ev in new:
@@ -69,6 +69,7 @@ class Figures:
             if new and (not self._goodput_at or now - self._goodput_at >= GOODPUT_EVERY):
                 self._goodput_at = now
                 self._account()
+        return new
 
     # ------------------------------------------------------------------ the fold
     def _fold(self, ev: events.Event) -> None:
