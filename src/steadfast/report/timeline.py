@@ -16,6 +16,7 @@ from .. import events as ev
 from .goodput import DETECTION_KINDS
 from .launchers import as_list
 from .restarts import Restart, restarts
+from .timeline_fold import fold
 from .timeline_nodes import (
     CULPRIT,
     MARK_COLOURS,
@@ -26,12 +27,45 @@ from .timeline_nodes import (
 )
 from .timeline_restarts import LABEL, draw_restarts
 
-__all__ = ["plot_timeline"]
+__all__ = ["detections", "plot_timeline"]
 
 _DETECTIONS = {k for kinds in DETECTION_KINDS.values() for k in kinds} | {
     ev.Kind.NAN_ROLLBACK_RECOMMENDED,
     ev.Kind.ROLLBACK,
 }
+
+
+#: seconds within which the ranks' hang events are one hang (every rank that waited on
+#: the culprit overstays its timeout about together)
+_SAME_HANG = 30.0
+
+
+def detections(events: list[ev.Event], kinds: set[str] | None = None) -> list[tuple[float, int]]:
+    """Each detection as ``(time, rank)``, at the rank it names: a straggler report's
+    stragglers (not the rank that reported them), a hang's culprit once (the
+    ``hang_confirmed`` culprit, else the first rank found hung; not every rank that
+    stopped waiting on it), else the event's own rank."""
+    wanted = _DETECTIONS if kinds is None else kinds
+    culprits = [(e.time, e.get("culprit")) for e in events
+                if e.kind == ev.Kind.HANG_CONFIRMED and e.get("culprit") is not None]  # fmt: skip
+    hangs: list[float] = []
+    out: list[tuple[float, int]] = []
+    for e in events:
+        if e.kind not in wanted:
+            continue
+        if e.kind == ev.Kind.STRAGGLER_DETECTED:
+            named = [r for r in as_list(e.get("ranks")) if isinstance(r, int)]
+            out.extend((e.time, r) for r in named)
+        elif e.kind == ev.Kind.RANK_HUNG:
+            if any(abs(e.time - t) < _SAME_HANG for t in hangs):
+                continue
+            culprit = next((c for t, c in culprits if abs(t - e.time) < _SAME_HANG), e.rank)
+            if isinstance(culprit, int):
+                hangs.append(e.time)
+                out.append((e.time, culprit))
+        elif e.rank is not None:
+            out.append((e.time, e.rank))
+    return out
 
 
 def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: str = "") -> Path:
@@ -48,7 +82,9 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
         raise ValueError("no events to draw")
     found = restarts(sorted(events, key=lambda e: e.time))
     if is_multinode(events):
-        return _plot_multinode(plt, node_layout(events), Path(path), title, found)
+        stragglers = {r for _, r in detections(events, kinds={ev.Kind.STRAGGLER_DETECTED})}
+        layout = fold(node_layout(events), stragglers)
+        return _plot_multinode(plt, layout, Path(path), title, found)
     if not any(e.kind == ev.Kind.STEP_DONE for e in events) and any(
         e.kind == ev.Kind.WORKERS_STARTED for e in events
     ):
@@ -80,13 +116,14 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
                     ax.plot(x, y + 0.45, "X", color="red", markersize=11)
                     ax.annotate(str(e.get("fault") or e.cause), (x, y + 0.5), fontsize=7,
                                 color="red", rotation=25)  # fmt: skip
-                elif e.kind in _DETECTIONS:
-                    ax.plot(x, y - 0.45, "^", color="darkorange", markersize=9)
                 elif e.kind == ev.Kind.JOB_START:  # the process began earlier: start-up time
                     began = e.get("process_start")
                     began = x if began is None else float(began) - t0
                     ax.plot(began, y, ">", color="black", markersize=7)
                     ax.plot([began, x], [y, y], color="gray", linewidth=2)
+        for at, r in detections(events):  # on the lane of the rank each names
+            if r in lane:
+                ax.plot(at - t0, lane[r] - 0.45, "^", color="darkorange", markersize=9)
         for e in events:
             if e.kind == ev.Kind.FAULT_INJECTED and e.rank is None:  # from outside (a SIGTERM)
                 ax.axvline(e.time - t0, color="red", linestyle=":", linewidth=1)

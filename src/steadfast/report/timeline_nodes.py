@@ -73,6 +73,9 @@ class Lane:
     steps: list[tuple[float, float]] = field(default_factory=list)  # (start, length)
     saves: list[tuple[float, float]] = field(default_factory=list)
     injected: list[tuple[float, str]] = field(default_factory=list)  # fault_injected
+    #: a folded lane's label, and the ranks it stands for (:mod:`.timeline_fold`)
+    title: str | None = None
+    folded: list[int] = field(default_factory=list)
 
     @property
     def ranks(self) -> list[int]:
@@ -82,6 +85,8 @@ class Lane:
     @property
     def label(self) -> str:
         """The y axis' label: the rank, or the ranks in order (a round renumbered it)."""
+        if self.title is not None:
+            return self.title
         ranks = self.ranks
         if not ranks:
             return "no workers"
