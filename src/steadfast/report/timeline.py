@@ -82,9 +82,9 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
         raise ValueError("no events to draw")
     found = restarts(sorted(events, key=lambda e: e.time))
     if is_multinode(events):
-        stragglers = {r for _, r in detections(events, kinds={ev.Kind.STRAGGLER_DETECTED})}
-        layout = fold(node_layout(events), stragglers)
-        return _plot_multinode(plt, layout, Path(path), title, found)
+        slow = detections(events, kinds={ev.Kind.STRAGGLER_DETECTED})
+        layout = fold(node_layout(events), {r for _, r in slow})
+        return _plot_multinode(plt, layout, Path(path), title, found, slow)
     if not any(e.kind == ev.Kind.STEP_DONE for e in events) and any(
         e.kind == ev.Kind.WORKERS_STARTED for e in events
     ):
@@ -306,7 +306,12 @@ def _pale(colour: str, alpha: float) -> tuple[float, float, float]:
 
 
 def _plot_multinode(
-    plt: Any, layout: NodeLayout, out: Path, title: str, found: list[Restart]
+    plt: Any,
+    layout: NodeLayout,
+    out: Path,
+    title: str,
+    found: list[Restart],
+    slow: list[tuple[float, int]],
 ) -> Path:
     """Draw ``layout`` (see :mod:`.timeline_nodes`): a band per node, a lane per seat."""
     from matplotlib.lines import Line2D
@@ -349,6 +354,11 @@ def _plot_multinode(
             for x, what in lane.injected:
                 ax.plot(x, lane.y + 0.4, "X", color="red", markersize=9, zorder=5)
                 ax.annotate(what, (x, lane.y + 0.45), fontsize=7, color="red", zorder=5)
+        drawn_out = {r: lane for lane in lanes if lane.title is None for r in lane.ranks}
+        for at, rank in slow:  # a straggler, on its own lane
+            if rank in drawn_out:
+                ax.plot(at - layout.t0, drawn_out[rank].y + 0.42, "v", color="darkorange",
+                        markersize=8, zorder=5)  # fmt: skip
         for m in layout.marks:
             colour = MARK_COLOURS[m.what]
             ax.axvline(m.time, color=colour, linestyle="--", linewidth=1.1, zorder=4)
@@ -385,6 +395,9 @@ def _plot_multinode(
             handles.append(Patch(color="tab:blue", label="step"))
         if any(lane.saves for lane in lanes):
             handles.append(Patch(color="tab:green", label="checkpoint save"))
+        if any(rank in drawn_out for _, rank in slow):
+            handles.append(Line2D([], [], color="darkorange", marker="v", linestyle="",
+                                  label="found a straggler"))  # fmt: skip
         handles.append(Line2D([], [], color="0.35", marker=">", markersize=4, label="launcher"))
         for what in dict.fromkeys(m.what for m in layout.marks):
             handles.append(Line2D([], [], color=MARK_COLOURS[what], linestyle="--",
