@@ -13,8 +13,10 @@ from steadfast.launcher.job_end import process_state
 def test_a_worker_is_told_running_zombie_or_gone():
     child = subprocess.Popen(["sleep", "30"])
     try:
-        wait_for(lambda: process_state(child.pid)[1] is not None, timeout=10, what="asleep")
-        state, wchan = process_state(child.pid)
+        seen: list[tuple[str, str | None]] = []  # one read: a second may catch it awake
+        wait_for(lambda: seen.append(process_state(child.pid)) or seen[-1][1] is not None,
+                 timeout=10, what="asleep")  # fmt: skip
+        state, wchan = seen[-1]
         assert state == "running" and wchan  # asleep in the kernel: where it waits
         child.kill()
         # killed, not yet reaped by its parent (this process): the launcher's view of a

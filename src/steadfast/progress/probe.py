@@ -399,6 +399,9 @@ class Probe:
             fd = os.open(self.ask, os.O_RDWR | os.O_CLOEXEC)  # RDWR: never end-of-file
         except OSError:
             return
+        if not self.active:  # closed before this thread had the pipe open: close()'s
+            os.close(fd)  # wake-up found no reader and was dropped; nothing will come
+            return
         from .. import seam
 
         try:
