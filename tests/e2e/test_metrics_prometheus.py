@@ -115,7 +115,7 @@ def test_a_real_prometheus_scrapes_a_run_with_a_fault(tmp_path: Path) -> None:
         began = time.time()
         launch = subprocess.Popen(
             [sys.executable, "-m", "steadfast.cli", "launch", "--standalone",
-             "--nproc-per-node=2", "--events", str(tmp_path / "events.jsonl"),
+             "--nproc-per-node=2", "--max-restarts=3", "--events", str(tmp_path / "events.jsonl"),
              "--metrics-port=0", "--metrics-addr=127.0.0.1", f"--metrics-sd-dir={sd}",
              f"--ft-node-ledger={tmp_path / 'ledger'}",
              str(TRAIN), "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", "60",

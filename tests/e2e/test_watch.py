@@ -59,9 +59,9 @@ def test_watch_shows_a_running_job_and_its_fault_in_a_real_terminal(tmp_path: Pa
     run.mkdir()
     launch = subprocess.Popen(
         [sys.executable, "-m", "steadfast.cli", "launch", "--standalone", "--nproc-per-node=2",
-         "--run-dir", str(run), str(TRAIN), "--ckpt-dir", str(tmp_path / "ckpt"),
-         "--steps", "40", "--save-every", "5", "--step-sleep", "0.2",
-         "--fault", "rank_killed:1:15"],
+         "--max-restarts=3", "--run-dir", str(run), str(TRAIN),
+         "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", "40", "--save-every", "5",
+         "--step-sleep", "0.2", "--fault", "rank_killed:1:15"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     term = Terminal([sys.executable, "-m", "steadfast.cli", "watch", str(run),
