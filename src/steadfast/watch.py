@@ -59,9 +59,10 @@ class Screen:
             self.ended = None
         elif ev.kind in _FAULTS:
             when = time.strftime("%H:%M:%S", time.localtime(ev.time))
-            who = ev.get("node") or (f"rank {ev.rank}" if ev.rank is not None else ev.get("host"))
-            what = ev.get("summary") or ev.get("how") or ev.get("reason") or ev.cause or ""
-            self.faults.append(f"{when}  {ev.kind:<15} {who} on {ev.get('host')}: {what}")
+            f = ev.fields  # the fields each kind has (a node lost names its node, ...)
+            who = f.get("node") or (f"rank {ev.rank}" if ev.rank is not None else f.get("host"))
+            what = f.get("summary") or f.get("how") or f.get("reason") or ev.cause or ""
+            self.faults.append(f"{when}  {ev.kind:<15} {who} on {f.get('host')}: {what}")
         elif ev.kind == events.Kind.FAULT_CULPRIT and self.faults:
             culprit = f"{ev.get('node')} rank {ev.get('culprit_rank')}"
             if "culprit" not in self.faults[-1]:
