@@ -137,3 +137,31 @@ def test_the_endpoint_serves_and_its_target_file_comes_and_goes(log: Path, tmp_p
     finally:
         server.close()
     assert not server.sd_file.exists()
+
+
+def test_the_watch_screen_reads_every_fault_kind_it_shows(log: Path) -> None:
+    """Each fault kind the screen lists, with the fields its kind has (a kind without a
+    node or a summary must not stop the view)."""
+    from steadfast.watch import Screen
+
+    events.emit("workers_started", generation=1, restart_count=0, node_rank=0, nodes=1,
+                world_size=2, ranks=[0, 1], pids=[1, 2])  # fmt: skip
+    _run(3)
+    events.emit("rank_failed", cause="signal SIGKILL", rank=1, local_rank=1, exit_code=-9)
+    events.emit("fault_culprit", what="rank failed", node="n1", culprit_rank=1, fault_id="f")
+    screen = Screen(log)
+    screen.refresh()
+    assert "culprit agreed: n1 rank 1" in screen.faults[-1]
+    events.emit("rank_hung", cause="section:step", rank=0, elapsed=2.0, timeout=1.0)
+    events.emit("hang_confirmed", cause="no_progress", culprit=0, summary="rank 0 stopped")
+    events.emit("node_lost", cause="silent", node="n2", how="no beat for 5 s")
+    events.emit("node_unhealthy", cause="network", reason="eth0's link is down")
+    events.emit("node_isolated", cause="partition", how="cut off")
+    events.emit("nan_detected", rank=0)
+    events.emit("straggler_report", relative={"0": 1.0, "1": 0.5}, individual={}, seconds=0)
+    events.emit("launcher_end", exit_code=0, reason="ok", no_progress=0)
+    screen.refresh()
+    text = "\n".join(screen.lines())
+    assert "2 ranks" in text and "steps 3" in text and "n2 on" in text
+    assert "rank 1 0.50" in text and "a launcher ended: exit 0" in text
+    assert len(screen.faults) == 5  # the last five
