@@ -41,7 +41,7 @@ class NodeRecord:
         return {
             "node": self.node,
             "faults": len(self.faults),
-            "node_hours": round(self.hours, 4),
+            "node_hours": self.hours,  # unrounded: a short stint is still one
             "rate_per_hour": None if math.isinf(rate) else round(rate, 6),
             "jobs": sorted(self.jobs),
             "evidence": [
