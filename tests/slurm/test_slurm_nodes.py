@@ -386,7 +386,7 @@ def test_a_requeue_leaves_out_the_jobs_node_that_the_ledger_now_keeps_out(
 
     ledger = tmp_path / "ledger"
     job = Job(slurm_bed, tmp_path, "--fault", "exception", "--fault-rank", "0",
-              "--fault-step", "20", "--step-sleep", "0.2", slurm_args=(
+              "--fault-step", "26", "--step-sleep", "0.25", slurm_args=(
                   f"--node-ledger={ledger}", "--node-ledger-max-faults=1", "--max-restarts=0",
               ))  # fmt: skip
     _, other = _training_nodes(job)
