@@ -88,41 +88,24 @@ class JobCollector(Collector):
                 "productive time over wall time so far (steadfast report's accounting)",
                 value=f.goodput,
             )
-        faults = CounterMetricFamily(
-            "steadfast_faults", "faults detected, by kind", labels=["kind"]
-        )
-        for kind in FAULT_KINDS:
-            faults.add_metric([kind], f.faults[kind])
-        yield faults
-        restarts = CounterMetricFamily(
-            "steadfast_restarts", "restarts: in_job (the workers) and requeue (Slurm)",
-            labels=["kind"],
-        )  # fmt: skip
-        for kind, count in f.restarts.items():
-            restarts.add_metric([kind], count)
-        yield restarts
-        phases = CounterMetricFamily(
-            "steadfast_restart_phase_seconds",
-            "seconds the restarts spent in each phase, summed (steadfast report's phases)",
-            labels=["phase"],
-        )
-        for phase, seconds in sorted(f.restart_phases.items()):
-            phases.add_metric([phase], seconds)
-        yield phases
+        yield _labelled(CounterMetricFamily, "steadfast_faults", "faults detected, by kind",
+                        "kind", [(k, f.faults[k]) for k in FAULT_KINDS])  # fmt: skip
+        yield _labelled(CounterMetricFamily, "steadfast_restarts",
+                        "restarts: in_job (the workers) and requeue (Slurm)", "kind",
+                        list(f.restarts.items()))  # fmt: skip
+        yield _labelled(CounterMetricFamily, "steadfast_restart_phase_seconds",
+                        "seconds the restarts spent in each phase, summed (steadfast "
+                        "report's phases)", "phase", sorted(f.restart_phases.items()))  # fmt: skip
         states = StateSetMetricFamily(
             "steadfast_node_state", "each node's state in the job", labels=["node"]
         )
         for host, state in sorted(f.nodes.items()):
             states.add_metric([host], {s: s == state for s in NODE_STATES})
         yield states
-        scores = GaugeMetricFamily(
-            "steadfast_straggler_score",
-            "each rank's latest relative performance score (1: as fast as the best)",
-            labels=["rank"],
-        )
-        for rank, score in sorted(f.stragglers.items()):
-            scores.add_metric([str(rank)], score)
-        yield scores
+        scores = [(str(rank), score) for rank, score in sorted(f.stragglers.items())]
+        yield _labelled(GaugeMetricFamily, "steadfast_straggler_score",
+                        "each rank's latest relative performance score (1: as fast as the "
+                        "best)", "rank", scores)  # fmt: skip
         if self.ledger is not None:
             counts = self.ledger()
             ledger = GaugeMetricFamily(
@@ -133,6 +116,20 @@ class JobCollector(Collector):
             for host in sorted(set(f.nodes) | {self.node}):
                 ledger.add_metric([host], counts.get(host, 0))
             yield ledger
+
+
+def _labelled(
+    family: type[CounterMetricFamily] | type[GaugeMetricFamily],
+    name: str,
+    doc: str,
+    label: str,
+    values: list[tuple[str, float]],
+) -> Metric:
+    """A counter or gauge family with one sample per ``(label value, value)``."""
+    metric = family(name, doc, labels=[label])
+    for key, value in values:
+        metric.add_metric([key], value)
+    return metric
 
 
 class MetricsServer:
