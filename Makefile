@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 # The stamp's name carries the torch requirement, so `make test TORCH=...` reinstalls.
 STAMP   = $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint shellcheck typecheck pytest soak bench clean slurm nodes metrics
+.PHONY: demo test lint shellcheck typecheck pytest soak bench clean slurm nodes metrics docs docs-check
 
 # Debian packages: tests/slurm/ runs a real single-node Slurm (slurm-wlm and munge),
 # tests/multinode/ makes nodes from network namespaces (iproute2, util-linux) with an
@@ -40,8 +40,8 @@ demo: $(STAMP)
 
 # tests/dist is named on its own: ruff leaves folders called "dist" out by default
 lint: $(STAMP) shellcheck
-	$(BIN)/ruff check src tests tests/dist examples bench
-	$(BIN)/ruff format --check src tests tests/dist examples bench
+	$(BIN)/ruff check src tests tests/dist examples bench docs
+	$(BIN)/ruff format --check src tests tests/dist examples bench docs
 
 shellcheck:
 	@bash $(DEBIAN) ensure shellcheck || $(call optional,shellcheck)
@@ -51,6 +51,19 @@ shellcheck:
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict src
+
+# The documentation site (Sphinx + MyST, docs/conf.py): `make docs` builds it into
+# docs/_build/html; `make test` builds it with every warning an error (a broken page
+# link, anchor or {ref}, a docstring autodoc cannot read) and checks no external link
+# (this machine is offline; none is fetched).
+DOCS_OUT ?= docs/_build/html
+docs: $(STAMP)
+	$(BIN)/sphinx-build -q -b html docs $(DOCS_OUT)
+	@echo "docs: open $(DOCS_OUT)/index.html"
+
+docs-check: $(STAMP)
+	$(BIN)/sphinx-build -q -W --keep-going -E -b html docs $(DOCS_OUT)
+	@echo "docs: built with warnings as errors"
 
 slurm:
 	@bash $(SLURM_SCRIPT) install || $(call optional,Slurm (tests/slurm))
@@ -67,7 +80,7 @@ metrics:
 pytest: $(STAMP) slurm nodes metrics
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test: lint typecheck pytest
+test: lint typecheck docs-check pytest
 
 # The multi-process tests while a neighbour keeps every core busy at normal priority
 # (scripts/soak.sh): real nodes are never idle. SOAK_TESTS narrows it, SOAK_REPEAT=N

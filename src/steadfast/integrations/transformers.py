@@ -1,6 +1,6 @@
 """steadfast for the Hugging Face ``Trainer``: callbacks that give a ``trainer.train()``
 run under ``steadfast launch`` what ``examples/train.py`` has by hand (``pip install
-steadfast[transformers]``).
+steadfast[transformers]``)::
 
     trainer = Trainer(model, args, train_dataset=data, callbacks=[
         FaultToleranceCallback(), GracefulShutdownCallback(), NaNCallback(),

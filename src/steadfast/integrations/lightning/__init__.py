@@ -1,6 +1,6 @@
 """steadfast for PyTorch Lightning: callbacks and a checkpoint plugin that give a
 ``Trainer.fit`` run under ``steadfast launch`` what ``examples/train.py`` has by hand
-(``pip install steadfast[lightning]``).
+(``pip install steadfast[lightning]``)::
 
     trainer = L.Trainer(callbacks=[FaultToleranceCallback(exp_dir=ckpt_dir),
                                    ModelCheckpoint(ckpt_dir, save_last=True)])
