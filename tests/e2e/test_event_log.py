@@ -66,6 +66,10 @@ def test_a_plain_launch_writes_one_log_that_the_report_reads(tmp_path: Path) -> 
     # the survivor went down after rank 1: recorded as stopped, not as a second fault
     assert [e["rank"] for e in evs if e["kind"] == "rank_failed"] == [1]
     assert {e["rank"] for e in evs if e["kind"] == "rank_stopped"} <= {0}
+    # the backend the launcher used: one node's default is steadfast's own, not the
+    # "static" torchrun's parser gives before the launcher chooses
+    [start] = [e for e in evs if e["kind"] == "launcher_start"]
+    assert start["rdzv_backend"] == "steadfast", start
     report = _report(tmp_path)
     [fault] = report["faults"]
     assert (fault["fault"], fault["rank"], fault["step"]) == ("rank_killed", 1, 12)

@@ -106,15 +106,6 @@ def _launch_agent(argv: list[str], run: _Run) -> int:
     if not split.ft.worker_template:
         discard_prestarted()
     args = parser.parse_args(split.torchrun_argv)
-    events.emit(
-        "launcher_start",
-        nnodes=str(args.nnodes),
-        nproc_per_node=str(args.nproc_per_node),
-        entrypoint=str(args.training_script),
-        max_restarts=int(args.max_restarts),
-        rdzv_backend=str(args.rdzv_backend),
-    )
-    run.started = True
     single_node_default = (
         args.rdzv_backend == "static"
         and not args.rdzv_endpoint
@@ -124,6 +115,16 @@ def _launch_agent(argv: list[str], run: _Run) -> int:
     if args.standalone or single_node_default:  # a private store on a free port
         args.rdzv_backend, args.rdzv_endpoint = BACKEND, "localhost:0"
         args.rdzv_id = str(uuid.uuid4())
+    # the backend the launcher uses (one node's default: steadfast's, not torch's static)
+    events.emit(
+        "launcher_start",
+        nnodes=str(args.nnodes),
+        nproc_per_node=str(args.nproc_per_node),
+        entrypoint=str(args.training_script),
+        max_restarts=int(args.max_restarts),
+        rdzv_backend=str(args.rdzv_backend),
+    )
+    run.started = True
     if args.master_port is None:
         args.master_port = 29500
     # torch 2.13's default shares the rendezvous TCPStore with the workers, and keys of
