@@ -347,7 +347,7 @@ def render_sbatch(spec: SbatchSpec, command_line: str | None = None) -> str:
                 "the rendezvous takes",
                 "#     its place in the job (--no-kill: Slurm does not end the job for it;",
                 "#     the first node lost takes the batch script with it: use an etcd",
-                "#     rendezvous, and see the README on losing the first node);",
+                "#     rendezvous, and see docs/guides/slurm.md, 'Losing the first node');",
             ]
             if spec.spare_nodes
             else []
