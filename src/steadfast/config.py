@@ -111,6 +111,11 @@ class FaultToleranceConfig(NodeSettings):
         learned_timeout_margin: A learned timeout is this many times the longest
             interval seen.
         learned_timeout_floor: The least a learned timeout can be (seconds).
+        calculated_timeout_floor: The least a calculated timeout is enforced at
+            (seconds; ``calculate_and_set_*_timeouts`` and a loaded ``ft_state.json``
+            keep the value calculated, the watcher waits at least this long; 0: no
+            floor). Back-to-back sections see microseconds outside them, and
+            safety_factor x that would end a healthy rank at its first pause.
         learned_timeout_min_samples: Intervals seen before a learned timeout applies.
         watch_progress: See a plain script's progress without a line of it
             (steadfast's default; ``--ft-watch-progress false`` opts out): every worker
@@ -147,6 +152,7 @@ class FaultToleranceConfig(NodeSettings):
     learn_timeouts: bool = True
     learned_timeout_margin: float = 3.0
     learned_timeout_floor: float = 5.0
+    calculated_timeout_floor: float = 1.0
     learned_timeout_min_samples: int = 8
     watch_progress: bool = True
     progress_startup_bound: float = 300.0
@@ -212,6 +218,9 @@ class FaultToleranceConfig(NodeSettings):
             require_number(
                 p + "learned_timeout_floor", self.learned_timeout_floor, exclusive_minimum=0
             )
+        )
+        self.calculated_timeout_floor = float(
+            require_number(p + "calculated_timeout_floor", self.calculated_timeout_floor, minimum=0)
         )
         self.watch_progress = require_bool(p + "watch_progress", self.watch_progress)
         for name in ("progress_startup_bound", "progress_cap"):

@@ -179,8 +179,11 @@ def test_calculated_timeouts_and_ft_state(table: HeartbeatTable, tmp_path: Path)
     assert sections is not None and sections.calculated_sections == {"step"}
     step_timeout = sections.section["step"]
     assert step_timeout is not None and 2 * 0.01 <= step_timeout < 2 * 5  # safety x max seen
-    assert table.snapshot(0).section_timeouts["step"] == step_timeout  # the watcher sees it
-    assert table.snapshot(0).heartbeat_timeout == hb.subsequent
+    # the watcher waits at least calculated_timeout_floor (1 s): a calculated 0.03 s
+    # would end a healthy rank at its first pause
+    floor = client.cfg.calculated_timeout_floor if client.cfg is not None else 0.0
+    assert table.snapshot(0).section_timeouts["step"] == max(step_timeout, floor)
+    assert table.snapshot(0).heartbeat_timeout == max(hb.subsequent, floor)
     state = client.state_dict()  # NVRx's form
     assert set(state["current_timeouts"]) == {"heartbeat", "section"}
     assert state["current_timeouts"]["section"]["calculated_sections"] == ["step"]
@@ -194,7 +197,7 @@ def test_calculated_timeouts_and_ft_state(table: HeartbeatTable, tmp_path: Path)
     fresh.init_workload_monitoring()
     assert fresh.state_dict() == json.loads(path.read_text())
     saved = fresh.state_dict()["current_timeouts"]["section"]["section"]["step"]
-    assert table.snapshot(0).section_timeouts["step"] == saved
+    assert table.snapshot(0).section_timeouts["step"] == max(saved, floor)
     path.write_text('{"rank_heartbeat_timeout": -3}')  # steadfast's earlier flat form
     with pytest.raises(ConfigError, match=r"ft_state\.json: ft state\.rank_heartbeat_timeout"):
         load_ft_state(fresh, path)
@@ -464,7 +467,11 @@ def test_a_lowered_timeout_wakes_the_watcher(event_log: Path):
     """The watcher read the row under a 60 s step timeout and sleeps to a far deadline
     (workload_check_interval 30 s); the rank then loads a 0.5 s timeout: the hang is
     seen when the new timeout ends, not 30 s later."""
-    cfg = FaultToleranceConfig(rank_section_timeouts={"step": 60}, workload_check_interval=30)
+    cfg = FaultToleranceConfig(
+        rank_section_timeouts={"step": 60},
+        workload_check_interval=30,
+        calculated_timeout_floor=0.1,  # a loaded (calculated) timeout: enforced from 0.1 s
+    )
     tab = _table_for(cfg)
     [proc] = _start_workers(tab, cfg, "lowered")
     watcher = Watcher(tab, cfg)

@@ -32,6 +32,8 @@ from . import table as t
 from .timeouts import HeartbeatTimeouts, SectionTimeouts, merge, write_json
 from .timeouts import current as current_section_timeouts
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "FT_CONFIG_ENV",
     "STACK_DUMP_SIGNAL",
@@ -116,6 +118,7 @@ class RankMonitorClient:
         self._ran: set[str] = set()
         # calculated timeouts (absent: not calculated; the configured value applies)
         self._calc: dict[str, Any] = {"rank_section_timeouts": {}}
+        self._floored: set[str] = set()  # calculated timeouts said to be lifted to the floor
 
     # ------------------------------------------------------------------ life cycle
     def init_workload_monitoring(self) -> None:
@@ -361,6 +364,25 @@ class RankMonitorClient:
             raise RankMonitorClientError("RankMonitorClient is not initialized")
         return self.cfg
 
+    def _enforced(self, what: str, value: float) -> float:
+        """The deadline the watcher enforces for a calculated timeout: never below
+        ``calculated_timeout_floor`` (1 s). A loop of back-to-back sections sees a few
+        microseconds outside them, and safety_factor x that would end a healthy rank at
+        its first pause outside a section (NVRx's documented pattern with
+        ``calc_out_of_section=True``: the watcher wakes at the deadline, it does not
+        poll every 5 s). The calculated value itself is kept (state_dict,
+        ``section_timeouts``), as NVRx computes it."""
+        floor = self.cfg.calculated_timeout_floor if self.cfg is not None else 0.0
+        if value >= floor:
+            return value
+        if what not in self._floored:
+            self._floored.add(what)
+            logger.warning(
+                "calculated %s timeout %.3g s is below calculated_timeout_floor: %g s enforced",
+                what, value, floor,
+            )  # fmt: skip
+        return floor
+
     def _apply_calculated(self) -> None:
         """Write calculated timeouts into this rank's row (the watcher reads them)."""
         if self._table is None:
@@ -373,7 +395,7 @@ class RankMonitorClient:
                 ("rank_out_of_section_timeout", t.OOS_TIMEOUT),
             ):
                 if calc.get(key) is not None:
-                    s[slot] = float(calc[key])
+                    s[slot] = self._enforced(key, float(calc[key]))
             # a calculated timeout is the user's: it is not replaced by a learned one
             learn = int(s[t.LEARN])
             if calc.get("rank_heartbeat_timeout") is not None:
@@ -385,7 +407,7 @@ class RankMonitorClient:
             index = self._index.get(name)
             if index is None:
                 index = self._register(name)
-            self._slots[t.TIMEOUTS + index] = float(value)
+            self._slots[t.TIMEOUTS + index] = self._enforced(f"section {name}", float(value))
         if (
             any(v is not None for k, v in calc.items() if k != "rank_section_timeouts")
             or (calc["rank_section_timeouts"])
