@@ -67,9 +67,12 @@ def _spelling(action: argparse.Action) -> str:
         metavar = " ".join(metavar)
     if action.choices is not None and action.metavar is None:
         metavar = "{" + ",".join(str(c) for c in action.choices) + "}"
-    names = ", ".join(
-        f"`{o} {metavar}`" if takes else f"`{o}`" for o in action.option_strings if o != "-h"
-    )
+    # NVRx's underscore spellings (--ft_cfg_path) of a dashed flag: said once, on the page
+    dashed = set(action.option_strings)
+    spelled = [
+        o for o in action.option_strings if not (o[2:].count("_") and o.replace("_", "-") in dashed)
+    ]
+    names = ", ".join(f"`{o} {metavar}`" if takes else f"`{o}`" for o in spelled if o != "-h")
     return names or "`-h`"
 
 
@@ -147,7 +150,9 @@ def cli_markdown() -> str:
             continue
         if sub.description:
             lines += [_text(sub.description), ""]
-        lines += [f"Usage: `{' '.join(sub.format_usage().split()[1:])}`", ""]
+        usage = [u.removeprefix("usage: ") for u in sub.format_usage().rstrip().splitlines()]
+        usage[1:] = [u[len("usage: ") :] for u in usage[1:]]  # aligned under the command
+        lines += ["```text", *usage, "```", ""]
         lines += _actions(sub, sub._actions)
     lines += _config_markdown()
     return "\n".join(lines).rstrip() + "\n"
@@ -164,9 +169,12 @@ def _launch_markdown(parser: argparse.ArgumentParser) -> list[str]:
                 action
             )
     lines = [
-        "Usage: `steadfast launch [TORCHRUN FLAGS] [STEADFAST FLAGS] SCRIPT [SCRIPT ARGS]`"
-        " (also installed as `ft_launcher`). Nothing after the script is read by the"
-        " launcher.",
+        "```text",
+        "steadfast launch [TORCHRUN FLAGS] [STEADFAST FLAGS] SCRIPT [SCRIPT ARGS]",
+        "```",
+        "",
+        "Also installed as `ft_launcher`. Nothing after the script is read by the launcher;"
+        " every flag with dashes also takes underscores (`--ft_cfg_path`), as NVRx's does.",
         "",
         "### steadfast's flags",
         "",
