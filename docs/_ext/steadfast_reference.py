@@ -152,7 +152,7 @@ def cli_markdown() -> str:
             lines += [_text(sub.description), ""]
         usage = [u.removeprefix("usage: ") for u in sub.format_usage().rstrip().splitlines()]
         usage[1:] = [u[len("usage: ") :] for u in usage[1:]]  # aligned under the command
-        lines += ["```text", *usage, "```", ""]
+        lines += ["```{code-block} text", ":class: usage", "", *usage, "```", ""]
         lines += _actions(sub, sub._actions)
     lines += _config_markdown()
     return "\n".join(lines).rstrip() + "\n"
@@ -169,7 +169,9 @@ def _launch_markdown(parser: argparse.ArgumentParser) -> list[str]:
                 action
             )
     lines = [
-        "```text",
+        "```{code-block} text",
+        ":class: usage",
+        "",
         "steadfast launch [TORCHRUN FLAGS] [STEADFAST FLAGS] SCRIPT [SCRIPT ARGS]",
         "```",
         "",
