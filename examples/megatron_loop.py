@@ -19,8 +19,10 @@ checkpoints that carry both (seed 003).
   re-runs the very step it left.
 
 Faults to try: ``--sigterm-at STEP`` (rank 1 signals its process group after that
-step's forward-backward) and ``--nan-at STEP`` (rank 1's loss is NaN at that step,
-on the hardware named by ``--nan-on``, default any). Rank 0 writes the final
+step's forward-backward, with SIGTERM or ``--signal``: under ``steadfast slurm`` the job
+is preempted with its ``--preempt-signal``, which the handler takes as well) and
+``--nan-at STEP`` (rank 1's loss is NaN at that step, on the hardware named by
+``--nan-on``, default any). Rank 0 writes the final
 parameters to ``--out`` when the run completes.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -63,8 +66,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="DataLoader worker processes")
     p.add_argument("--rerun-mode", default="validate_results")
     p.add_argument("--sigterm-at", type=int, default=-1)
+    p.add_argument("--signal", default="TERM", help="what --sigterm-at sends (TERM, USR1)")
     p.add_argument("--nan-at", type=int, default=-1)
     p.add_argument("--nan-on", default=None, help="only on this hardware id (default any)")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of 'compute' a step")
     return p.parse_args()
 
 
@@ -119,6 +124,7 @@ def main() -> int:
     completed = False
     with preemption:
         for step in range(start, args.steps):
+            time.sleep(args.step_sleep)  # a longer step, for a signal to land mid-run
             while machine.should_run_forward_backward(data):
                 opt.zero_grad(set_to_none=True)
                 for _ in range(args.micro_batches):
@@ -136,9 +142,9 @@ def main() -> int:
             opt.step()
             if step == args.sigterm_at and rank == 1:
                 if os.getpgid(0) == os.getpid():  # this rank leads its group (launchers do)
-                    os.killpg(0, signal.SIGTERM)  # this rank and its loader workers
+                    os.killpg(0, signal.Signals["SIG" + args.signal])  # and its loader workers
                 else:
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    os.kill(os.getpid(), signal.Signals["SIG" + args.signal])
             if preemption.should_exit(step):  # one small collective: every rank agrees
                 ckpt.save(step + 1, state, rank_state=rank_state)
                 break

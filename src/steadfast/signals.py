@@ -40,10 +40,12 @@ from .dist import count_true, gather_flags, group_rank
 __all__ = [
     "FORCED_EXIT_CODE",
     "PREEMPTION_EXIT_CODE",
+    "PREEMPT_SIGNAL_ENV",
     "DistributedSignalHandler",
     "PreemptionConfig",
     "PreemptionHandler",
     "ShutdownHandler",
+    "job_preemption_signal",
     "sbatch_signal_option",
     "signal_name",
 ]
@@ -383,6 +385,20 @@ class DistributedSignalHandler:
 #: for, so it is a success to the launcher, which must not restart the workers in place.
 PREEMPTION_EXIT_CODE = 0
 
+#: The signal that preempts this job (``USR1``, ``SIGTERM`` or a number), as the batch
+#: script of ``steadfast slurm`` declares it (its ``--preempt-signal``).
+PREEMPT_SIGNAL_ENV = "STEADFAST_PREEMPT_SIGNAL"
+
+
+def job_preemption_signal() -> signal.Signals | None:
+    """The signal this job's scheduler preempts it with, from ``$STEADFAST_PREEMPT_SIGNAL``
+    (None when unset); a value that names no signal is a ConfigError naming the
+    variable."""
+    value = os.environ.get(PREEMPT_SIGNAL_ENV, "").strip()
+    if not value:
+        return None
+    return parse_signal(value, PREEMPT_SIGNAL_ENV)
+
 
 @dataclass
 class PreemptionConfig:
@@ -428,6 +444,9 @@ class PreemptionHandler:
         self.config = config
         self._group = group
         self._handler: DistributedSignalHandler | None = None
+        # the job's own preemption signal, when it is not exit_signal, and its old handler
+        self._also: tuple[signal.Signals, _Handler] | None = None
+        self._received = config.exit_signal  # the signal that arrived (for the logs)
 
     def __enter__(self) -> PreemptionHandler:
         if self.config.exit_signal_handler:
@@ -438,6 +457,7 @@ class PreemptionHandler:
             def handle(signum: int, frame: FrameType | None) -> None:
                 logger.warning("Received signal %d, initiating graceful stop", signum)
                 if not self._handler or not self._handler.signal_received:
+                    self._received = signal.Signals(signum)
                     events.emit(
                         "preemption_signal", cause=signal.Signals(signum).name, signal=signum
                     )
@@ -446,9 +466,22 @@ class PreemptionHandler:
             if self._handler.installed:
                 signal.signal(self.config.exit_signal, handle)
                 logger.info("Signal handler installed for %d", int(self.config.exit_signal))
+                also = job_preemption_signal()
+                if also is not None and also != self.config.exit_signal:
+                    # under steadfast slurm the job is preempted with --preempt-signal
+                    # (SIGUSR1 by default): unhandled, it would end the rank before its save
+                    self._also = (also, signal.getsignal(also))
+                    signal.signal(also, handle)
+                    logger.info(
+                        "Signal handler also installed for %s, the job's preemption signal "
+                        "($%s)", also.name, PREEMPT_SIGNAL_ENV,
+                    )  # fmt: skip
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._also is not None:
+            _restore_handler(*self._also)
+            self._also = None
         if self._handler is not None:
             self._handler.release()
             self._handler = None
@@ -464,14 +497,14 @@ class PreemptionHandler:
             events.emit(
                 "preemption_exit",
                 step=step,
-                cause=self.config.exit_signal.name,
+                cause=self._received.name,
                 ranks_signalled=[r for r, got in enumerate(ranks) if got],
             )
         return True
 
     def exit(self, code: int = PREEMPTION_EXIT_CODE) -> None:
         """Log the reason, restore the signal handler and exit (after the save)."""
-        logger.warning("exiting program after receiving %s.", self.config.exit_signal.name)
+        logger.warning("exiting program after receiving %s.", self._received.name)
         self.__exit__()
         sys.exit(code)
 
@@ -480,15 +513,16 @@ class PreemptionHandler:
         mid-batch (the main process would hang or fail on a dead worker). With
         ``exit_signal_handler_for_dataloader`` they handle it (note it and go on; the
         main process leads the stop), otherwise they ignore it."""
-        sig = self.config.exit_signal
-        if self.config.exit_signal_handler_for_dataloader:
-            signal.signal(
-                sig,
-                lambda signum, frame: logger.info(
-                    "dataloader worker %d: signal %d noted; the trainer leads the stop",
-                    worker_id,
-                    signum,
-                ),
-            )
-        else:
-            signal.signal(sig, signal.SIG_IGN)
+        also = job_preemption_signal()
+        for sig in {self.config.exit_signal, *([also] if also is not None else [])}:
+            if self.config.exit_signal_handler_for_dataloader:
+                signal.signal(
+                    sig,
+                    lambda signum, frame: logger.info(
+                        "dataloader worker %d: signal %d noted; the trainer leads the stop",
+                        worker_id,
+                        signum,
+                    ),
+                )
+            else:
+                signal.signal(sig, signal.SIG_IGN)

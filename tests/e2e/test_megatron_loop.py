@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,23 +21,39 @@ STEPS, SIGTERM_AT = 12, 4
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def _run(workdir: Path, ckpt: Path, *script_args: str) -> subprocess.CompletedProcess[str]:
+def _run(
+    workdir: Path, ckpt: Path, *script_args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     cmd = [
         sys.executable, "-m", "steadfast.cli", "launch", "--nproc-per-node=2",
         "--monitor-interval=0.1", str(EXAMPLE), "--ckpt-dir", str(ckpt),
         "--steps", str(STEPS), "--out", str(workdir / "out.pt"), *script_args,
     ]  # fmt: skip
     workdir.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        cmd, cwd=workdir, capture_output=True, text=True, timeout=240, env=env
+    )
 
 
-def test_preempted_run_resumes_to_the_fault_free_parameters(tmp_path: Path, event_log: Path):
-    ref = _run(tmp_path / "ref", tmp_path / "ref_ckpt")
+@pytest.mark.parametrize("sig", ["TERM", "USR1"])
+def test_preempted_run_resumes_to_the_fault_free_parameters(
+    tmp_path: Path, event_log: Path, sig: str
+):
+    """TERM: Megatron Bridge's exit_signal. USR1: the job's preemption signal under
+    ``steadfast slurm`` (its default), declared in $STEADFAST_PREEMPT_SIGNAL by the batch
+    script: the handler, left at exit_signal=SIGTERM, takes it as well (unhandled, it
+    ended the rank before its save, and the launcher exited 77)."""
+    env = dict(os.environ, STEADFAST_PREEMPT_SIGNAL=sig)
+    ref = _run(tmp_path / "ref", tmp_path / "ref_ckpt", env=env)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    first = _run(tmp_path / "run", tmp_path / "ckpt", "--sigterm-at", str(SIGTERM_AT))
+    first = _run(
+        tmp_path / "run", tmp_path / "ckpt", "--sigterm-at", str(SIGTERM_AT), "--signal", sig,
+        env=env,
+    )  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]  # a preemption stop is not a failure
-    assert "Received signal 15, initiating graceful stop" in first.stderr
-    assert "exiting program after receiving SIGTERM." in first.stderr
+    number = int(signal.Signals["SIG" + sig])
+    assert f"Received signal {number}, initiating graceful stop" in first.stderr
+    assert f"exiting program after receiving SIG{sig}." in first.stderr
     assert not (tmp_path / "run" / "out.pt").exists()  # it stopped early
     latest = os.readlink(tmp_path / "ckpt" / "latest")
     assert os.path.basename(latest) == f"step_{SIGTERM_AT + 1}"
@@ -46,7 +63,7 @@ def test_preempted_run_resumes_to_the_fault_free_parameters(tmp_path: Path, even
     (exit_event,) = [e for e in kinds if e["kind"] == "preemption_exit"]
     assert (exit_event["step"], exit_event["ranks_signalled"]) == (SIGTERM_AT, [1])
     assert not [e for e in kinds if e["kind"] in ("rank_failed", "restart")]
-    second = _run(tmp_path / "run", tmp_path / "ckpt")
+    second = _run(tmp_path / "run", tmp_path / "ckpt", env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     expected = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
     got = torch.load(tmp_path / "run" / "out.pt", weights_only=True)

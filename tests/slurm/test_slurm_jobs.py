@@ -291,3 +291,45 @@ def test_an_exclusion_that_would_leave_too_few_nodes_is_not_made(
         caplog.text
     )
     assert "cannot exclude no-such-node: not a node of job" in caplog.text
+
+
+MEGATRON = REPO / "examples" / "megatron_loop.py"
+
+
+def test_a_megatron_loop_saves_on_the_jobs_preemption_signal_and_resumes(
+    slurm: Cluster, tmp_path: Path
+):
+    """Megatron Bridge's pattern (``PreemptionHandler`` left at its exit_signal, SIGTERM)
+    under ``steadfast slurm``, whose preemption signal is SIGUSR1 by default: the batch
+    script declares it ($STEADFAST_PREEMPT_SIGNAL) and the handler takes it as well, so
+    every rank saves after the same step and the requeued job resumes bit-exact. Before,
+    SIGUSR1 ended each rank (its default action) before the save."""
+    steps = ["--steps", "24", "--save-every", "5", "--step-sleep", "0.1"]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    cmd = [sys.executable, "-m", "steadfast.cli", "launch", "--standalone"]
+    cmd += ["--nproc-per-node=2", str(MEGATRON), "--ckpt-dir", str(ref / "ckpt"), *steps]
+    cmd += ["--out", str(ref / "out.pt")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ref)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    script = tmp_path / "job.sbatch"
+    cmd = [sys.executable, "-m", "steadfast.cli", "slurm", "--nproc-per-node=2"]
+    cmd += ["--run-dir", str(tmp_path / "run"), "--job-name", tmp_path.name[:40]]
+    cmd += ["--write", str(script), str(MEGATRON), "--ckpt-dir", str(tmp_path / "ckpt")]
+    cmd += [*steps, "--out", str(tmp_path / "out.pt")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    job = slurm.sbatch(script)
+    _wait_event(tmp_path, "checkpoint_saved")  # training is under way
+    slurm.run("scancel", "--signal=USR1", "--batch", job)  # what --signal=B:USR1@T sends
+    info = _finish(slurm, job, tmp_path)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", info
+    signalled = _events(tmp_path, "preemption_signal")
+    assert signalled and {e["cause"] for e in signalled} == {"SIGUSR1"}, signalled
+    [stop] = _events(tmp_path, "preemption_exit")
+    assert stop["cause"] == "SIGUSR1"
+    saved = [e["step"] for e in _events(tmp_path, "checkpoint_saved")]
+    assert stop["step"] + 1 in saved  # the preemption save, after the agreed step
+    assert [e["cause"] for e in _events(tmp_path, "job_requeued")] == ["preempted"]
+    assert _events(tmp_path, "rank_failed") == []  # a planned stop, not a crash
+    _assert_bit_exact(tmp_path, _params(ref / "out.pt"))

@@ -95,6 +95,17 @@ def test_script_flags_that_look_like_steadfasts_are_the_scripts(capsys):
     assert args.training_script_args == ["--fault", "x", "--events", "e"]
 
 
+def test_a_script_flag_that_abbreviates_a_torchrun_flag_is_the_scripts():
+    """A script's --signal abbreviates torchrun's --signals-to-handle: under Python < 3.12
+    argparse calls it ambiguous wherever it stands, so plain torchrun refuses the command
+    line. The launcher shows torch's parser only the flags and the script."""
+    parser = torchrun.get_args_parser()
+    split = split_argv(["--nproc-per-node=2", "t.py", "--signal", "USR1", "--sig=x"], parser)
+    args = split.parse(parser)
+    assert args.training_script == "t.py" and args.nproc_per_node == "2"
+    assert args.training_script_args == ["--signal", "USR1", "--sig=x"]
+
+
 def test_help_lists_steadfasts_flags(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

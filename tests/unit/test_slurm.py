@@ -417,6 +417,8 @@ def test_without_a_time_limit_there_is_no_signal_option():
     assert "#SBATCH --signal=" not in text and "#SBATCH --time=" not in text
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in text
     assert "trap 'sf_forward USR1' USR1" in text
+    # the ranks learn the job's preemption signal (PreemptionHandler takes it as well)
+    assert "export STEADFAST_PREEMPT_SIGNAL=USR1" in text
     assert "SF_RDZV_PORT=$((29400 + SLURM_JOB_ID % 1000))" in text  # jobs sharing a node
 
 

@@ -89,6 +89,20 @@ class LaunchArgs:
     metrics_addr: str = ""
     #: ``--metrics-sd-dir``: where its file_sd target file goes
     metrics_sd_dir: str | None = None
+    #: where the training script is in ``torchrun_argv`` (None: not found)
+    script_at: int | None = None
+
+    def parse(self, parser: argparse.ArgumentParser) -> argparse.Namespace:
+        """torchrun's namespace: ``parser`` reads the flags and the script; the script's
+        own arguments are its ``training_script_args`` as they are. (argparse looks at
+        every option-like word, so under Python < 3.12 a script flag that abbreviates
+        a launcher flag, such as ``--signal`` for ``--signals-to-handle``, would be
+        "ambiguous" in plain torchrun: here it is never shown to the parser.)"""
+        if self.script_at is None:
+            return parser.parse_args(self.torchrun_argv)
+        args = parser.parse_args(self.torchrun_argv[: self.script_at + 1])
+        args.training_script_args = self.torchrun_argv[self.script_at + 1 :]
+        return args
 
 
 def resolve_events_path(
@@ -146,6 +160,7 @@ def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> LaunchArgs:
     the flags). A bad flag or value is one :class:`ConfigError` naming it."""
     torchrun: list[str] = []
     before: list[str] | None = None  # torchrun's flags before the script
+    script_at: int | None = None
     overrides: dict[str, str] = {}
     taken: dict[str, str] = {}
     i = 0
@@ -187,6 +202,7 @@ def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> LaunchArgs:
             if token.startswith("-"):  # a flag without a value, then the script
                 torchrun.append(token)
                 i += 1
+            script_at = len(torchrun) if i < len(argv) else None
             torchrun.extend(argv[i:])  # the training script and its own flags
             break
         torchrun.append(token)
@@ -227,6 +243,7 @@ def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> LaunchArgs:
         metrics_port=int(port) if port is not None else None,
         metrics_addr=taken.get("metrics_addr", ""),
         metrics_sd_dir=taken.get("metrics_sd_dir"),
+        script_at=script_at,
     )
 
 

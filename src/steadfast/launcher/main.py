@@ -105,7 +105,7 @@ def _launch_agent(argv: list[str], run: _Run) -> int:
     os.environ[events.EVENTS_ENV] = resolve_events_path(split.events, split.run_dir)
     if not split.ft.worker_template:
         discard_prestarted()
-    args = parser.parse_args(split.torchrun_argv)
+    args = split.parse(parser)
     single_node_default = (
         args.rdzv_backend == "static"
         and not args.rdzv_endpoint
