@@ -136,7 +136,11 @@ def main() -> int:
 
     torch.manual_seed(args.seed)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    model = DDP(net.to(device))
+    # find_unused_parameters=True: DDP then never rebuilds its gradient buckets, so a
+    # restarted run sums every gradient in the order the run that never stopped did, and
+    # ends bit for bit where it would have with any number of ranks (docs/guides/
+    # checkpoints.md, "Bit for bit with many ranks")
+    model = DDP(net.to(device), find_unused_parameters=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     detector = NaNDetector(action="skip", max_consecutive=3)
     stop = ShutdownHandler(timeout_sec=60, agree=True)

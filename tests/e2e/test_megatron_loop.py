@@ -30,9 +30,7 @@ def _run(
         "--steps", str(STEPS), "--out", str(workdir / "out.pt"), *script_args,
     ]  # fmt: skip
     workdir.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(
-        cmd, cwd=workdir, capture_output=True, text=True, timeout=240, env=env
-    )
+    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=240, env=env)
 
 
 @pytest.mark.parametrize("sig", ["TERM", "USR1"])

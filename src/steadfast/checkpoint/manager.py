@@ -27,6 +27,7 @@ from ..config import ConfigError, require_number
 from ..dist import group_rank
 from ..progress.phases import loading
 from .collectives import Coordinator
+from .compare import DEFAULT_TOLERANCE
 from .fencing import CheckpointFenced
 from .layout import MANIFEST, STATE_FILE, CheckpointError, remove_stale, verify, write_manifest
 from .loading import Loader, LoadRequest
@@ -86,6 +87,12 @@ class CheckpointManager:
             newer checkpoint; a mismatch is ``restore_mismatch`` and a restart without
             that checkpoint). When a proof would cost more, the newest checkpoint is
             restored and ``restore_unverified`` says why; 0 turns the proofs off.
+        proof_tolerance: The relative difference a proof takes for rounding (default
+            1e-5; 0: bit for bit only). Values equal bit for bit are ``exact``; within
+            it, the restore is proven but ``restore_verified`` says ``exact: false``
+            with the difference (a reduction that summed in another order after the
+            restart: DDP without ``find_unused_parameters=True`` with more than two
+            ranks); beyond it, a mismatch (:mod:`~steadfast.checkpoint.compare`).
 
     Sharded state is read by DCP *into* the objects' current state dicts, so each
     object must already hold tensors of the right shapes. A fresh optimizer holds no
@@ -109,6 +116,7 @@ class CheckpointManager:
         collective: bool = True,
         memory_every: int = 0,
         max_proof_steps: int = 10,
+        proof_tolerance: float = DEFAULT_TOLERANCE,
     ) -> None:
         self.dir = Path(checkpoint_dir)
         if self.dir.exists() and not self.dir.is_dir():
@@ -163,8 +171,16 @@ class CheckpointManager:
         self.max_proof_steps = require_number(
             "CheckpointManager.max_proof_steps", max_proof_steps, minimum=0, integer=True
         )
+        self.proof_tolerance = float(
+            require_number("CheckpointManager.proof_tolerance", proof_tolerance, minimum=0)
+        )
         self._proof = Proof(
-            self.dir, self._coord, self._loader.read_plain, self.max_proof_steps, self.memory_every
+            self.dir,
+            self._coord,
+            self._loader.read_plain,
+            self.max_proof_steps,
+            self.memory_every,
+            self.proof_tolerance,
         )
 
     # ------------------------------------------------------------------ public API

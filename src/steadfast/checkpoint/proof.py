@@ -57,7 +57,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,7 @@ from typing import Any
 from .. import events
 from ..events import writer
 from .collectives import Coordinator
+from .compare import DEFAULT_TOLERANCE, difference
 from .layout import CheckpointError, read_manifest, step_dirs
 
 __all__ = [
@@ -264,8 +265,10 @@ class Proof:
         read: Callable[[Path], dict[str, Any]],
         budget: int = 10,
         memory_every: int = 0,
+        tolerance: float = DEFAULT_TOLERANCE,
     ) -> None:
         self.folder, self.coord, self.read, self.budget = folder, coord, read, budget
+        self.tolerance = tolerance  # the relative difference taken for rounding (compare.py)
         self.memory_every = memory_every  # the loop snapshots every this many steps
         self.rank = coord.rank  # as the event log numbers it, once a restore is armed
         self.enabled = True  # only a manager's first restore is proven
@@ -360,28 +363,37 @@ class Proof:
         pending = self.pending
         if pending is None or done < pending.until:
             return
+        drift = 0.0  # the largest relative difference within the tolerance
         if pending.against is not None and done == pending.against[0]:
             try:
                 stored, now = self.read(Path(pending.against[1])), state()
-                pending.state_differs = sorted(
-                    key for key in stored if key in now and not same(now[key], stored[key])
-                )
+                gaps = {key: difference(now[key], stored[key]) for key in stored if key in now}
+                pending.state_differs = sorted(k for k, g in gaps.items() if g > self.tolerance)
+                drift = max((g for g in gaps.values() if g <= self.tolerance), default=0.0)
             except CheckpointError as exc:  # every rank: read_plain agrees on failures
                 logger.error("the re-done state is not compared: %s", exc)
         self.close()
-        differs: list[dict[str, Any]] = [
-            {"rank": self.rank, "step": s, "loss": pending.seen[s], "logged": logged}
-            for s, logged in sorted(pending.expected.items())
-            if s in pending.seen and pending.seen[s] != logged
-        ]
+        differs: list[dict[str, Any]] = []
+        for s, logged in sorted(pending.expected.items()):
+            if s not in pending.seen:
+                continue
+            gap = difference(pending.seen[s], logged)
+            if gap > self.tolerance:
+                differs.append({"rank": self.rank, "step": s, "loss": pending.seen[s],
+                                "logged": logged})  # fmt: skip
+            else:
+                drift = max(drift, gap)
         if pending.state_differs:
             step = pending.against[0] if pending.against else done
             differs.append({"rank": self.rank, "step": step, "objects": pending.state_differs})
         compared = sorted(s for s in pending.expected if s in pending.seen)
-        shares = self.coord.all_gather((differs, compared, pending.state_differs is not None))
+        shares = self.coord.all_gather(
+            (differs, compared, pending.state_differs is not None, drift)
+        )
         differs = [d for share in shares for d in share[0]]
         losses = len({s for share in shares for s in share[1]}) >= NEEDED
         states = all(share[2] for share in shares)
+        drift = max(share[3] for share in shares)
         if differs:
             self._mismatch(pending, differs)
         if self.coord.rank != 0:
@@ -407,7 +419,17 @@ class Proof:
             against=pending.against[1] if states and pending.against else None,
             ranks=sum(1 for share in shares if share[1] or share[2]),
             proof_steps=max(0, pending.newest - pending.step),
+            exact=drift == 0.0,
+            difference=drift or None,
         )
+        if drift:
+            logger.warning(
+                "the restore of step %d is proven to a relative %.2g, not bit for bit: a "
+                "reduction that sums in another order after a restart (DDP without "
+                "find_unused_parameters=True rebuilds its buckets; non-deterministic "
+                "kernels). Build DDP with find_unused_parameters=True for bit-exact "
+                "restarts", pending.step, drift,
+            )  # fmt: skip
 
     def _mismatch(self, pending: _Pending, differs: list[dict[str, Any]]) -> None:
         from ..rerun.machine import note_bad_restore
@@ -501,30 +523,3 @@ def _route(
         why = (f"no older checkpoint leaves {NEEDED} logged steps to re-do, and the loop "
                "saves or snapshots at no step after it that a checkpoint holds")  # fmt: skip
     return Plan(None, excluded, why=why)
-
-
-def same(a: Any, b: Any) -> bool:
-    """Whether two saved values are equal bit for bit (tensors byte by byte, NaNs
-    included; containers item by item)."""
-    import torch
-
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        return torch.equal(_bytes(a), _bytes(b))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if hasattr(a, "tobytes") and hasattr(b, "tobytes"):  # numpy's RNG state
-        return bool(a.tobytes() == b.tobytes())
-    return bool(a == b)
-
-
-def _bytes(t: Any) -> Any:
-    import torch
-
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.bool else flat

@@ -178,13 +178,16 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "path": "the checkpoint folder", "reason": "what the launcher answered",
     }),
     (Kind.RESTORE_VERIFIED, "a restore proven by replay: the re-done steps' losses equal "
-     "those logged before the fault, bit for bit (step: the step restored)", {
+     "those logged before the fault, bit for bit or within the manager's proof_tolerance "
+     "(step: the step restored)", {
         "tier": "disk, memory or replica", "path": "the checkpoint read",
         "route": "losses, state (the re-done state against a newer checkpoint) or both",
         "steps": "the re-done steps whose losses were compared",
         "against": "the newer checkpoint the re-done state equals",
         "ranks": "how many ranks compared",
         "proof_steps": "steps re-done only for the proof (a newer checkpoint held them)",
+        "exact": "whether everything compared was equal bit for bit",
+        "difference": "else the largest relative difference taken for rounding",
     }),
     (Kind.RESTORE_MISMATCH, "a restore failed its replay proof: a re-done step's loss differs "
      "from the one logged before the fault, or the re-done state from a newer checkpoint's "

@@ -152,6 +152,10 @@ def _proof_line(proof: dict[str, Any]) -> str:
             "state": f"the re-done state equals {against}",
             "both": f"re-done steps {steps} gave the logged losses, and the state equals {against}",
         }.get(str(_at(proof, "route")), "proven")
+        if _at(proof, "exact", True) is False:
+            gap = _at(proof, "difference")
+            within = f"{gap:.2g}" if isinstance(gap, (int, float)) else "rounding"
+            how += f" to a relative {within}, not bit for bit"
         return f"verified: {where}, {how}{extra}"
     if status == "mismatch":
         differs = _at(proof, "differs")

@@ -161,7 +161,10 @@ def _proof(r: Restart, after: Restart | None, evs: list[ev.Event]) -> dict[str, 
         took = _seconds(evs, found, first, first + extra)
         proof.update(route=found.get("route"), steps=found.get("steps"),
                      against=found.get("against"), proof_steps=extra,
-                     proof_seconds=round(took, 6))  # fmt: skip
+                     proof_seconds=round(took, 6),
+                     # a log from before the tolerance has no `exact`: those were exact
+                     exact=found.fields.get("exact", True) is not False,
+                     difference=found.fields.get("difference"))  # fmt: skip
     elif status == "mismatch":
         proof["differs"] = found.get("differs")
     else:
