@@ -365,3 +365,39 @@ def test_a_plain_scripts_steps_and_a_hang_with_no_culprit_told_apart(tmp_path: P
     text = format_report(report)
     assert "re-done unknown" in text
     assert "no culprit could be told apart; 2 ranks waited in `all_reduce`" in text
+
+
+def test_a_plain_scripts_lost_time_is_told_by_cause(tmp_path: Path) -> None:
+    """A script that reports nothing still gets its lost time by cause: start-up and
+    the checkpoint load from the launchers' first_step (process start to the first
+    iteration's end), detection from the last iteration seen to the launcher's verdict,
+    restart from there to the next generation's process start. Before, all of it was
+    'other', beside a fault table that said 5 s of detection."""
+    lines = [
+        _line(0.0, "launcher_start", rank=None, pid=50, nnodes="1:1", nproc_per_node="2"),
+        _line(0.5, "workers_started", rank=None, pid=50, generation=1, restart_count=0,
+              node_rank=0, nodes=1, world_size=2, ranks=[0, 1], pids=[A, A + 1]),
+        _line(2.0, "first_step", rank=0, pid=50, local_rank=0, worker_pid=A, generation=1,
+              process_start=0.6, first_step_end=2.0, checkpoint_load=0.0),
+        _line(10.0, "rank_hung", rank=1, pid=50, local_rank=1, section="no_progress",
+              elapsed=5.0, timeout=5.0, learned=True, worker_pid=A + 1),
+        _line(10.1, "steps_seen", rank=0, pid=50, local_rank=0, worker_pid=A, generation=1,
+              first=1, ends=[2.0, 3.0, 4.0, 5.0], base=0),
+        _line(10.5, "workers_started", rank=None, pid=50, generation=2, restart_count=1,
+              node_rank=0, nodes=1, world_size=2, ranks=[0, 1], pids=[A + 2, A + 3]),
+        _line(12.0, "first_step", rank=0, pid=50, local_rank=0, worker_pid=A + 2,
+              generation=2, process_start=11.0, first_step_end=12.0, checkpoint_load=0.25),
+        _line(15.1, "steps_seen", rank=0, pid=50, local_rank=0, worker_pid=A + 2,
+              generation=2, first=1, ends=[12.0, 13.0, 14.0, 15.0], base=2),
+        _line(15.2, "launcher_end", rank=None, pid=50, exit_code=0, reason="succeeded"),
+    ]  # fmt: skip
+    evs, problems = load_events(_write(tmp_path, lines))
+    assert not problems, problems
+    report = compute_report(evs)
+    lost = report.badput
+    assert lost["startup"] == pytest.approx(2.0 + 0.75)  # 0 -> 2.0; 11.0 -> 12.0 less the load
+    assert lost["checkpoint_load"] == pytest.approx(0.25)
+    assert lost["detection"] == pytest.approx(5.0)  # the last iteration (5.0) -> rank_hung
+    assert lost["restart"] == pytest.approx(1.0)  # rank_hung -> the next process start
+    assert lost["wasted_progress"] == pytest.approx(2.0)  # steps 2 and 3 re-done (base 2)
+    assert lost["other"] < 1.0, lost

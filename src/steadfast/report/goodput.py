@@ -262,11 +262,14 @@ def compute_report(
             if e.kind == ev.Kind.CHECKPOINT_LOADED and began <= e.time <= start.time
         )
         badput["startup"] += max(0.0, start.time - began - loads)
+    gaps = _generation_gaps(mine, starts)
+    if seen and not starts:  # a script that reports nothing: its launchers' first_step
+        gaps = _seen_startup(evs, steps, t0, badput)
 
     faults = _faults(evs, steps)
     # disruptions: from a generation's last progress (a step or a save) to the next
     # generation's process start: detection (the fault -> its detection), then restart
-    for prev_end, next_start in _generation_gaps(mine, starts):
+    for prev_end, next_start in gaps:
         window = [e for e in evs if e.kind in _ANY_DETECTION and prev_end <= e.time <= next_start]
         # the launcher's own verdicts first: a survivor's shutdown_requested can come
         # a moment earlier, when the agent stops the others
@@ -353,6 +356,32 @@ def _generation_gaps(mine: list[ev.Event], starts: list[ev.Event]) -> list[tuple
             e.time for e in progress if e.time < began and (e.get("host"), e.get("pid")) != me
         ]
         if before:
+            gaps.append((max(before), began))
+    return gaps
+
+
+def _seen_startup(
+    evs: list[ev.Event], steps: list[ev.Event], t0: float, badput: dict[str, float]
+) -> list[tuple[float, float]]:
+    """For a script that reports nothing, what job_start events give the others: each
+    generation's start-up and checkpoint load from the launchers' ``first_step`` of
+    the lowest rank that has them (its process start to its first iteration's end, less
+    the load; the first generation from the run's start), added to ``badput``; and the
+    gaps between generations: (the last iteration seen before a generation's process
+    start, that start)."""
+    firsts = [e for e in evs if e.kind == ev.Kind.FIRST_STEP and e.rank is not None]
+    if not firsts:
+        return []
+    rank = min(int(e.rank) for e in firsts if e.rank is not None)
+    gaps = []
+    for i, e in enumerate(sorted((e for e in firsts if e.rank == rank), key=lambda e: e.time)):
+        began = float(e.get("process_start") or e.time)
+        ready = float(e.get("first_step_end") or e.time)
+        load = float(e.get("checkpoint_load") or 0.0)
+        badput["checkpoint_load"] += load
+        badput["startup"] += max(0.0, ready - (t0 if i == 0 else began) - load)
+        before = [s.time for s in steps if s.time < began]
+        if i > 0 and before:
             gaps.append((max(before), began))
     return gaps
 
