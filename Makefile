@@ -40,8 +40,8 @@ demo: $(STAMP)
 
 # tests/dist is named on its own: ruff leaves folders called "dist" out by default
 lint: $(STAMP) shellcheck
-	$(BIN)/ruff check src tests tests/dist examples bench docs
-	$(BIN)/ruff format --check src tests tests/dist examples bench docs
+	$(BIN)/ruff check src tests tests/dist examples bench docs/conf.py docs/_ext
+	$(BIN)/ruff format --check src tests tests/dist examples bench docs/conf.py docs/_ext
 
 shellcheck:
 	@bash $(DEBIAN) ensure shellcheck || $(call optional,shellcheck)
@@ -93,4 +93,4 @@ bench: $(STAMP)
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache build src/*.egg-info
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache build src/*.egg-info docs/_build docs/_generated
