@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from steadfast import FaultToleranceConfig
+
 SCRIPT = Path(__file__).with_name("ft_train.py")
 TIMEOUTS = [
     "--ft-param-rank_section_timeouts=setup:60,step:2,checkpointing:5",
@@ -319,7 +321,10 @@ def test_calculated_timeouts_are_saved_and_used_after_a_restart(tmp_path: Path, 
     )
     assert proc.returncode == 0, (run / "launcher.log").read_text()[-3000:]
     hung = [e for e in _events(event_log, "rank_hung") if e["cause"] == "section:step"]
-    assert hung and hung[0]["timeout"] == pytest.approx(learned)
+    # enforced no lower than calculated_timeout_floor (1 s): a calculated 0.03 s would
+    # end a healthy rank at its first pause
+    floor = FaultToleranceConfig().calculated_timeout_floor
+    assert hung and hung[0]["timeout"] == pytest.approx(max(learned, floor))
 
 
 def _free_port() -> int:
