@@ -80,12 +80,10 @@ def _tensor_difference(a: Any, b: Any) -> float:
         return 0.0
     if not (x.is_floating_point() or x.is_complex()):
         return math.inf
-    x, y = (
-        x.to(torch.float64 if x.is_floating_point() else torch.complex128),
-        y.to(torch.float64 if y.is_floating_point() else torch.complex128),
-    )
-    nan = x.isnan() | y.isnan()
-    if not torch.equal(x.isnan(), y.isnan()):
+    wide = torch.float64 if x.is_floating_point() else torch.complex128
+    x, y = x.to(wide), y.to(wide)
+    nan = x.isnan()
+    if not torch.equal(nan, y.isnan()):
         return math.inf
     x, y = x[~nan], y[~nan]
     if not torch.equal(x.isinf(), y.isinf()) or not torch.equal(x[x.isinf()], y[y.isinf()]):
