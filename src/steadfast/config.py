@@ -97,6 +97,13 @@ class FaultToleranceConfig(NodeSettings):
             whatever the round looks like from there (it then leaves, naming the nodes
             it did not hear from). Raise it where the last rank's own final work (a
             final save that only it does, say) takes longer.
+        teardown_timeout: How long a worker whose script has finished (its
+            ``__main__`` returned, or ``sys.exit(0)``) may take to exit: non-daemon
+            threads, ``atexit`` handlers, the interpreter's teardown. Past it the worker
+            is killed and taken as finished (``worker_teardown``, a warning): the
+            training is not run again. A finished worker that dies of a signal in its
+            teardown is finished too. Raise it where a script's own threads go on
+            writing after ``__main__`` returns.
         learn_timeouts: Learn hang timeouts online (steadfast's default; ``false`` opts
             out): each section's, the time out of sections' and the heartbeat's, from
             the intervals the ranks report, wherever the config leaves them at their
@@ -149,6 +156,7 @@ class FaultToleranceConfig(NodeSettings):
     node_heartbeat_timeout: float = 5.0
     node_lost_timeout: float = 60.0
     job_end_timeout: float = 60.0
+    teardown_timeout: float = 30.0
     learn_timeouts: bool = True
     learned_timeout_margin: float = 3.0
     learned_timeout_floor: float = 5.0
@@ -249,6 +257,7 @@ class FaultToleranceConfig(NodeSettings):
             "node_heartbeat_timeout",
             "node_lost_timeout",
             "job_end_timeout",
+            "teardown_timeout",
         ):
             value = require_number(p + name, getattr(self, name), exclusive_minimum=0)
             setattr(self, name, float(value))

@@ -60,8 +60,12 @@ Touch points and why each is needed:
   (``torch.utils.data.dataloader._BaseDataLoaderIter``), whose ``__next__`` the phases
   time until the first iteration (the first batch), then restore.
 - :func:`interpreter_exit`: what the interpreter does at exit (``threading._shutdown``
-  then ``atexit._run_exitfuncs``), for a worker forked from the template that returns
-  instead of exiting.
+  then ``atexit._run_exitfuncs``), for the launcher, which ends with ``os._exit``.
+- :func:`run_module_as_main`: ``runpy._run_module_as_main``, what ``python -m module``
+  runs: the module in the interpreter's own ``__main__`` (runpy's public
+  ``run_module`` runs it in a temporary module that it drops on return), for a worker
+  forked from the template or booted with the progress hooks
+  (steadfast.launcher.as_main).
 
 The agent's protected hooks (``_rendezvous``, ``_start_workers``, ``_stop_workers``,
 ``_monitor_workers``, ``_restart_workers``) are torch's extension points for agent
@@ -96,6 +100,7 @@ __all__ = [
     "inductor_header_dir",
     "dataloader_iterator_type",
     "interpreter_exit",
+    "run_module_as_main",
     "on_compile",
     "launch_agent",
     "option_actions",
@@ -441,6 +446,14 @@ def interpreter_exit() -> None:
         threading._shutdown()  # type: ignore[attr-defined]
     with contextlib.suppress(Exception):
         atexit._run_exitfuncs()
+
+
+def run_module_as_main(name: str, alter_argv: bool = True) -> None:
+    """Run module ``name`` in ``sys.modules["__main__"]`` as ``python -m name`` does
+    (with ``alter_argv``: ``sys.argv[0]`` becomes the module's file)."""
+    import runpy
+
+    runpy._run_module_as_main(name, alter_argv)  # type: ignore[attr-defined]
 
 
 def thread_frame(ident: int) -> Any:

@@ -66,6 +66,7 @@ class Kind(str, Enum):
     WORKERS_STARTED = "workers_started"
     FIRST_STEP = "first_step"
     WORKERS_EXITED = "workers_exited"
+    WORKER_TEARDOWN = "worker_teardown"
     LAUNCHER_END = "launcher_end"
     EXIT_BARRIER = "exit_barrier"
     JOB_REQUEUED = "job_requeued"
@@ -237,6 +238,13 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         **_WORKER, "first_failed_rank": "the rank whose failure it followed",
         "culprit_node": "the node of the fault it followed (agreed job-wide)",
         "fault_id": "that fault's fault_culprit",
+    }),
+    (Kind.WORKER_TEARDOWN, "a worker whose script had finished (its __main__ returned, or "
+     "sys.exit(0)) hung or died in the interpreter's teardown: a warning, not a fault; the "
+     "agent takes it as exited 0 and the training is not run again (cause: hung, past "
+     "teardown_timeout, then killed; signal; exit_code)", {
+        **_WORKER, "after": "seconds from the script's end to this",
+        "timeout": "teardown_timeout", "where": "a hung worker's stack, or its state",
     }),
     (Kind.FAULT_CULPRIT, "the one culprit of a round's fault, agreed job-wide through the "
      "rendezvous store (the first confirmed claim wins); every node's launcher writes it "

@@ -327,13 +327,14 @@ class FTAgent(LocalElasticAgent):
                 learn=learn_bits(ft),
                 learned=self.learned.kinds,
             )
-        from .template import template_start_processes
+        from .start import template_start_processes
 
         self.compile_cache.seed()  # a spare's, a requeued job's: warm from the run's
         self.generations.spawning()
         # for this call, torch's agent starts script workers from the template (or as
         # plain processes with the progress hooks' boot)
-        with seam.start_processes_from(template_start_processes(self.template)):
+        starter = template_start_processes(self.template, self.watcher.teardown.exit_code)
+        with seam.start_processes_from(starter):
             ids = super()._start_workers(worker_group)
         pcontext = seam.agent_pcontext(self)
         pids = {

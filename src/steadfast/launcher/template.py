@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Any
 
+from .as_main import run_as_main, stdio_as_python
+from .fresh import apply_launcher_state, fresh_random_streams, launcher_state
 from .preload import Preloader, die_with_parent
 
 __all__ = [
@@ -86,22 +88,17 @@ def parse_python_argv(argv: list[str]) -> tuple[str, str, list[str]] | None:
 
 
 # ---------------------------------------------------------------------- template side
-def _run_child(request: dict[str, Any]) -> int:
-    """In the forked child: become the worker and run its script; the exit code."""
-    import runpy
-    import traceback
-
-    with contextlib.suppress(OSError):  # its own process group (the template set it too)
-        os.setpgid(0, 0)
+def become_worker(request: dict[str, Any]) -> None:
+    """In the forked child, at the template's top level: become the process torchrun
+    would have started (:mod:`.fresh`) and run its script as ``__main__``
+    (:mod:`.as_main`). Returns or raises as the script does; the interpreter's own exit
+    follows, as for ``python script.py``."""
     die_with_parent()
-    for sig in (signal.SIGCHLD, *IGNORED_SIGNALS):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, IGNORED_SIGNALS)  # the template blocks them
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as in any Python process
+    apply_launcher_state(request.get("launcher", {}))
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    fresh_random_streams()
     from ..progress.probe import install
 
     install()  # the progress hooks, where the launcher asked for them
@@ -121,41 +118,13 @@ def _run_child(request: dict[str, Any]) -> int:
             os.dup2(opened[path], fd)
     for target_fd in opened.values():
         os.close(target_fd)
-    kind, target, args = request["kind"], request["target"], request["args"]
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # like -u
-    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    try:
-        if kind == "module":
-            sys.argv = [target, *args]
-            sys.path.insert(0, request["cwd"])
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = [target, *args]
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-            runpy.run_path(target, run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        if exc.code is None:
-            code = 0
-        elif isinstance(exc.code, int):
-            code = exc.code
-        else:
-            print(exc.code, file=sys.stderr)
-            code = 1
-    except KeyboardInterrupt:
-        code = 128 + signal.SIGINT
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    # what the interpreter does at exit: join non-daemon threads (a background
-    # checkpoint writer), then atexit handlers, then flush
-    from .. import seam
-
-    seam.interpreter_exit()
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    return code
+    # the template runs with -u, as torchrun starts every worker; another request (no
+    # -u, no PYTHONUNBUFFERED) gets the stdio a new interpreter would have made
+    unbuffered = bool(request.get("unbuffered")) or bool(os.environ.get("PYTHONUNBUFFERED"))
+    if not unbuffered:
+        stdio_as_python(unbuffered=False)
+    sys.orig_argv = [sys.executable, *request.get("argv", ())]
+    run_as_main(request["kind"], request["target"], request["args"], os.environ)
 
 
 #: Signals the template does not act on (its workers get the default actions back): a
@@ -174,8 +143,11 @@ IGNORED_SIGNALS = frozenset(
 )  # fmt: skip
 
 
-def serve(fd: int) -> None:
-    """The template's main loop (``python -m steadfast.launcher.template FD``)."""
+def serve(fd: int) -> dict[str, Any] | None:
+    """The template's main loop (``python -u -m steadfast.launcher.template FD``): None
+    when the launcher is gone; in a forked child, the request it is to run, returned to
+    the template's top level (:func:`become_worker`), so that the script's end is the
+    interpreter's own."""
     import importlib
 
     from .. import seam
@@ -201,8 +173,8 @@ def serve(fd: int) -> None:
     for sig in IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)  # never delivered while blocked
     sock = socket.socket(fileno=fd)
-    if sys.path and sys.path[0] in ("", os.getcwd()):
-        sys.path.pop(0)  # `python -m` put the launcher's cwd first; a script does not have it
+    if not sys.flags.safe_path and sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path.pop(0)  # `python -m` put the launcher's cwd first; a worker puts its own
     children: set[int] = set()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -214,7 +186,8 @@ def serve(fd: int) -> None:
     try:
         _send(sock, {"ready": os.getpid()})
     except OSError:  # the launcher closed it while we imported torch (not needed)
-        return
+        return None
+    template = os.getpid()
     try:
         asked = time.monotonic()  # the last request (a group's come one after another)
         served = False
@@ -230,35 +203,47 @@ def serve(fd: int) -> None:
                     continue
                 request = _recv(sock)
                 if request is None:  # the launcher is gone
-                    return
+                    return None
                 asked, served = time.monotonic(), True
+                synced_r, synced_w = os.pipe()
                 pid = os.fork()
                 if pid == 0:
+                    # a session of its own, as torch's Popen(start_new_session=True)
+                    # gives, before the template tells anyone its pid
+                    os.setsid()
+                    os.close(synced_w)
+                    os.close(synced_r)
                     signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                     sel.close()
                     sock.close()
                     os.close(wake_r)
                     os.close(wake_w)
-                    os._exit(_run_child(request))
-                # its own process group before anyone learns its pid, so that a killpg
-                # right after the spawn cannot miss it (the child sets it too: no race)
-                with contextlib.suppress(OSError):
-                    os.setpgid(pid, pid)
+                    return request
+                os.close(synced_w)
+                os.read(synced_r, 1)  # EOF once the child has its session (or is gone)
+                os.close(synced_r)
                 children.add(pid)
                 _send(sock, {"spawned": pid, "id": request["id"]})
             _reap(sock, children)
             _pass_on_workers_signals(children)
     finally:
-        preloader.close()
-        for pid in children:
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        while children:
-            with contextlib.suppress(ChildProcessError):
-                pid, _ = os.wait()
-                children.discard(pid)
+        if os.getpid() == template:  # not in a child on its way to run a script
+            _end_children(preloader, children)
+
+
+def _end_children(preloader: Preloader, children: set[int]) -> None:
+    """The template's end: its probe and every worker still running killed and reaped."""
+    preloader.close()
+    for pid in children:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    while children:
+        with contextlib.suppress(ChildProcessError):
+            pid, _ = os.wait()
+            children.discard(pid)
 
 
 #: How often the template looks for a signal a worker sent it (seconds).
@@ -335,7 +320,8 @@ class Template:
         #: the environment the template imported torch with (OpenMP reads it then)
         self.env = dict(os.environ if env is None else env)
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "steadfast.launcher.template", str(child.fileno())],
+            # -u: the stdio every worker of torchrun's has (it starts them `python -u`)
+            [sys.executable, "-u", "-m", "steadfast.launcher.template", str(child.fileno())],
             pass_fds=(child.fileno(),),
             start_new_session=True,
             env=self.env,
@@ -405,6 +391,9 @@ class Template:
                     "cwd": cwd or os.getcwd(),
                     "stdout": stdout,
                     "stderr": stderr,
+                    "argv": argv,
+                    "unbuffered": "-u" in argv[: len(argv) - len(args)],
+                    "launcher": launcher_state(),
                 },
             )
         with self._cond:
@@ -493,88 +482,16 @@ def discard_prestarted() -> None:
         template.close()
 
 
-# ---------------------------------------------------------------------- torch's agent glue
-def with_progress_boot(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """torch's ``start_processes`` arguments with ``-m steadfast.progress.boot`` before
-    each Python worker's script, where progress is watched (workers started as plain
-    processes install the hooks that way)."""
-    from ..progress.probe import PROGRESS_ENV
-
-    if os.environ.get(PROGRESS_ENV) != "1" or kwargs.get("entrypoint") != sys.executable:
-        return kwargs
-    args = {}
-    for local, argv in kwargs["args"].items():
-        argv = [str(a) for a in argv]
-        parsed = parse_python_argv(argv)
-        if parsed is None:
-            args[local] = tuple(argv)
-            continue
-        kind, target, rest = parsed
-        flags = argv[: len(argv) - len(rest) - (2 if kind == "module" else 1)]
-        script = ["-m", target] if kind == "module" else [target]
-        args[local] = (*flags, "-m", "steadfast.progress.boot", *script, *rest)
-    return {**kwargs, "args": args}
-
-
-def template_start_processes(template: Template | None) -> Any:
-    """A stand-in for torch's ``start_processes`` that forks script workers from
-    ``template`` and falls back to torch's for anything else (a module of
-    :func:`steadfast.seam.start_processes_from`), each worker with the progress hooks."""
-    from torch.distributed.elastic.multiprocessing import start_processes as original
-
-    from .. import seam
-
-    base: Any = seam.subprocess_context_type()
-
-    class _Handler:
-        def __init__(self, proc: TemplateProc) -> None:
-            self.proc = proc
-
-        def close(self, death_sig: signal.Signals | None = None) -> None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
-
-    class _TemplateContext(base):  # type: ignore[misc]
-        def _start(self) -> None:
-            handlers = {}
-            for local_rank in range(self.nprocs):
-                env = os.environ.copy()
-                env.update(self.envs[local_rank])
-                argv = [str(a) for a in self.args[local_rank]]
-                out = self.stdouts[local_rank] or None
-                err = self.stderrs[local_rank] or None
-                assert template is not None
-                proc = template.spawn(argv, env, stdout=out, stderr=err)
-                handlers[local_rank] = _Handler(proc)
-            self.subprocess_handlers = handlers
-
-    def start_processes(**kwargs: Any) -> Any:
-        # torch's agent passes every argument by keyword
-        usable = (
-            template is not None
-            and template.ready(600)  # else (a very slow import, a dead template): plain start
-            and kwargs["entrypoint"] == sys.executable
-            and kwargs.get("numa_options") is None
-            and all(parse_python_argv([str(a) for a in argv]) for argv in kwargs["args"].values())
-        )
-        if not usable:
-            return original(**with_progress_boot(kwargs))
-        # the start method and (absent) NUMA binding do not apply to forked workers
-        context_args = {
-            k: v for k, v in kwargs.items() if k not in ("start_method", "numa_options")
-        }
-        context = _TemplateContext(**context_args)
-        context.start()
-        return context
-
-    return start_processes
-
-
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
-    # nothing of the template needs finalising (its workers are reaped): skip the
-    # interpreter's teardown of torch (~0.4 s the launcher would wait for at its end)
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(0)
+    _request = serve(int(sys.argv[1]))
+    if _request is None:
+        # nothing of the template needs finalising (its workers are reaped): skip the
+        # interpreter's teardown of torch (~0.4 s the launcher would wait for at its end)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(0)
+    # a forked worker: its script runs here, at the top level, and the interpreter's
+    # own exit follows (module teardown while finalizing, as for `python script.py`)
+    become_worker(_request)
+    del _request

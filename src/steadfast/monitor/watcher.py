@@ -45,6 +45,7 @@ from ..progress.watch import ProgressWatch, record
 from .client import STACK_DUMP_SIGNAL
 from .learned import effective
 from .table import HeartbeatTable, RowSnapshot
+from .teardown import Teardown
 
 __all__ = ["Hang", "Watcher", "next_deadline", "shortest_timeout"]
 
@@ -187,6 +188,8 @@ class Watcher:
             ProgressWatch(table, cfg, whole_job, global_rank) if cfg.watch_progress else None
         )
         self.global_rank = global_rank
+        #: workers whose script finished: their teardown bounded, never a hang
+        self.teardown = Teardown(table, cfg.teardown_timeout, global_rank, self._where)
         self.on_hang = on_hang
         self._lock = threading.Lock()
         self._pids: dict[int, int] = {}
@@ -320,6 +323,10 @@ class Watcher:
             for local, pid in pids.items():
                 if local in handled or local >= self.table.rows:
                     continue
+                finished = self.teardown.due(local, pid, now)
+                if finished is not None:  # its script has finished: no hang to look for
+                    soonest = min(soonest, finished)
+                    continue
                 held = self._hold(local, now)
                 if held is not None:  # the culprit of its hang is being ended
                     soonest = min(soonest, held)
@@ -346,6 +353,13 @@ class Watcher:
                     soonest = min(soonest, now + self.cfg.learned_timeout_floor)
             soonest = min(soonest, self._terminate(time.monotonic()))
             self._sleep(soonest - time.monotonic() + 0.0005)
+
+    def _where(self, local: int, pid: int) -> str:
+        """Where a worker is: its stack, where its progress thread answers."""
+        if self.progress_watch is None:
+            raise LookupError("no progress hooks to ask")
+        look = self.progress_watch.judge.look({local: pid}, window=0).looks[0]
+        return look.stack or look.place
 
     def _hold(self, local: int, now: float) -> float | None:
         """Until when ``local`` waits for the culprit it waited for to be gone (inf while

@@ -11,27 +11,31 @@ before (the interpreter runs it at start-up, before this module).
 from __future__ import annotations
 
 import os
-import runpy
 import sys
 import time
 
+from ..launcher.as_main import run_as_main
 from .probe import install
 
 
 def main() -> None:
     began = time.monotonic()  # the interpreter's own start before it: a few ms
     args = sys.argv[1:]
-    if not args:
+    if not args or (args[0] == "-m" and len(args) < 2):
         raise SystemExit("usage: python -m steadfast.progress.boot (script.py | -m module) ...")
     install(began)
-    if args[0] == "-m" and len(args) >= 2:
-        sys.argv = [args[1], *args[2:]]
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    if not sys.flags.safe_path:
+        sys.path.pop(0)  # `python -m` put the cwd first: the script puts its own
+    # the command line torchrun's worker would show: this module's part taken out
+    orig = list(sys.orig_argv)
+    if len(orig) >= len(args) + 2 and orig[-len(args) - 2 :][:2] == ["-m", __spec__.name]:
+        sys.orig_argv = [*orig[: -len(args) - 2], *args]
+    if args[0] == "-m":
+        run_as_main("module", args[1], args[2:], os.environ)
     else:
-        sys.argv = list(args)
-        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
-        runpy.run_path(args[0], run_name="__main__")
+        run_as_main("path", args[0], args[1:], os.environ)
 
 
 if __name__ == "__main__":
+    # the script runs at this module's top level, and the interpreter's own exit follows
     main()
