@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -279,6 +280,28 @@ def test_option_actions() -> None:
     actions = seam.option_actions(parser)
     assert actions["--with-value"] is actions["--with_value"]
     assert actions["--with-value"].nargs is None and actions["--flag"].nargs == 0
+
+
+def test_run_module_as_main_runs_in_the_interpreters_own_main(tmp_path: Path) -> None:
+    """``runpy._run_module_as_main``: the module runs in ``sys.modules["__main__"]``'s
+    own dict (which stays), with ``sys.argv[0]`` its file, as ``python -m`` runs it."""
+    (tmp_path / "mod_for_seam.py").write_text(
+        "import sys\nvalue = 42\nprint(sys.argv[0].endswith('mod_for_seam.py'), __name__)\n"
+    )
+    done = _run_python(
+        f"""
+        import sys, types
+        from steadfast import seam
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        sys.path.insert(0, {str(tmp_path)!r})
+        sys.argv = ["-m"]
+        seam.run_module_as_main("mod_for_seam")
+        print(sys.modules["__main__"] is main, main.value)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "__main__", "True", "42"]
 
 
 def test_interpreter_exit_joins_threads_then_runs_atexit() -> None:

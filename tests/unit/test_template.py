@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -158,3 +160,106 @@ def test_a_preload_is_imported_only_once_a_forked_probe_found_forks_still_usable
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == (["True", "False"] if poisons == "clean" else ["False", "False"])
+
+
+STREAMS = """
+import json, random, sys
+import numpy as np
+import torch
+import sympy.core.random as sympy_random
+from multiprocessing import current_process
+if len(sys.argv) > 1:  # a script that seeds gets exactly the streams it seeds
+    torch.manual_seed(1234); np.random.seed(1234); random.seed(1234)
+print(json.dumps({
+    "torch": [torch.initial_seed(), torch.rand(1).item()],
+    "numpy": np.random.rand(),
+    "random": random.random(),
+    "sympy": sympy_random.rng.random(),
+    "authkey": bytes(current_process().authkey).hex(),
+}))
+"""
+
+
+def _spawned_json(template: Template, tmp_path: Path, script: Path, *args: str) -> dict:
+    out = tmp_path / f"out-{time.monotonic_ns()}.txt"
+    proc = template.spawn(
+        ["-u", str(script), *args], dict(os.environ), stdout=str(out), stderr=str(out)
+    )
+    assert proc.wait(60) == 0, out.read_text()
+    return json.loads(out.read_text().strip().splitlines()[-1])
+
+
+def test_forked_workers_draw_fresh_random_streams_and_a_seeded_one_draws_what_it_seeds(
+    template: Template, tmp_path: Path
+):
+    """Every generator a new interpreter seeds from the OS (torch's default one, numpy's
+    global state, Python's random, sympy's, which the preloaded compiler imports, the
+    multiprocessing authkey) differs from worker to worker as under torchrun; a script
+    that seeds draws, bit for bit, what a fresh interpreter draws with that seed."""
+    script = tmp_path / "streams.py"
+    script.write_text(STREAMS)
+    draws = [_spawned_json(template, tmp_path, script) for _ in range(3)]
+    for key in ("torch", "numpy", "random", "sympy", "authkey"):
+        values = [json.dumps(d[key]) for d in draws]
+        assert len(set(values)) == 3, f"{key}: forked workers drew the same numbers: {values}"
+    seeded = _spawned_json(template, tmp_path, script, "seed")
+    fresh = subprocess.run(
+        [sys.executable, str(script), "seed"], capture_output=True, text=True, check=True
+    )
+    expected = json.loads(fresh.stdout.strip().splitlines()[-1])
+    for key in ("torch", "numpy", "random"):
+        assert seeded[key] == expected[key], key
+
+
+ENDS = """
+import os, sys
+class Witness:
+    def __del__(self):
+        # a fresh interpreter destroys __main__'s globals while it finalizes (a gloo
+        # thread that then asks for the GIL is ended, not waited for)
+        print("finalizing", sys.is_finalizing(), flush=True)
+witness = Witness()
+import __main__
+print("main", __main__ is sys.modules["__main__"], __main__.__dict__ is globals(),
+      __file__, sys.path[0], os.getsid(0) == os.getpid(), flush=True)
+"""
+
+
+def test_a_forked_workers_script_is_main_until_the_interpreter_finalizes(
+    template: Template, tmp_path: Path
+):
+    """The script runs in the interpreter's own ``__main__`` (runpy's temporary module
+    destroyed its globals when it returned: a DDP model then joined gloo's threads
+    holding the GIL, and deadlocked), with ``__file__`` absolute but not normalised and
+    ``sys.path[0]`` the script's real folder, as Python 3.9+ sets them, in a session
+    of its own."""
+    (tmp_path / "sub").mkdir()
+    script = tmp_path / "ends.py"
+    script.write_text(ENDS)
+    out = tmp_path / "out.txt"
+    proc = template.spawn(
+        ["-u", "../ends.py"],
+        dict(os.environ),
+        cwd=str(tmp_path / "sub"),
+        stdout=str(out),
+        stderr=str(out),
+    )
+    assert proc.wait(60) == 0, out.read_text()
+    lines = out.read_text().splitlines()
+    assert lines == [
+        f"main True True {tmp_path}/sub/../ends.py {tmp_path} True",
+        "finalizing True",
+    ]
+
+
+def test_a_failing_scripts_traceback_starts_at_the_script(template: Template, tmp_path: Path):
+    script = tmp_path / "w.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.txt"
+    proc = template.spawn(
+        ["-u", str(script), "raise"], dict(os.environ), stdout=str(out), stderr=str(out)
+    )
+    assert proc.wait(60) == 1
+    text = out.read_text()
+    assert 'Traceback (most recent call last):\n  File "' + str(script) in text
+    assert "steadfast" not in text.split("Traceback", 1)[1]

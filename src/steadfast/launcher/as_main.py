@@ -41,7 +41,7 @@ def fresh_main() -> types.ModuleType:
     ``sys.modules`` (the module that ran until now keeps running in its own globals)."""
     module = types.ModuleType("__main__")
     module.__dict__["__builtins__"] = builtins
-    module.__loader__ = BuiltinImporter  # type: ignore[assignment]
+    module.__loader__ = BuiltinImporter
     if sys.version_info < (3, 14):  # PEP 649: no eager __annotations__ from 3.14 on
         module.__annotations__ = {}
     sys.modules["__main__"] = module
@@ -60,7 +60,7 @@ def run_as_main(kind: str, target: str, args: list[str], env: Mapping[str, str])
     from .. import seam
 
     main = fresh_main()
-    safe_path = bool(sys.flags.safe_path) or bool(env.get("PYTHONSAFEPATH"))
+    safe_path = bool(getattr(sys.flags, "safe_path", False)) or bool(env.get("PYTHONSAFEPATH"))
     try:
         if kind == "module":
             sys.argv = ["-m", *args]  # runpy puts the module's file in argv[0]
@@ -89,7 +89,8 @@ def run_as_main(kind: str, target: str, args: list[str], env: Mapping[str, str])
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
-        sys.excepthook(type(exc), exc, _from_script(exc.__traceback__))
+        tb = _from_script(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the hook prints exc's own
         raise SystemExit(1) from None
     mark_finished()
 
@@ -146,7 +147,7 @@ def stdio_as_python(unbuffered: bool) -> None:
         with contextlib.suppress(Exception):
             old.flush()
         raw = io.FileIO(fd, "wb", closefd=False)
-        raw.name = f"<{name}>"  # type: ignore[misc]
+        raw.name = f"<{name}>"
         buffer: Any = raw if unbuffered else io.BufferedWriter(raw)
         line = not unbuffered and (fd == 2 or os.isatty(fd))
         stream = io.TextIOWrapper(

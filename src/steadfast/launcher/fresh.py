@@ -31,14 +31,15 @@ __all__ = [
 ]
 
 #: Every generator a fresh interpreter seeds from the OS at import and a forked worker
-#: inherits from the template: ``module: attribute`` as :func:`fresh_random_streams`
-#: draws it again (Python's ``random`` is reseeded by CPython itself at every fork).
+#: inherits from the template, as ``module:attribute``, each drawn again by
+#: :func:`fresh_random_streams` (Python's ``random`` is reseeded by CPython itself at
+#: every fork); the multiprocessing authkey, a secret of the same kind, is drawn too.
 RESEEDED = (
-    "torch: default_generator",
-    "numpy.random: the global RandomState",
-    "multiprocessing.process: the current process's authkey",
-    "sympy.core.random: rng, _assumptions_rng",
-    "sympy.core.symbol: Dummy._prng",
+    "torch:default_generator",
+    "numpy.random.mtrand:_rand",
+    "sympy.core.random:rng",
+    "sympy.core.random:_assumptions_rng",
+    "sympy.core.symbol:Dummy._prng",
 )
 
 #: Resource limits the launcher passes on (what an exec keeps); RLIMIT_* names.
@@ -113,28 +114,24 @@ def apply_launcher_state(state: dict[str, Any]) -> None:
 
 def fresh_random_streams() -> None:
     """Draw fresh OS entropy for every generator of :data:`RESEEDED` that the template
-    holds, as a new interpreter's imports would have (distinct across ranks and runs).
-    torch's CUDA generators are not among them: CUDA is never initialised in the
-    template, so a worker creates its own, as a new process does."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        # the CPU generator alone: torch.seed() would also seed CUDA's, which a fresh
-        # process leaves at their own default until the script seeds them
-        torch.default_generator.seed()
-    nprandom = sys.modules.get("numpy.random")
-    if nprandom is not None:
-        # what numpy's import does: the global state is a new RandomState()
-        nprandom.set_state(nprandom.RandomState().get_state())
+    holds, as a new interpreter's imports would have (distinct across ranks and runs),
+    and a new multiprocessing authkey. torch's CUDA generators are not among them: CUDA
+    is never initialised in the template, so a worker creates its own, as a new process
+    does."""
+    for entry in RESEEDED:
+        module, _, path = entry.partition(":")
+        generator: Any = sys.modules.get(module)
+        for part in path.split("."):
+            generator = getattr(generator, part, None)
+        if generator is None:  # not imported by the template: the worker seeds its own
+            continue
+        if module.startswith("numpy."):
+            # numpy's global RandomState: what its import makes, a new RandomState()
+            generator.set_state(type(generator)().get_state())
+        else:
+            # random.Random, or torch's CPU generator alone (torch.seed() would also seed
+            # CUDA's, which a new process leaves at their default until the script seeds)
+            generator.seed()
     process = sys.modules.get("multiprocessing.process")
     if process is not None:  # a new process's authkey, as multiprocessing's import makes
         process.current_process().authkey = os.urandom(32)
-    sympy_random = sys.modules.get("sympy.core.random")
-    if sympy_random is not None:
-        for name in ("rng", "_assumptions_rng"):
-            generator = getattr(sympy_random, name, None)
-            if generator is not None:
-                generator.seed()
-    symbol = sys.modules.get("sympy.core.symbol")
-    dummy = getattr(symbol, "Dummy", None)
-    if dummy is not None and getattr(dummy, "_prng", None) is not None:
-        dummy._prng.seed()

@@ -173,7 +173,7 @@ def serve(fd: int) -> dict[str, Any] | None:
     for sig in IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)  # never delivered while blocked
     sock = socket.socket(fileno=fd)
-    if not sys.flags.safe_path and sys.path and sys.path[0] in ("", os.getcwd()):
+    if not getattr(sys.flags, "safe_path", False) and sys.path and sys.path[0] in ("", os.getcwd()):
         sys.path.pop(0)  # `python -m` put the launcher's cwd first; a worker puts its own
     children: set[int] = set()
     wake_r, wake_w = os.pipe()

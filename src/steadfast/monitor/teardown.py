@@ -34,11 +34,15 @@ from typing import Any
 
 from .. import events
 from ..progress.layout import FINISHED
+from ..progress.proc import sample
 from .table import HeartbeatTable
 
 __all__ = ["Teardown"]
 
 logger = logging.getLogger(__name__)
+
+#: /proc states of a process that has exited (a zombie not yet reaped; gone)
+_GONE = ("Z", "X", "?")
 
 
 class Teardown:
@@ -81,6 +85,8 @@ class Teardown:
         deadline = finished + self.timeout
         if now < deadline:
             return deadline
+        if sample(pid).state in _GONE:  # it exited: exit_code() tells how, once reaped
+            return float("inf")
         if self._tell(pid):
             where = self._where(local, pid)
             self._emit(local, pid, "hung", now - finished, where=where)
@@ -122,8 +128,6 @@ class Teardown:
         if self.describe is not None:
             with contextlib.suppress(Exception):
                 return self.describe(local, pid)
-        from ..progress.proc import sample
-
         proc = sample(pid)
         return f"state {proc.state}" + (f" ({proc.wchan})" if proc.wchan else "")
 

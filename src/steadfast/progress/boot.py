@@ -24,7 +24,7 @@ def main() -> None:
     if not args or (args[0] == "-m" and len(args) < 2):
         raise SystemExit("usage: python -m steadfast.progress.boot (script.py | -m module) ...")
     install(began)
-    if not sys.flags.safe_path:
+    if not getattr(sys.flags, "safe_path", False):
         sys.path.pop(0)  # `python -m` put the cwd first: the script puts its own
     # the command line torchrun's worker would show: this module's part taken out
     orig = list(sys.orig_argv)
