@@ -15,7 +15,8 @@ such a worker is not restarted, and its end is not a fault.
   ``hung``) is written, and it is killed (SIGKILL to its process group): the agent sees
   it exit 0.
 - A finished worker that exits with a signal or a non-zero code: ``worker_teardown``
-  (cause ``signal`` or ``exit_code``, with it), and the agent sees it exit 0.
+  (cause ``signal`` or ``exit_code``, with it), and the agent sees it exit 0. SIGTERM
+  and SIGKILL, the launcher's own stop signals (another rank failed), are not told of.
 
 The report shows these as warnings. A worker that dies before its script finished is a
 fault as before.
@@ -41,6 +42,9 @@ __all__ = ["Teardown"]
 
 logger = logging.getLogger(__name__)
 
+#: The signals the launcher stops a group's workers with (SIGTERM, SIGKILL after the
+#: grace): a finished worker that dies of one was stopped, and is not told of.
+_STOPS = (int(signal.SIGTERM), int(signal.SIGKILL))
 #: /proc states of a process that has exited (a zombie not yet reaped; gone)
 _GONE = ("Z", "X", "?")
 
@@ -109,6 +113,8 @@ class Teardown:
         finished = self.finished(local)
         if code == 0 or finished is None:
             return code
+        if -code in _STOPS:  # the launcher's own stop (another rank failed): no fault
+            return 0
         if self._tell(pid):
             if code < 0:
                 name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)

@@ -103,6 +103,8 @@ def format_report(report: GoodputReport, title: str = "") -> str:
         lines.append("  faults: none injected" + (", none seen" if view is not None else ""))
     for problem in report.problems:
         lines.append(f"  note: {problem}")
+    for warning in report.warnings:
+        lines.append(f"  warning: {warning}")
     lines.append(f"  verdict: {_verdict(report)}")
     return "\n".join(lines)
 

@@ -130,6 +130,8 @@ class GoodputReport:
     launchers: LauncherView | None = None
     #: every restart, phase by phase (:mod:`.restarts`; ``Restart.to_dict()`` each)
     restarts_phases: list[dict[str, Any]] = field(default_factory=list)
+    #: what went wrong without being a fault (a finished worker's teardown), a line each
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def reports_steps(self) -> bool:
@@ -318,7 +320,18 @@ def compute_report(
         incarnations=_incarnations(evs),
         launchers=view,
         restarts_phases=[r.to_dict() for r in restart_phases(evs)],
+        warnings=[_teardown(e) for e in evs if e.kind == ev.Kind.WORKER_TEARDOWN],
     )
+
+
+def _teardown(e: ev.Event) -> str:
+    """A ``worker_teardown`` event as the report's warning line."""
+    how = {
+        "hung": f"had not exited after {e.get('after')} s (teardown_timeout): ended",
+        "signal": f"died of {e.get('signal')}",
+        "exit_code": f"exited {e.get('exit_code')}",
+    }.get(str(e.cause), str(e.cause))
+    return f"rank {e.rank} {how} in its teardown, its script finished: not a fault, not re-run"
 
 
 def _incarnations(evs: list[ev.Event]) -> list[Incarnation]:

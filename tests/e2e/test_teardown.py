@@ -1,0 +1,80 @@
+"""A finished script's teardown (issue 50): a worker whose script finished and then hangs
+or dies in the interpreter's teardown ends the job with exit 0, within
+``teardown_timeout``, and the training runs once; the event log says what happened
+(``worker_teardown``) and the report shows a warning, not a fault. The same fault before
+the script finished is a fault, and is restarted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sfharness import launch_run
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "teardown_train.py"
+TEARDOWN = 3.0
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("no_worker_outlives_its_launcher")]
+
+
+def run(tmp_path: Path, mode: str, *flags: str) -> tuple[int, list, list[str], float]:
+    trace = tmp_path / "trace"
+    began = time.monotonic()
+    code, evs = launch_run(
+        tmp_path, "--nproc-per-node=2", "--max-restarts=2",
+        f"--ft-teardown-timeout={TEARDOWN}", *flags, str(SCRIPT), mode, str(trace),
+    )  # fmt: skip
+    took = time.monotonic() - began
+    return code, evs, trace.read_text().split("\n")[:-1], took
+
+
+def report(tmp_path: Path) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "steadfast.cli", "report", "--no-timeline", str(tmp_path)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+
+
+@pytest.mark.parametrize("template", ["true", "false"])
+def test_a_finished_worker_hung_in_atexit_is_ended_and_the_training_runs_once(
+    tmp_path: Path, template: str
+):
+    """Forked from the template, or started as a plain process with the progress hooks'
+    boot: the same."""
+    code, evs, trained, took = run(tmp_path, "atexit-hang", f"--ft-worker-template={template}")
+    assert code == 0
+    assert sorted(trained) == ["trained 0", "trained 1"]  # once: no restart
+    assert [e["kind"] for e in evs].count("workers_started") == 1
+    [teardown] = [e for e in evs if e["kind"] == "worker_teardown"]
+    assert (teardown["rank"], teardown["cause"]) == (1, "hung")
+    assert teardown["after"] >= TEARDOWN
+    assert not [e for e in evs if e["kind"] in ("rank_failed", "rank_hung", "hang_confirmed")]
+    assert took < 60
+    text = report(tmp_path)
+    assert "warning: rank 1 had not exited after" in text
+    assert "faults: none injected, none seen" in text
+
+
+def test_a_finished_worker_that_aborts_in_teardown_is_finished(tmp_path: Path):
+    code, evs, trained, _ = run(tmp_path, "abort-after")
+    assert code == 0
+    assert sorted(trained) == ["trained 0", "trained 1"]
+    [teardown] = [e for e in evs if e["kind"] == "worker_teardown"]
+    assert (teardown["rank"], teardown["cause"], teardown["signal"]) == (1, "signal", "SIGABRT")
+    assert not [e for e in evs if e["kind"] in ("rank_failed", "restart")]
+    assert "warning: rank 1 died of SIGABRT in its teardown" in report(tmp_path)
+
+
+def test_an_abort_before_the_script_finished_is_still_a_fault(tmp_path: Path):
+    code, evs, trained, _ = run(tmp_path, "abort-before")
+    assert code == 0
+    [failed] = [e for e in evs if e["kind"] == "rank_failed"]
+    assert (failed["rank"], failed["signal"]) == (1, "SIGABRT")
+    assert [e["kind"] for e in evs].count("restart") == 1
+    assert sorted(trained) == ["trained 0", "trained 0", "trained 1", "trained 1"]
+    assert not [e for e in evs if e["kind"] == "worker_teardown"]
