@@ -153,8 +153,10 @@ def main() -> None:
               f"steadfast {s:.2f} s {sorted(round(w, 2) for w in walls['steadfast'])}: "
               f"{s / t:.3f}x (target <= 1.02)")  # fmt: skip
         theirs, ours = (100 * statistics.median(shares[k]) for k in ("torchrun", "steadfast"))
-        print(f"{mode}: own CPU, share of one core while training: torchrun's launcher "
-              f"{theirs:.2f} %, steadfast's launcher and template {ours:.2f} % (target < 1 %)")  # fmt: skip
+        print(
+            f"{mode}: own CPU, share of one core while training: torchrun's launcher "
+            f"{theirs:.2f} %, steadfast's launcher and template {ours:.2f} % (target < 1 %)"
+        )
 
 
 if __name__ == "__main__":
