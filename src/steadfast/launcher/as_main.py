@@ -83,12 +83,13 @@ def run_as_main(kind: str, target: str, args: list[str], env: Mapping[str, str])
                 code = compile(fh.read(), path, "exec", dont_inherit=True)
             exec(code, main.__dict__)
     except SystemExit as exc:
-        if exc.code is None or exc.code == 0:
-            mark_finished()
+        mark_finished(ok=exc.code is None or exc.code == 0)
         raise
     except KeyboardInterrupt:
+        mark_finished(ok=False)
         raise
     except BaseException as exc:
+        mark_finished(ok=False)
         tb = _from_script(exc.__traceback__)
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the hook prints exc's own
         raise SystemExit(1) from None
@@ -116,22 +117,24 @@ _STARTERS = frozenset(
 )
 
 
-def mark_finished() -> None:
+def mark_finished(ok: bool = True) -> None:
     """Say, in this worker's row of the launcher's heartbeat table, that its script has
-    finished (``__main__`` returned, or ``sys.exit(0)``): what happens from here on is
-    the interpreter's teardown, which the launcher bounds by ``teardown_timeout`` and
-    never takes for a fault. No table (a run without the launcher): nothing to say."""
+    ended: ``ok``, it *finished* (``__main__`` returned, or ``sys.exit(0)``), so what
+    happens from here on is the interpreter's teardown, which the launcher bounds by
+    ``teardown_timeout`` and never takes for a fault; else it raised or exited non-zero
+    and is on its way out (a fault as before, but no hang to look for while the
+    interpreter finalizes). No table (a run without the launcher): nothing to say."""
     path = os.environ.get("STEADFAST_HB_TABLE")
     if not path:
         return
     try:
         from ..monitor.table import HeartbeatTable
-        from ..progress.layout import FINISHED
+        from ..progress.layout import ENDED, FINISHED
 
         row = int(os.environ.get("LOCAL_RANK", "0"))
         table = HeartbeatTable.attach(path, row)
         slots, _ = table.progress_area(row)
-        slots[FINISHED] = time.monotonic()
+        slots[FINISHED if ok else ENDED] = time.monotonic()
         table.close()
     except Exception:  # the launcher's table gone: the worker ends as it would anyway
         pass

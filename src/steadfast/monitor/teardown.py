@@ -19,7 +19,11 @@ such a worker is not restarted, and its end is not a fault.
   and SIGKILL, the launcher's own stop signals (another rank failed), are not told of.
 
 The report shows these as warnings. A worker that dies before its script finished is a
-fault as before.
+fault as before. One whose script raised or exited non-zero says so too (``ENDED``): it
+is on its way out, a failure for the agent, and no hang is looked for in it while the
+interpreter finalizes (the peers of a culprit, ending on the error of their collective,
+took over a second to exit under load and were judged hung a second time); past
+``teardown_timeout`` it is killed.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import events
-from ..progress.layout import FINISHED
+from ..progress.layout import ENDED, FINISHED
 from ..progress.proc import sample
 from .table import HeartbeatTable
 
@@ -80,16 +84,30 @@ class Teardown:
         when = float(slots[FINISHED]) if slots is not None else 0.0
         return when if when > 0 else None
 
+    def ended(self, local: int) -> float | None:
+        """The monotonic time ``local``'s script ended, finished or not (it raised, or
+        exited non-zero), None while it runs."""
+        slots = self._slots.get(local)
+        when = max(float(slots[FINISHED]), float(slots[ENDED])) if slots is not None else 0.0
+        return when if when > 0 else None
+
     def due(self, local: int, pid: int, now: float) -> float | None:
         """For the watcher: None while ``local``'s script runs (watch it as before);
-        else when its teardown's bound passes. Once passed, the worker is ended here."""
-        finished = self.finished(local)
-        if finished is None:
+        else when its teardown's bound passes. Once passed, the worker is ended here: a
+        finished one told of (``worker_teardown``), one that failed as it would be (its
+        exit, a failure as before, is the agent's to see)."""
+        ended = self.ended(local)
+        if ended is None:
             return None
-        deadline = finished + self.timeout
+        deadline = ended + self.timeout
         if now < deadline:
             return deadline
         if sample(pid).state in _GONE:  # it exited: exit_code() tells how, once reaped
+            return float("inf")
+        finished = self.finished(local)
+        if finished is None:  # it failed, and hangs on its way out
+            logger.warning("rank %d failed and has not exited: killed", self.global_rank(local))
+            self._kill(pid)
             return float("inf")
         if self._tell(pid):
             where = self._where(local, pid)
@@ -102,10 +120,14 @@ class Teardown:
                 self.timeout,
                 where.splitlines()[0] if where else "?",
             )
-            for kill in (os.killpg, os.kill):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    kill(pid, signal.SIGKILL)
+            self._kill(pid)
         return float("inf")  # nothing more to do for it: its exit wakes the watcher
+
+    @staticmethod
+    def _kill(pid: int) -> None:
+        for kill in (os.killpg, os.kill):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(pid, signal.SIGKILL)
 
     def exit_code(self, local: int, pid: int, code: int) -> int:
         """The code the agent is to see for worker ``pid`` (``local``) that exited with

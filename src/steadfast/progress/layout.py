@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ASK_PREFIX", "FINISHED", "Progress", "ask_path", "read", "read_stack"]
+__all__ = ["ASK_PREFIX", "ENDED", "FINISHED", "Progress", "ask_path", "read", "read_stack"]
 
 ASK_PREFIX = "steadfast-hbask-"
 _TABLE_PREFIX = "steadfast-hb-"
@@ -44,6 +44,7 @@ ANSWER = 11  # the request the stack in the text area answers
 ANSWER_AT = 12  # monotonic time of that sample
 TEXT_LEN = 13  # bytes of the stack text
 FINISHED = 14  # monotonic time the script finished (__main__ returned, sys.exit(0)); 0: not yet
+ENDED = 15  # monotonic time the script ended another way (it raised, sys.exit(N)); 0: not yet
 STEP_RING = 16  # STEP_RING + (n % RING): the monotonic end of iteration n
 RING = 64
 FWD_RING = STEP_RING + RING  # FWD_RING + (n % RING): the n-th forward's seconds
