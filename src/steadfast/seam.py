@@ -97,6 +97,7 @@ __all__ = [
     "foreach_inf_norms",
     "PRELOADED",
     "PRELOADED_BY_ALL",
+    "COMPILER",
     "inductor_header_dir",
     "dataloader_iterator_type",
     "interpreter_exit",
@@ -346,6 +347,9 @@ PRELOADED = ("torch._dynamo", "torch._inductor.compile_fx")
 #: The ones of :data:`PRELOADED` every worker needs before its first step (any
 #: ``torch.optim`` optimizer); the others only a script that compiles.
 PRELOADED_BY_ALL = ("torch._dynamo",)
+#: The one of :data:`PRELOADED` only a script that compiles needs (the template imports
+#: it once a worker of the job compiled).
+COMPILER = "torch._inductor.compile_fx"
 
 
 def preload(name: str) -> bool:

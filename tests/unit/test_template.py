@@ -104,6 +104,78 @@ print(*(name in sys.modules for name in ("torch._dynamo", "torch._inductor.compi
 
 
 @pytest.mark.skipif(seam.cuda_built(), reason="a CUDA build probes each preload first")
+def test_the_compiler_is_preloaded_only_once_the_launcher_asks_and_later_workers_have_it(
+    template: Template, tmp_path: Path
+):
+    """Without CUDA the template imports dynamo (every optimizer needs it) before it
+    serves, and Inductor's compiler only once the launcher asks for it (a worker of the
+    job compiled): a job that never compiles neither waits for it nor pays its import
+    and its teardown in every worker; later workers have it."""
+    script = tmp_path / "which.py"
+    script.write_text(WHICH_PRELOADS)
+
+    def spawned() -> str:
+        out = tmp_path / "which.txt"
+        proc = template.spawn([str(script)], dict(os.environ), stdout=str(out), stderr=str(out))
+        assert proc.wait(60) == 0, out.read_text()
+        return out.read_text().strip()
+
+    assert spawned() == "True False"
+    time.sleep(1.0)  # idle: it would have imported it by now
+    assert spawned() == "True False"
+    template.preload(seam.COMPILER)
+    deadline = time.monotonic() + 120
+    while (seen := spawned()) != "True True" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert seen == "True True"
+
+
+PRELOADS = """
+import sys
+print(*(name in sys.modules for name in ("torch._dynamo", "torch._inductor.compile_fx")))
+"""
+
+
+PRELOADS = """
+import sys
+print(*(name in sys.modules for name in ("torch._dynamo", "torch._inductor.compile_fx")))
+"""
+
+
+@pytest.mark.skipif(seam.cuda_built(), reason="a CUDA build probes each preload first")
+def test_the_compiler_is_preloaded_only_once_the_launcher_asks_and_later_workers_have_it(
+    template: Template, tmp_path: Path
+):
+    """Without CUDA the template imports dynamo (every optimizer needs it) before it
+    serves, and Inductor's compiler only once the launcher asks for it (a worker of the
+    job compiled): a job that never compiles neither waits for it nor pays its import
+    and its teardown in every worker; later workers have it."""
+    script = tmp_path / "which.py"
+    script.write_text(WHICH_PRELOADS)
+
+    def spawned() -> str:
+        out = tmp_path / "which.txt"
+        proc = template.spawn([str(script)], dict(os.environ), stdout=str(out), stderr=str(out))
+        assert proc.wait(60) == 0, out.read_text()
+        return out.read_text().strip()
+
+    assert spawned() == "True False"
+    time.sleep(1.0)  # idle: it would have imported it by now
+    assert spawned() == "True False"
+    template.preload(seam.COMPILER)
+    deadline = time.monotonic() + 120
+    while (seen := spawned()) != "True True" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert seen == "True True"
+
+
+PRELOADS = """
+import sys
+print(*(name in sys.modules for name in ("torch._dynamo", "torch._inductor.compile_fx")))
+"""
+
+
+@pytest.mark.skipif(seam.cuda_built(), reason="a CUDA build probes each preload first")
 def test_workers_are_forked_before_the_compiler_is_preloaded_and_later_ones_have_it(
     template: Template, tmp_path: Path
 ):

@@ -2,12 +2,15 @@
 
 On a torch without CUDA, what every worker needs (:data:`steadfast.seam.PRELOADED_BY_ALL`:
 dynamo, which any optimizer imports) before the template serves (:meth:`Preloader.eager`,
-beside the launcher's own start); the rest (Inductor's compiler, for scripts that
-compile) once the first workers are forked, while they run. Imported before serving, the
-compiler held every cold start (a first launch, a requeue) ~2 s on 2 cores for a script
-that may never compile; imported once idle (no worker), it lands right after a worker
-ended: in a restart's way. On a CUDA build one module at a time, only while no worker
-runs or is asked for, each probed first:
+beside the launcher's own start). The rest (Inductor's compiler) only once the launcher
+asks for it (:meth:`Preloader.want`: a worker of the job compiled), then while workers
+run. Imported before serving, the compiler held every cold start (a first launch, a
+requeue) ~2 s on 2 cores for a script that may never compile; imported for every job, it
+took a core for seconds beside the training and added ~0.3 s to every worker's exit
+(its interpreter frees ~250 more modules), for scripts that never compile; imported once
+idle (no worker), it lands right after a worker ended: in a restart's way. On a CUDA
+build one module at a time, only while no worker runs or is asked for, each probed
+first:
 
 On a torch built with CUDA an import may ask for the GPUs (``device_count``, which
 initialises CUDA's driver): every process forked after that fails at its first CUDA call
@@ -59,6 +62,15 @@ class Preloader:
         for name in [n for n in self._names if n in self._by_all]:
             seam.preload(name)
             self._names.remove(name)
+
+    def want(self, name: str) -> None:
+        """Preload ``name`` too (one of :data:`steadfast.seam.PRELOADED`), asked for by
+        the launcher once the job showed it needs it (a worker compiled); a module
+        already imported or pending is left as it is."""
+        import sys
+
+        if name in seam.PRELOADED and name not in sys.modules and name not in self._names:
+            self._names.append(name)
 
     def idle(self, quiet: bool, running: bool, served: bool) -> bool:
         """Whether the template may import now (``quiet``: no worker asked for lately;

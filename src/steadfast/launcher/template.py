@@ -164,7 +164,7 @@ def serve(fd: int) -> dict[str, Any] | None:
     # what workers import later (dynamo, Inductor's compiler: ~2 s each on 2 cores), so
     # that each restart's workers start without it (see .preload for when); never while
     # forking (the main thread is the only one: no import lock is held at a fork)
-    preloader = Preloader(seam.PRELOADED, seam.PRELOADED_BY_ALL)
+    preloader = Preloader(seam.PRELOADED_BY_ALL, seam.PRELOADED_BY_ALL)  # the rest: want()
     preloader.eager()
 
     # From here on the signals are blocked and read with sigtimedwait (an ignored one is
@@ -212,6 +212,9 @@ def serve(fd: int) -> dict[str, Any] | None:
                 request = _recv(sock)
                 if request is None:  # the launcher is gone
                     return None
+                if "preload" in request:  # the job needs it (Template.preload)
+                    preloader.want(str(request["preload"]))
+                    continue
                 asked, served = time.monotonic(), True
                 synced_r, synced_w = os.pipe()
                 pid = os.fork()
@@ -436,6 +439,12 @@ class Template:
                 self._cond.wait(1.0)
             pid = self._spawned.pop(request_id)
         return TemplateProc(self, pid)
+
+    def preload(self, name: str) -> None:
+        """Have the template import ``name`` (one of :data:`steadfast.seam.PRELOADED`)
+        for the workers it forks from now on, when it is idle; not waited for."""
+        with self._lock, contextlib.suppress(OSError):
+            _send(self._sock, {"preload": name})
 
     def ready(self, timeout: float) -> bool:
         """Whether the template has imported torch and serves requests (waits up to
