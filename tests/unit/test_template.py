@@ -267,3 +267,19 @@ def test_a_failing_scripts_traceback_starts_at_the_script(template: Template, tm
     text = out.read_text()
     assert 'Traceback (most recent call last):\n  File "' + str(script) in text
     assert "steadfast" not in text.split("Traceback", 1)[1]
+
+
+def test_when_the_template_may_preload():
+    """Once it has served (while workers run: a restart's workers find the modules),
+    never while a request may come (not quiet); before serving only on a CUDA build,
+    whose probes are forks that run beside the launcher's rendezvous."""
+    from steadfast.launcher.preload import Preloader
+
+    cpu, cuda = Preloader([]), Preloader([])
+    cpu._probing, cuda._probing = False, True
+    for p in (cpu, cuda):
+        assert p.idle(quiet=True, running=True, served=True)
+        assert p.idle(quiet=True, running=False, served=True)
+        assert not p.idle(quiet=False, running=False, served=True)
+    assert not cpu.idle(quiet=True, running=False, served=False)
+    assert cuda.idle(quiet=True, running=False, served=False)
