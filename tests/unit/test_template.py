@@ -283,3 +283,15 @@ def test_when_the_template_may_preload():
         assert not p.idle(quiet=False, running=False, served=True)
     assert not cpu.idle(quiet=True, running=False, served=False)
     assert cuda.idle(quiet=True, running=False, served=False)
+
+
+def test_a_missing_script_ends_as_pythons_does(template: Template, tmp_path: Path):
+    out = tmp_path / "out.txt"
+    proc = template.spawn(
+        ["-u", "nope.py"], dict(os.environ), cwd=str(tmp_path), stdout=str(out), stderr=str(out)
+    )
+    assert proc.wait(60) == 2
+    fresh = subprocess.run(
+        [sys.executable, "-u", "nope.py"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.read_text() == fresh.stderr

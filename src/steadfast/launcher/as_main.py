@@ -79,9 +79,14 @@ def run_as_main(kind: str, target: str, args: list[str], env: Mapping[str, str])
             main.__file__ = path
             main.__dict__["__cached__"] = None
             main.__loader__ = SourceFileLoader("__main__", path)
-            with open(path, "rb") as fh:
-                code = compile(fh.read(), path, "exec", dont_inherit=True)
-            exec(code, main.__dict__)
+            try:
+                with open(path, "rb") as fh:
+                    source = fh.read()
+            except OSError as exc:  # what `python missing.py` says, and its exit code
+                error = f"[Errno {exc.errno}] {exc.strerror}"
+                print(f"{sys.executable}: can't open file {path!r}: {error}", file=sys.stderr)
+                raise SystemExit(2) from None
+            exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
     except SystemExit as exc:
         mark_finished(ok=exc.code is None or exc.code == 0)
         raise
