@@ -96,7 +96,14 @@ def run_as_main(kind: str, target: str, args: list[str], env: Mapping[str, str])
     except BaseException as exc:
         mark_finished(ok=False)
         tb = _from_script(exc.__traceback__)
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the hook prints exc's own
+        exc = exc.with_traceback(tb)
+        # as the interpreter's own report does: kept in sys.last_* (the script's frames
+        # with it) until the interpreter finalizes; freed here, a DDP model in main()'s
+        # frame would join gloo's threads holding the GIL (the exit deadlock, again)
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+        if sys.version_info >= (3, 12):
+            sys.last_exc = exc
+        sys.excepthook(type(exc), exc, tb)  # the hook prints exc's own traceback
         raise SystemExit(1) from None
     mark_finished()
 

@@ -23,7 +23,7 @@ fault as before. One whose script raised or exited non-zero says so too (``ENDED
 is on its way out, a failure for the agent, and no hang is looked for in it while the
 interpreter finalizes (the peers of a culprit, ending on the error of their collective,
 took over a second to exit under load and were judged hung a second time); past
-``teardown_timeout`` it is killed.
+``workers_stop_timeout`` (at most ``teardown_timeout``) it is killed.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class Teardown:
         global_rank: Maps a local rank to its global rank (for events).
         describe: Where a running worker is (``local_rank, pid -> text``: its stack
             where its progress thread answers, else its state); None: its state alone.
+        failed_timeout: ``workers_stop_timeout``: the bound of a worker whose script
+            failed (at most ``timeout``).
     """
 
     def __init__(
@@ -70,8 +72,11 @@ class Teardown:
         timeout: float,
         global_rank: Callable[[int], int] = lambda local: local,
         describe: Callable[[int, int], str] | None = None,
+        failed_timeout: float = 15.0,
     ) -> None:
         self.timeout = timeout
+        #: a worker whose script failed gets what a stopped one gets: workers_stop_timeout
+        self.failed_timeout = min(timeout, failed_timeout)
         self.global_rank = global_rank
         self.describe = describe
         self._slots = {r: table.progress_area(r)[0] for r in range(table.rows)}
@@ -99,12 +104,12 @@ class Teardown:
         ended = self.ended(local)
         if ended is None:
             return None
-        deadline = ended + self.timeout
+        finished = self.finished(local)
+        deadline = ended + (self.timeout if finished is not None else self.failed_timeout)
         if now < deadline:
             return deadline
         if sample(pid).state in _GONE:  # it exited: exit_code() tells how, once reaped
             return float("inf")
-        finished = self.finished(local)
         if finished is None:  # it failed, and hangs on its way out
             logger.warning("rank %d failed and has not exited: killed", self.global_rank(local))
             self._kill(pid)

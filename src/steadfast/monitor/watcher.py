@@ -189,7 +189,9 @@ class Watcher:
         )
         self.global_rank = global_rank
         #: workers whose script finished: their teardown bounded, never a hang
-        self.teardown = Teardown(table, cfg.teardown_timeout, global_rank, self._where)
+        self.teardown = Teardown(
+            table, cfg.teardown_timeout, global_rank, self._where, cfg.workers_stop_timeout
+        )
         self.on_hang = on_hang
         self._lock = threading.Lock()
         self._pids: dict[int, int] = {}
