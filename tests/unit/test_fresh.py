@@ -20,14 +20,8 @@ kinds = (random.Random, numpy.random.RandomState, numpy.random.Generator,
          numpy.random.BitGenerator, torch.Generator)
 def seeded_by_os(obj):
     return isinstance(obj, kinds) and not isinstance(obj, random.SystemRandom)
-handled = set()
-for entry in json.loads(sys.argv[1]):
-    modname, _, path = entry.partition(":")
-    obj = sys.modules.get(modname)
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-    if obj is not None:
-        handled.add(id(obj))
+from steadfast.launcher.fresh import held_generators
+handled = {id(generator) for _, generator in held_generators()}
 named, seen = set(), set()
 for modname, module in list(sys.modules.items()):
     for attr, value in list(vars(module).items()) if module is not None else ():
@@ -54,7 +48,7 @@ def test_every_generator_the_template_holds_is_drawn_again_in_its_workers():
     names) is one that fresh_random_streams draws again (a torch that preloads a new one
     fails here, naming it), and no Random hides elsewhere."""
     done = subprocess.run(
-        [sys.executable, "-c", CENSUS, json.dumps(RESEEDED)],
+        [sys.executable, "-c", CENSUS],
         capture_output=True,
         text=True,
         check=True,

@@ -21,12 +21,14 @@ import os
 import resource
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
     "RESEEDED",
     "apply_launcher_state",
     "fresh_random_streams",
+    "held_generators",
     "launcher_state",
 ]
 
@@ -112,19 +114,24 @@ def apply_launcher_state(state: dict[str, Any]) -> None:
             os.setpriority(os.PRIO_PROCESS, 0, int(nice))
 
 
+def held_generators() -> Iterator[tuple[str, Any]]:
+    """``(module, generator)`` for each of :data:`RESEEDED` this process has imported."""
+    for entry in RESEEDED:
+        module, _, path = entry.partition(":")
+        generator: Any = sys.modules.get(module)
+        for part in path.split("."):
+            generator = getattr(generator, part, None)
+        if generator is not None:  # else not imported: a worker seeds its own
+            yield module, generator
+
+
 def fresh_random_streams() -> None:
     """Draw fresh OS entropy for every generator of :data:`RESEEDED` that the template
     holds, as a new interpreter's imports would have (distinct across ranks and runs),
     and a new multiprocessing authkey. torch's CUDA generators are not among them: CUDA
     is never initialised in the template, so a worker creates its own, as a new process
     does."""
-    for entry in RESEEDED:
-        module, _, path = entry.partition(":")
-        generator: Any = sys.modules.get(module)
-        for part in path.split("."):
-            generator = getattr(generator, part, None)
-        if generator is None:  # not imported by the template: the worker seeds its own
-            continue
+    for module, generator in held_generators():
         if module.startswith("numpy."):
             # numpy's global RandomState: what its import makes, a new RandomState()
             generator.set_state(type(generator)().get_state())

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import threading
 import time
@@ -39,7 +38,7 @@ from typing import Any
 
 from .. import events
 from ..progress.layout import ENDED, FINISHED
-from ..progress.proc import sample
+from ..progress.proc import running, sample, signal_group
 from .table import HeartbeatTable
 
 __all__ = ["Teardown"]
@@ -49,8 +48,6 @@ logger = logging.getLogger(__name__)
 #: The signals the launcher stops a group's workers with (SIGTERM, SIGKILL after the
 #: grace): a finished worker that dies of one was stopped, and is not told of.
 _STOPS = (int(signal.SIGTERM), int(signal.SIGKILL))
-#: /proc states of a process that has exited (a zombie not yet reaped; gone)
-_GONE = ("Z", "X", "?")
 
 
 class Teardown:
@@ -108,11 +105,11 @@ class Teardown:
         deadline = ended + (self.timeout if finished is not None else self.failed_timeout)
         if now < deadline:
             return deadline
-        if sample(pid).state in _GONE:  # it exited: exit_code() tells how, once reaped
+        if not running(pid):  # it exited: exit_code() tells how, once reaped
             return float("inf")
         if finished is None:  # it failed, and hangs on its way out
             logger.warning("rank %d failed and has not exited: killed", self.global_rank(local))
-            self._kill(pid)
+            signal_group(pid, signal.SIGKILL)
             return float("inf")
         if self._tell(pid):
             where = self._where(local, pid)
@@ -125,14 +122,8 @@ class Teardown:
                 self.timeout,
                 where.splitlines()[0] if where else "?",
             )
-            self._kill(pid)
+            signal_group(pid, signal.SIGKILL)
         return float("inf")  # nothing more to do for it: its exit wakes the watcher
-
-    @staticmethod
-    def _kill(pid: int) -> None:
-        for kill in (os.killpg, os.kill):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                kill(pid, signal.SIGKILL)
 
     def exit_code(self, local: int, pid: int, code: int) -> int:
         """The code the agent is to see for worker ``pid`` (``local``) that exited with

@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 
 from .. import events
 from ..config import FaultToleranceConfig
+from ..progress.proc import running, signal_group
 from ..progress.watch import ProgressWatch, record
 from .client import STACK_DUMP_SIGNAL
 from .learned import effective
@@ -141,25 +142,6 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (exists and is not a zombie waiting to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    """``sig`` to the worker's process group (its own: grandchildren too), else to it."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            os.kill(pid, sig)
-
-
 class Watcher:
     """Watches the rows of ``table`` for the workers the agent started.
 
@@ -239,8 +221,8 @@ class Watcher:
         if self.progress_watch is not None:
             self.progress_watch.reporter.stop()
         for ending in self._ending:  # hung ranks not yet gone: as a stopped watcher would
-            if _running(ending.pid):
-                _signal_group(ending.pid, signal.SIGKILL)
+            if running(ending.pid):
+                signal_group(ending.pid, signal.SIGKILL)
         self._ending = []
         fds = (*self._pidfds, self._ctl_r, self._ctl_w, self._wake_fd)
         self._pidfds = {}
@@ -372,7 +354,7 @@ class Watcher:
             if held is None:
                 return None
             culprit, until = held
-            if math.isinf(until) and not _running(culprit):
+            if math.isinf(until) and not running(culprit):
                 until = now + HELD_GRACE
                 self._held[local] = (culprit, until)
             if now < until:
@@ -413,7 +395,7 @@ class Watcher:
         """A bound passed: look at every rank before acting, and act on the culprit."""
         watch = self.progress_watch
         assert watch is not None
-        if not _running(pids[hang.local_rank]):  # it exited (the agent will see it)
+        if not running(pids[hang.local_rank]):  # it exited (the agent will see it)
             with self._lock:
                 if self._pids == pids:
                     self._handled.add(hang.local_rank)
@@ -474,7 +456,7 @@ class Watcher:
         for local, pid in pids.items():
             fd = _pidfd(pid)
             if fd is None:
-                if not _running(pid):  # already gone before we looked
+                if not running(pid):  # already gone before we looked
                     gone.append(local)
                 continue
             self._pidfds[fd] = (local, generation)
@@ -518,7 +500,7 @@ class Watcher:
             if self._pids.get(hang.local_rank) != pid:
                 return  # that generation is gone already
             self._handled.add(hang.local_rank)
-        if not _running(pid):  # it exited (the agent will see it): not a hang to act on
+        if not running(pid):  # it exited (the agent will see it): not a hang to act on
             return
         with self._lock:
             self._hung[hang.local_rank] = (hang.what, time.time() - hang.elapsed)
@@ -561,7 +543,7 @@ class Watcher:
         time the next step is due (``inf``: none)."""
         soonest = math.inf
         for ending in list(self._ending):
-            if not _running(ending.pid):  # it is gone: nothing more to do
+            if not running(ending.pid):  # it is gone: nothing more to do
                 self._ending.remove(ending)
                 continue
             # a rank of a generation the agent is stopping is ended now, not later
@@ -570,7 +552,7 @@ class Watcher:
                 continue
             if ending.stage == "dump":
                 sig = self.cfg.rank_termination_signal
-                _signal_group(ending.pid, sig)
+                signal_group(ending.pid, sig)
                 if self.on_hang is not None:
                     self.on_hang(ending.hang)
                 if sig == signal.SIGKILL:
@@ -581,7 +563,7 @@ class Watcher:
             else:  # a rank stuck in C may never run its handler
                 name = signal.Signals(self.cfg.rank_termination_signal).name
                 logger.error("rank %d ignored %s; sending SIGKILL", ending.rank, name)
-                _signal_group(ending.pid, signal.SIGKILL)
+                signal_group(ending.pid, signal.SIGKILL)
                 self._ending.remove(ending)
         return soonest
 

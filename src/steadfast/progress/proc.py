@@ -1,13 +1,16 @@
 """What ``/proc`` says of a worker, for the launcher's confirmation of a hang: the
 process state, its main thread's CPU time and I/O, and the CPU time of its children (a
-DataLoader's workers)."""
+DataLoader's workers); whether it still runs, and a signal to its process group (the
+watcher's and the teardown's end of a worker)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from dataclasses import dataclass
 
-__all__ = ["ProcSample", "sample"]
+__all__ = ["ProcSample", "running", "sample", "signal_group"]
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -86,3 +89,22 @@ def sample(pid: int) -> ProcSample:
     except OSError:
         pass
     return ProcSample(main[0], main[1], _io(f"/proc/{pid}/task/{pid}/io"), children, wchan)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (exists and is not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def signal_group(pid: int, sig: signal.Signals) -> None:
+    """``sig`` to the worker's process group (its own: grandchildren too), else to it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            os.kill(pid, sig)
