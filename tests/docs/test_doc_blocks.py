@@ -42,6 +42,7 @@ MARKER = re.compile(
 )
 RUNNERS = {"python": "python", "py": "python", "sh": "bash", "bash": "bash", "shell": "bash"}
 TIMEOUT = 300.0
+CLEAN_END = Path(__file__).resolve().parent / "clean_end"  # its sitecustomize.py
 
 
 @dataclass
@@ -124,6 +125,10 @@ def test_page_blocks_run(page: Path, tmp_path: Path) -> None:
     env["REPO"] = str(REPO)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("STEADFAST_EVENTS", None)  # each block's runs write where the page says
+    # every Python process of the page reports a process group that outlived its script
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CLEAN_END), env.get("PYTHONPATH")]))
+    unclean = tmp_path / "unclean-ends.log"
+    env["STEADFAST_DOCS_END_LOG"] = str(unclean)
     for block in blocks(page):
         if block.action == "file":
             target = tmp_path / block.arg
@@ -154,3 +159,9 @@ def test_page_blocks_run(page: Path, tmp_path: Path) -> None:
                 f"{block.where()}: exit {proc.returncode}\n--- stdout\n{out[-4000:]}"
                 f"\n--- stderr\n{err[-4000:]}"
             )
+    ended = unclean.read_text() if unclean.exists() else ""
+    assert not ended, (
+        f"{page.relative_to(REPO)}: a script's process group outlived it (torch destroys it "
+        "while the interpreter finalizes, where gloo's threads may hang or abort); end it as "
+        "docs/troubleshooting.md's 'Ending a DDP script cleanly' says:\n" + ended
+    )
