@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sfharness import Ranks, children, read_events, socket_count, wait_for
+from steadfast import events
 from steadfast.faults import InjectedFault, fail_at
 from steadfast.inprocess import (
     CallWrapper,
@@ -249,17 +250,28 @@ def _assert_bit_exact(res: dict[str, Any]) -> None:
         assert torch.equal(got, want), "parameters differ from the fault-free run"
 
 
-def _no_monitor_left() -> bool:
+def _no_monitor_left(event_log: Path) -> bool:
+    """No monitor process of this test's run is alive (one of a neighbour's is not ours:
+    this run's carry its event log in their environment)."""
+    mark = f"{events.EVENTS_ENV}={event_log}".encode()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 comm = Path(f"/proc/{entry}/comm").read_text().strip()
                 state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                ours = mark in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if comm.startswith("sf-monitor") and state != "Z":
+            if comm.startswith("sf-monitor") and state != "Z" and ours:
                 return False
     return True
+
+
+def _events(event_log: Path) -> list[dict[str, Any]]:
+    """The run's events, once its monitor processes, which write some of them (a rank's
+    termination after its death is confirmed), have exited."""
+    wait_for(lambda: _no_monitor_left(event_log), 10, "monitor processes to exit")
+    return read_events(event_log)
 
 
 def _kinds(evs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -272,7 +284,7 @@ def test_exception_on_one_rank_restarts_every_rank(tmp_path: Path, event_log: Pa
     _, codes = _run(tmp_path, 2, {"kind": "exception", "rank": 1}, full)
     assert codes == [0, 0]
     results = [_result(tmp_path, r) for r in range(2)]
-    evs = read_events(event_log)
+    evs = _events(event_log)
     # detected: rank 1's own exception, with its message
     faults = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "exception"]
     assert [(e["fault_rank"], e["iteration"]) for e in faults] == [(1, 0)]
@@ -289,7 +301,6 @@ def test_exception_on_one_rank_restarts_every_rank(tmp_path: Path, event_log: Pa
         assert res["env"] == (str(r), "2")
         _assert_bit_exact(res)
         _assert_clean(res)
-    wait_for(_no_monitor_left, 10, "monitor processes to exit")
 
 
 def test_the_memory_tier_restores_the_last_completed_step_after_an_in_process_restart(
@@ -304,7 +315,7 @@ def test_the_memory_tier_restores_the_last_completed_step_after_an_in_process_re
     plan = {"kind": "exception", "rank": 1, "memory_tier": True}
     _, codes = _run(tmp_path, 2, plan, full)
     assert codes == [0, 0]
-    evs = read_events(event_log)
+    evs = _events(event_log)
     faults = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "exception"]
     assert [(e["fault_rank"], e["iteration"]) for e in faults] == [(1, 0)]
     loaded = _kinds(evs, "checkpoint_loaded")
@@ -328,7 +339,7 @@ def test_sigkilled_rank_survivors_restart_with_shifted_ranks(
     schedule = [(3, FAULT_STEP, {0: 0, 1: 1, 2: 2}), (2, STEPS, {0: 0, 2: 1})]
     _, codes = _run(tmp_path, 3, {"kind": "rank_killed", "rank": 1}, schedule)
     assert codes[1] == -signal.SIGKILL and codes[0] == codes[2] == 0
-    evs = read_events(event_log)
+    evs = _events(event_log)
     died = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "rank_died"]
     assert [e["fault_rank"] for e in died] == [1]
     assert [e["terminated_rank"] for e in _kinds(evs, "inprocess_terminated")] == [1]
@@ -343,7 +354,6 @@ def test_sigkilled_rank_survivors_restart_with_shifted_ranks(
         _assert_bit_exact(res)
         _assert_clean(res)
     # the dead rank's monitor process reported and went away too
-    wait_for(_no_monitor_left, 10, "monitor processes to exit")
 
 
 @pytest.mark.slow
@@ -354,7 +364,7 @@ def test_rank_hung_in_python_is_interrupted_by_the_soft_timeout(
     plan = {"kind": "rank_hung", "rank": 1, "soft": 1.5, "hard": 30}
     _, codes = _run(tmp_path, 2, plan, full)
     assert codes == [0, 0]
-    evs = read_events(event_log)
+    evs = _events(event_log)
     soft = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "soft_timeout"]
     # Rank 1 stopped pinging while its interpreter ran; rank 0, blocked in the all-reduce
     # that waits for rank 1, stopped progressing at the same moment: either may be first.
@@ -379,7 +389,7 @@ def test_rank_stuck_outside_python_is_terminated_by_the_hard_timeout(
     plan = {"kind": "rank_hung", "freeze": True, "rank": 2, "soft": 1.0, "hard": 2.5}
     _, codes = _run(tmp_path, 3, plan, schedule)
     assert codes[2] == -signal.SIGKILL and codes[0] == codes[1] == 0
-    evs = read_events(event_log)
+    evs = _events(event_log)
     term = _kinds(evs, "inprocess_terminated")
     # a stopped process ignores SIGTERM: the monitor escalated to SIGKILL after the grace
     assert [(e["terminated_rank"], e["cause"], e["signal"]) for e in term] == [
@@ -394,7 +404,6 @@ def test_rank_stuck_outside_python_is_terminated_by_the_hard_timeout(
         res = _result(tmp_path, r)
         _assert_bit_exact(res)
         _assert_clean(res)
-    wait_for(_no_monitor_left, 10, "monitor processes to exit")
 
 
 @pytest.mark.slow
@@ -402,7 +411,7 @@ def test_retry_limit_ends_with_a_clear_error_on_every_rank(tmp_path: Path, event
     plan = {"kind": "exception", "rank": 1, "step": 1, "max_fault_iteration": 99}
     _, codes = _run(tmp_path, 2, {**plan, "max_iterations": 3}, None)
     assert codes == [0, 0]
-    evs = read_events(event_log)
+    evs = _events(event_log)
     faults = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "exception"]
     assert [e["iteration"] for e in faults] == [0, 1, 2]
     for r in range(2):
@@ -423,7 +432,7 @@ def test_atomic_section_holds_off_the_interruption(tmp_path: Path, event_log: Pa
     entered = float((tmp_path / "atomic_entered").read_text())
     left = float((tmp_path / "atomic_left").read_text())
     interrupted = float((tmp_path / "interrupted_at").read_text())
-    fault = next(e["time"] for e in _kinds(read_events(event_log), "inprocess_interrupted"))
+    fault = next(e["time"] for e in _kinds(_events(event_log), "inprocess_interrupted"))
     assert entered <= fault < left, "rank 1 must fault while rank 0 is inside atomic()"
     assert interrupted >= left, "the interruption landed inside atomic()"
     for r in range(2):
@@ -440,7 +449,7 @@ def test_lost_rank_and_monitor_are_found_by_the_heartbeat_timeout(
     plan = {"kind": "rank_killed", "lost": True, "rank": 1, "heartbeat": 1.5}
     _, codes = _run(tmp_path, 3, plan, schedule)
     assert codes[1] == -signal.SIGKILL and codes[0] == codes[2] == 0
-    evs = read_events(event_log)
+    evs = _events(event_log)
     # nobody was left to report the death: the store host noticed the silence
     lost = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "heartbeat_lost"]
     assert [(e["fault_rank"], e["rank"]) for e in lost] == [(1, 0)]
