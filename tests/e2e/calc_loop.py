@@ -25,9 +25,9 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=30)
     args = p.parse_args()
-    ft = RankMonitorClient()
+    dist.init_process_group("gloo")  # first, as NVRx's examples: the group's start
+    ft = RankMonitorClient()  # (seconds on a busy machine) is not out-of-section time
     ft.init_workload_monitoring()
-    dist.init_process_group("gloo")
     x = torch.ones(1)
     for step in range(args.steps):
         ft.start_section("step")
