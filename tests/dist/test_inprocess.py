@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from sfharness import Ranks, children, read_events, socket_count, wait_for
-from steadfast import events
 from steadfast.faults import InjectedFault, fail_at
 from steadfast.inprocess import (
     CallWrapper,
@@ -251,20 +250,29 @@ def _assert_bit_exact(res: dict[str, Any]) -> None:
 
 
 def _no_monitor_left(event_log: Path) -> bool:
-    """No monitor process of this test's run is alive (one of a neighbour's is not ours:
-    this run's carry its event log in their environment)."""
-    mark = f"{events.EVENTS_ENV}={event_log}".encode()
+    """No monitor process of this test's run is alive: none holds the test's event log
+    open (a monitor opens it with its first event, and every monitor that reports a
+    fault has written one; a neighbour job's monitors hold their own)."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 comm = Path(f"/proc/{entry}/comm").read_text().strip()
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                ours = mark in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+                if not comm.startswith("sf-monitor"):
+                    continue
+                fds = os.listdir(f"/proc/{entry}/fd")
+                ours = any(_link(f"/proc/{entry}/fd/{fd}") == str(event_log) for fd in fds)
             except OSError:
                 continue
-            if comm.startswith("sf-monitor") and state != "Z" and ours:
+            if ours:
                 return False
     return True
+
+
+def _link(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
 
 
 def _events(event_log: Path) -> list[dict[str, Any]]:
@@ -394,7 +402,7 @@ def test_rank_stuck_outside_python_is_terminated_by_the_hard_timeout(
     # a stopped process ignores SIGTERM: the monitor escalated to SIGKILL after the grace
     assert [(e["terminated_rank"], e["cause"], e["signal"]) for e in term] == [
         (2, "hard_timeout", "SIGKILL")
-    ]
+    ], [(e["kind"], e["cause"], e["rank"], e.get("detail")) for e in evs]
     causes = {(e["cause"], e["fault_rank"]) for e in _kinds(evs, "inprocess_interrupted")}
     assert ("hard_timeout", 2) in causes
     restarts = _kinds(evs, "inprocess_restart")
