@@ -16,6 +16,7 @@ import importlib
 import os
 import pickle
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from steadfast.shm import TAG_ENV
 
 _HERE = str(Path(__file__).resolve().parent)
 _template: Any = None  # the session's steadfast.launcher.template.Template
@@ -71,9 +74,19 @@ def children(pid: int, zombies: bool = False) -> set[int]:
     return kids
 
 
-#: Names steadfast itself gives its shared-memory files (the heartbeat tables,
-#: ``steadfast-hb-<pid>-<hex>``; any later kind keeps the prefix).
-STEADFAST_SHM_PREFIX = "steadfast-"
+#: This session's tag (``steadfast.shm``): every launcher, worker and test of the
+#: session makes its /dev/shm entries under it, so that the leak check counts only them
+#: and never a neighbour job's live segments. Set before the session's first process.
+if __name__ == "__main__" and TAG_ENV in os.environ:  # a rank of the session: its tag
+    SUITE_TAG = os.environ[TAG_ENV]
+else:
+    SUITE_TAG = f"suite{os.getpid()}{secrets.token_hex(3)}"
+    os.environ[TAG_ENV] = SUITE_TAG
+
+
+def suite_shm(pattern: str = "steadfast-*") -> set[str]:
+    """The entries of ``/dev/shm`` matching ``pattern`` that this session made."""
+    return {p.name for p in Path("/dev/shm").glob(pattern) if f"-{SUITE_TAG}-" in f"{p.name}-"}
 
 
 #: Every rank process the harness started in this session: the leak check attributes a
@@ -91,17 +104,18 @@ def shm_entries() -> set[str]:
 
 def shm_leaks(before: set[str], pids: set[int]) -> set[str]:
     """The ``/dev/shm`` entries made since ``before`` that this test's processes made:
-    steadfast's own names (``steadfast-*``, whoever made them), and names that embed one
-    of ``pids`` as a number (torch's ``torch_<pid>_<n>``; the caller passes the test's
-    process, its live children and the harness's ranks, :data:`SPAWNED`). Entries of
-    other programs on a busy machine (multiprocessing's ``sem.mp-*`` of an unrelated job)
-    are not the test's, and do not fail it. A launcher's workers are not known by pid:
-    only steadfast's own names of theirs count."""
+    steadfast's names that carry this session's tag (:data:`SUITE_TAG`, whichever of its
+    processes made them), and names that embed one of ``pids`` as a number (torch's
+    ``torch_<pid>_<n>``; the caller passes the test's process, its live children and the
+    harness's ranks, :data:`SPAWNED`). Entries of other programs on a busy machine (a
+    neighbour's steadfast job, multiprocessing's ``sem.mp-*`` of an unrelated one) are not
+    the test's, and do not fail it."""
     mine = {str(p) for p in pids}
+    ours = suite_shm()
     return {
         name
         for name in shm_entries() - before
-        if name.startswith(STEADFAST_SHM_PREFIX) or mine & set(re.findall(r"\d+", name))
+        if name in ours or mine & set(re.findall(r"\d+", name))
     }
 
 

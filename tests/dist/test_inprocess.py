@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sfharness import Ranks, children, read_events, socket_count, wait_for
+from sfharness import Ranks, children, read_events, socket_count, suite_shm, wait_for
 from steadfast.faults import InjectedFault, fail_at
 from steadfast.inprocess import (
     CallWrapper,
@@ -319,7 +319,7 @@ def test_the_memory_tier_restores_the_last_completed_step_after_an_in_process_re
     Wrapper keeps for its run, the last step it completed; bit-exact; and the directory
     is gone when the Wrapper returns."""
     full = [(2, STEPS, {0: 0, 1: 1})]
-    before = {p.name for p in Path("/dev/shm").glob("steadfast-mem-*")}
+    before = suite_shm("steadfast-mem-*")
     plan = {"kind": "exception", "rank": 1, "memory_tier": True}
     _, codes = _run(tmp_path, 2, plan, full)
     assert codes == [0, 0]
@@ -336,7 +336,7 @@ def test_the_memory_tier_restores_the_last_completed_step_after_an_in_process_re
         assert res["seen"]["iterations"] == [0, 1]
         _assert_bit_exact(res)
         _assert_clean(res)
-    assert {p.name for p in Path("/dev/shm").glob("steadfast-mem-*")} == before
+    assert suite_shm("steadfast-mem-*") == before
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from sfharness import assert_bit_exact, fork_when_ready, launch_run
+from sfharness import assert_bit_exact, fork_when_ready, launch_run, suite_shm
 from steadfast.checkpoint import verify
 
 HERE = Path(__file__).parent
@@ -51,7 +51,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
 
 
 def memory_dirs() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("steadfast-mem-*")}
+    return suite_shm("steadfast-mem-*")
 
 
 def test_a_rank_killed_every_three_steps_resumes_from_memory_none_re_done(tmp_path, reference):

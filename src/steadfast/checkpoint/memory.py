@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from .. import events
 from ..config import ConfigError
+from ..shm import shm_name
 from .files import describe, save_file
 from .layout import (
     TMP_PREFIX,
@@ -118,7 +119,7 @@ def create_memory_dir() -> Path:
         pid = orphan.name[len(_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(orphan, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=where))
+    return Path(tempfile.mkdtemp(prefix=shm_name(_PREFIX), dir=where))
 
 
 def _alive(pid: int) -> bool:

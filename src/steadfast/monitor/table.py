@@ -40,6 +40,7 @@ from typing import Any
 from ..config import ConfigError
 from ..progress.layout import ASK_PREFIX as _ASK_PREFIX
 from ..progress.layout import ask_path
+from ..shm import shm_name
 
 __all__ = ["HB_TABLE_ENV", "HeartbeatTable", "RowSnapshot", "ask_path"]
 
@@ -214,7 +215,7 @@ class HeartbeatTable:
         if not base.is_dir():
             base = Path(tempfile.gettempdir())
         _remove_orphans(base)
-        path = base / f"{_TABLE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        path = base / f"{shm_name(_TABLE_PREFIX)}{secrets.token_hex(4)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, rows * ROW_BYTES)
