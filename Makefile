@@ -82,11 +82,11 @@ pytest: $(STAMP) slurm nodes metrics
 
 test: lint typecheck docs-check pytest
 
-# The multi-process tests while a neighbour keeps every core busy at normal priority
-# (scripts/soak.sh): real nodes are never idle. SOAK_TESTS narrows it, SOAK_REPEAT=N
-# runs it N times.
-SOAK_TESTS ?= tests/multinode tests/dist tests/e2e
-soak: $(STAMP) slurm nodes
+# The whole suite while a neighbour keeps every core busy at normal priority and runs a
+# steadfast job of its own (scripts/soak.sh): real nodes are never idle. SOAK_TESTS
+# narrows it, SOAK_REPEAT=N runs it N times.
+SOAK_TESTS ?= tests
+soak: $(STAMP) slurm nodes metrics
 	bash scripts/soak.sh $(BIN)/python $(SOAK_TESTS) $(PYTEST_ARGS)
 
 bench: $(STAMP)
