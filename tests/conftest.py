@@ -81,3 +81,15 @@ def event_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     monkeypatch.setenv(events.EVENTS_ENV, str(path))
     yield path
     events.set_default_path(None)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``), the tests that
+    share something machine-wide run in one worker, one after another:
+    ``tests/slurm`` (one Slurm cluster per session, on Slurm's fixed ports) and
+    ``tests/multinode`` (each test runs a bed of several launchers: two at once would
+    mostly wait for each other's CPU)."""
+    for item in items:
+        parts = Path(str(item.path)).relative_to(Path(__file__).parent).parts
+        if parts[0] in ("slurm", "multinode"):
+            item.add_marker(pytest.mark.xdist_group(parts[0]))

@@ -16,6 +16,7 @@ and the restart's first re-done steps compared with what the run did before the 
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +83,12 @@ def test_a_state_the_checkpoint_lacks_is_a_mismatch_and_the_job_stops(tmp_path, 
     if forgotten == "scheduler":  # the losses were right, the state at step 6 was not
         assert {tuple(d["objects"]) for d in mismatch["differs"]} == {("model", "optim")}
     assert not kinds(evs, "restore_verified")
-    # the restart after the mismatch found nothing left to trust, and said so
-    assert [e["exit_code"] for e in kinds(evs, "workers_exited")[-1]["exits"]] == [17, 17]
+    # the restart after the mismatch found nothing left to trust, and said so: the first
+    # rank to end exits 17, and a rank still on its way to its own exit 17 then (its
+    # interpreter's teardown, on a busy machine) is stopped by the launcher after it
+    last = sorted(kinds(evs, "workers_exited")[-1]["exits"], key=lambda x: x["time"])
+    assert last[0]["exit_code"] == 17, last
+    assert all(x["exit_code"] in (17, -signal.SIGTERM) for x in last[1:]), last
     assert (tmp_path / "ck" / "restore-excluded.json").exists()
     # no checkpoint was written from the unproven state
     saved = [e["step"] for e in kinds(evs, "checkpoint_saved")]
