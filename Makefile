@@ -77,6 +77,10 @@ nodes:
 metrics:
 	@bash $(DEBIAN) ensure prometheus tmux || $(call optional,prometheus tmux (the metrics tests))
 
+# Two workers (pytest-xdist): most tests wait (for a timeout, a launcher, a node) more
+# than they compute, so two share this machine's two cores; tests/slurm and
+# tests/multinode each stay in one worker (tests/conftest.py). PYTEST_ARGS=-n0: one.
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 pytest: $(STAMP) slurm nodes metrics
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
