@@ -83,6 +83,7 @@ def event_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     events.set_default_path(None)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``), the tests that
     share something machine-wide run in one worker, one after another:

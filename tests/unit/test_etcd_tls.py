@@ -20,9 +20,9 @@ from test_etcd_store import IN_CI, _free_ports
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from sfharness import join_rendezvous
+from steadfast.rendezvous.create import create_handler
 from steadfast.rendezvous.etcd import EtcdStoreError, EtcdV3Store
 from steadfast.rendezvous.etcd_access import PASSWORD_ENV, EtcdAccess
-from steadfast.rendezvous.handler import create_handler
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,11 +17,11 @@ __all__ = ["BACKEND", "register", "torchrun_handler"]
 
 def create_handler(params: Any) -> Any:
     """The creator torch's registry calls for ``--rdzv-backend steadfast``
-    (:func:`.handler.create_handler`, imported when called: torch's registry loads its
+    (:func:`.create.create_handler`, imported when called: torch's registry loads its
     plugins while ``torch.distributed.elastic.rendezvous`` is first imported, which
     :mod:`.handler` itself does, so importing it from here at registration would import
     it half-made, and torch would warn of a circular import)."""
-    from .handler import create_handler as create
+    from .create import create_handler as create
 
     return create(params)
 

@@ -8,16 +8,18 @@ join is a compare-and-set race on one value. Here (``keys.py`` has the key layou
 
 - **Join.** A node writes its heartbeat key, takes a ticket of the round with one
   ``add``, and writes which node holds it. A member of the round before keeps its seat
-  (its node rank).
+  (its node rank), and counts itself back first (one ``add``).
 - **The round forms** when the nodes expected have all taken a ticket (the round
   before's size, minus the members expired as lost, plus the nodes that waited for it:
-  one counter), when ``max_nodes`` have (the first round), or ``last_call_timeout`` after
-  ``min_nodes`` have. The node whose ticket completes it reads the holders and their
-  heartbeats (two ``multi_get``, the one O(N) read, once per round) and writes the
-  verdict once (compare-and-set): the seats left vacant and the newcomers admitted, as
-  runs of numbers (its size grows with the holes, not with N). A newcomer (a spare)
-  takes a vacant seat first, so that the survivors keep their ranks and the spare takes
-  the lost node's. Every other node waits on the verdict key and computes its own rank.
+  one counter) and every member not lost is back (so a waiting spare never takes the
+  seat of a member that is only slower to return), when ``max_nodes`` have (the first
+  round), or ``last_call_timeout`` after ``min_nodes`` have. The node whose ticket
+  completes it reads the holders and their heartbeats (two ``multi_get``, the one O(N)
+  read, once per round) and writes the verdict once (compare-and-set): the seats left
+  vacant and the newcomers admitted, as runs of numbers (its size grows with the holes,
+  not with N). A newcomer (a spare) takes a vacant seat first, so that the survivors
+  keep their ranks and the spare takes the lost node's. Every other node waits on the
+  verdict key and computes its own rank.
 - **Keep-alive.** None through the store while the round runs: a node's liveness is the
   node roster's ring (``launcher/nodes/ring.py``, O(1) per node). A joining node beats
   (its own key, a few bytes) so that a node dying during the join is left out.
@@ -56,7 +58,6 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
-    RendezvousParameters,
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
@@ -65,7 +66,7 @@ from ..records import Refusals
 from .keys import BACKEND, Keys, MalformedRecord, Verdict, encode_members, parse_holder
 from .signed import RecordRefused, round_view
 
-__all__ = ["BACKEND", "Settings", "SteadfastRendezvousHandler", "create_handler"]
+__all__ = ["BACKEND", "Settings", "SteadfastRendezvousHandler"]
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +296,8 @@ class SteadfastRendezvousHandler(RendezvousHandler):
                 r, previous = self._wait_for_next(r, deadline)
                 continue
             else:
+                if seat >= 0:  # counted before its ticket: a ticket that completes the
+                    s.add(k.members(r), 1)  # round sees every member before it
                 ticket = int(s.add(k.ticket(r), 1))
                 host, port = self.settings.local_addr or socket.getfqdn(), _free_port()
                 record = [self.node, seat, time.time(), host, port, 0 if cfg.first else 1]
@@ -371,8 +374,16 @@ class SteadfastRendezvousHandler(RendezvousHandler):
             previous = self._previous_world(r)
         if previous is None:
             return ticket >= cfg.max_nodes
-        expected = max(1, previous + int(self.store.add(self.keys.delta(r - 1), 0)))
-        return ticket >= expected or (ticket >= cfg.max_nodes and expected <= cfg.max_nodes)
+        s, k = self.store, self.keys
+        expected = max(1, previous + int(s.add(k.delta(r - 1), 0)))
+        if not (ticket >= expected or (ticket >= cfg.max_nodes and expected <= cfg.max_nodes)):
+            return False
+        # and every member of the round before that was not lost is back: a spare that
+        # waited for this round counts as a ticket, but must not take the seat of a member
+        # that is only slower to come back (after a rank's failure, say); one that does
+        # not come is left out by the last call
+        lost = int(s.add(k.lost_count(r - 1), 0))
+        return int(s.add(k.members(r), 0)) >= previous - lost
 
     def _await_verdict(
         self, r: int, ticket: int, seat: int, previous: int | None, deadline: float
@@ -522,78 +533,3 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return int(sock.getsockname()[1])
-
-
-def _hosts_store(endpoint: str, local_addr: str | None) -> bool:
-    """Whether the rendezvous endpoint's host is this machine (it hosts the store), by
-    name or by address."""
-    host = endpoint.strip().rsplit(":", 1)[0].strip("[]") if ":" in endpoint else endpoint
-    if host in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()):
-        return True
-    if local_addr and host == local_addr:
-        return True
-    try:
-        mine = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
-        theirs = {a[4][0] for a in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False
-    return bool(mine & theirs)
-
-
-def _seconds(params: RendezvousParameters, name: str, default: float) -> float:
-    raw = params.get(name, None)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"rdzv-conf {name}: {raw!r} is not a number of seconds") from None
-
-
-def create_handler(params: RendezvousParameters) -> SteadfastRendezvousHandler:
-    """torch's rendezvous registry's creator for ``--rdzv-backend steadfast``: the store
-    as torch's c10d backend makes it (``--rdzv-endpoint``; ``is_host``, ``read_timeout``
-    and ``store_type`` in ``--rdzv-conf``), or, with ``store_type=etcd``, an etcd
-    cluster's v3 API at the comma-separated ``--rdzv-endpoint`` (:mod:`.etcd`; TLS and a
-    user: ``cacert``, ``cert``, ``key``, ``user``, ``password_file``, :mod:`.etcd_access`); the
-    settings from ``--nnodes`` and ``--rdzv-conf`` (``join_timeout``,
-    ``last_call_timeout``, ``keep_alive_interval``, ``keep_alive_max_attempt``). A
-    requeued Slurm job (``SLURM_RESTART_COUNT``) uses keys of its own, so that a store
-    that outlived the job's first run (etcd) does not hand it the closed rendezvous of
-    the run before. The store is bound to the job's secret, where it has one
-    (:mod:`.signed`)."""
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
-
-    from .signed import bind
-
-    run_id = params.run_id
-    restart = os.environ.get("SLURM_RESTART_COUNT", "").strip()
-    if restart and restart != "0":
-        run_id = f"{run_id}.requeue{restart}"
-    is_host = params.get_as_bool("is_host")
-    settings = Settings(
-        first=_hosts_store(params.endpoint, params.local_addr) if is_host is None else is_host,
-        run_id=run_id,
-        min_nodes=int(params.min_nodes),
-        max_nodes=int(params.max_nodes),
-        join_timeout=_seconds(params, "join_timeout", 600.0),
-        last_call_timeout=_seconds(params, "last_call_timeout", 30.0),
-        keep_alive_interval=_seconds(params, "keep_alive_interval", 5.0),
-        keep_alive_max_attempt=int(_seconds(params, "keep_alive_max_attempt", 3)),
-        local_addr=params.local_addr,
-    )
-    store_type = str(params.get("store_type", "tcp") or "tcp").strip().lower()
-    if store_type == "etcd":  # no single point of failure: an etcd cluster's v3 API
-        from .etcd import EtcdV3Store
-        from .etcd_access import EtcdAccess
-
-        read_timeout = _seconds(params, "read_timeout", 300.0)
-        store: Any = EtcdV3Store(
-            [e for e in params.endpoint.split(",") if e.strip()],
-            prefix="",
-            timeout=timedelta(seconds=read_timeout),
-            access=EtcdAccess.from_conf(lambda name: params.get(name, None)),
-        )
-    else:
-        _, store = create_backend(params)
-    return SteadfastRendezvousHandler(bind(store, run_id, settings.max_nodes), settings)

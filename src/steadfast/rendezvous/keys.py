@@ -111,6 +111,10 @@ class Keys:
     def delta(self, r: int) -> str:
         return f"{self.prefix}{r}/delta"
 
+    def members(self, r: int) -> str:
+        """How many members of round ``r - 1`` have come back for round ``r``."""
+        return f"{self.prefix}{r}/members"
+
     def waiting(self, r: int) -> str:
         return f"{self.prefix}{r}/waiting"
 
