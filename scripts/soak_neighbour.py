@@ -10,7 +10,6 @@ node would: its /dev/shm entries, processes and sockets live beside the suite's.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 
@@ -20,16 +19,7 @@ import torch.distributed.nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from steadfast import CheckpointManager
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+from steadfast.progress.proc import running
 
 
 def main() -> None:
@@ -48,7 +38,7 @@ def main() -> None:
         state = {"model": model.module, "optim": opt}
         step = 0
         while True:
-            flag.fill_(0.0 if _alive(args.watch) else 1.0)
+            flag.fill_(0.0 if running(args.watch) else 1.0)
             dist.all_reduce(flag)  # every rank stops after the same step
             if flag.item() > 0:
                 break
