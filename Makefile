@@ -77,10 +77,11 @@ nodes:
 metrics:
 	@bash $(DEBIAN) ensure prometheus tmux || $(call optional,prometheus tmux (the metrics tests))
 
-# Two workers (pytest-xdist): most tests wait (for a timeout, a launcher, a node) more
-# than they compute, so two share this machine's two cores; tests/slurm and
-# tests/multinode each stay in one worker (tests/conftest.py). PYTEST_ARGS=-n0: one.
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+# One worker by default. `PYTEST_ARGS="-n 2 --dist loadgroup"` runs two (pytest-xdist;
+# tests/slurm and tests/multinode each stay in one worker, tests/conftest.py): not yet
+# the default, as its first full run on this 2-core machine failed tests a serial run
+# passes (issue 51's note).
+PYTEST_ARGS ?=
 pytest: $(STAMP) slurm nodes metrics
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
