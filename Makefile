@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 # The stamp's name carries the torch requirement, so `make test TORCH=...` reinstalls.
 STAMP   = $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint shellcheck typecheck pytest soak bench clean slurm nodes metrics docs docs-check
+.PHONY: demo test quick lint shellcheck typecheck pytest soak bench clean slurm nodes metrics docs docs-check
 
 # Debian packages: tests/slurm/ runs a real single-node Slurm (slurm-wlm and munge),
 # tests/multinode/ makes nodes from network namespaces (iproute2, util-linux) with an
@@ -40,8 +40,8 @@ demo: $(STAMP)
 
 # tests/dist is named on its own: ruff leaves folders called "dist" out by default
 lint: $(STAMP) shellcheck
-	$(BIN)/ruff check src tests tests/dist examples bench docs/conf.py docs/_ext
-	$(BIN)/ruff format --check src tests tests/dist examples bench docs/conf.py docs/_ext
+	$(BIN)/ruff check src tests tests/dist examples bench scripts docs/conf.py docs/_ext
+	$(BIN)/ruff format --check src tests tests/dist examples bench scripts docs/conf.py docs/_ext
 
 shellcheck:
 	@bash $(DEBIAN) ensure shellcheck || $(call optional,shellcheck)
@@ -77,7 +77,7 @@ nodes:
 metrics:
 	@bash $(DEBIAN) ensure prometheus tmux || $(call optional,prometheus tmux (the metrics tests))
 
-# One worker by default. `PYTEST_ARGS="-n 2 --dist loadgroup"` runs two (pytest-xdist;
+# One worker by default. `PYTEST_ARGS="-n 2"` runs two (pytest-xdist;
 # tests/slurm and tests/multinode each stay in one worker, tests/conftest.py): not yet
 # the default, as its first full run on this 2-core machine failed tests a serial run
 # passes (issue 51's note).
@@ -86,6 +86,12 @@ pytest: $(STAMP) slurm nodes metrics
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck docs-check pytest
+
+# The quick tier, for working between edits (at most 5 minutes; CI runs every test):
+# tests/quick.txt, the tests that cover the most of src/steadfast per second, chosen by
+# `scripts/quick_tier.py measure` then `pick` (coverage.py in every process of a run).
+quick: $(STAMP) slurm nodes metrics
+	$(BIN)/python scripts/quick_tier.py run $(PYTEST_ARGS)
 
 # The whole suite while a neighbour keeps every core busy at normal priority and runs a
 # steadfast job of its own (scripts/soak.sh): real nodes are never idle. SOAK_TESTS

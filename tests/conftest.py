@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,14 +85,58 @@ def event_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     events.set_default_path(None)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``), the tests that
-    share something machine-wide run in one worker, one after another:
-    ``tests/slurm`` (one Slurm cluster per session, on Slurm's fixed ports) and
-    ``tests/multinode`` (each test runs a bed of several launchers: two at once would
-    mostly wait for each other's CPU)."""
-    for item in items:
-        parts = Path(str(item.path)).relative_to(Path(__file__).parent).parts
-        if parts[0] in ("slurm", "multinode"):
-            item.add_marker(pytest.mark.xdist_group(parts[0]))
+#: the folders whose tests share something machine-wide: ``tests/slurm`` (one Slurm
+#: cluster per session, on Slurm's fixed ports) and ``tests/multinode`` (each test runs a
+#: bed of several launchers: two at once would mostly wait for each other's CPU)
+ONE_WORKER = ("slurm", "multinode")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist (``PYTEST_ARGS="-n 2"``), the tests of each folder of
+    :data:`ONE_WORKER` run in one worker, one after another; every other test goes
+    wherever a worker is free. A scheduler of our own, not ``--dist loadgroup``: that
+    one marks a group in each test's id, which pytest 9.2's structured ids silently
+    ignore (pytest-xdist#1386: every test then goes anywhere, and two workers started
+    two Slurm clusters on the same ports)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class MachineWide(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            parts = nodeid.split("/", 2)
+            if len(parts) == 3 and parts[0] == "tests" and parts[1] in ONE_WORKER:
+                return f"tests/{parts[1]}"
+            return nodeid
+
+    return MachineWide(config, log)
+
+
+# The quick tier's measurement (scripts/quick_tier.py measure) sets these: each test's
+# code, in this process and in every process it starts, is covered under the test's id,
+# and each test's seconds (setup, call and teardown) are written at the end.
+COV_CONTEXT_ENV = "STEADFAST_COV_CONTEXT"
+TIMES_ENV = "STEADFAST_TEST_TIMES"
+_seconds: dict[str, float] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if COV_CONTEXT_ENV not in os.environ:
+        return
+    os.environ[COV_CONTEXT_ENV] = item.nodeid  # read by each process coverage starts in
+    import coverage
+
+    cov = coverage.Coverage.current()
+    if cov is not None:
+        cov.switch_context(item.nodeid)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if TIMES_ENV in os.environ:
+        _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = os.environ.get(TIMES_ENV)
+    if path and _seconds:
+        Path(path).write_text(json.dumps(_seconds, indent=0, sort_keys=True))

@@ -195,8 +195,22 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _cover_as_the_test() -> None:
+    """Under the quick tier's measurement (scripts/quick_tier.py), a rank forked by the
+    session's template covers code under the test that asked for it (the template's
+    coverage started under the session's first test)."""
+    context = os.environ.get("STEADFAST_COV_CONTEXT")
+    if context:
+        import coverage
+
+        cov = coverage.Coverage.current()
+        if cov is not None:
+            cov.switch_context(context)
+
+
 def _rank_main(workdir: str, rank: int, world_size: int) -> None:
     """Entry point of one rank process (``python sfharness.py WORKDIR RANK WORLD``)."""
+    _cover_as_the_test()
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     import torch.distributed as dist
 
