@@ -9,7 +9,9 @@ Each step is ~``--step-seconds`` of work and an all-reduce inside the ``step`` s
 (the hung rank's peer then blocks in its all-reduce, in its section too). In generation
 ``g < --hangs`` rank ``--rank`` hangs at a step drawn at random from
 [``--min-step``, ``--max-step``], so the hang starts at a random phase of the watcher's
-reads; generation ``--hangs`` runs ``--min-step`` steps and ends.
+reads; generation ``--hangs`` runs ``--min-step`` steps and ends. With ``--late S`` the
+hung rank opens the section it hangs in S seconds after its peer opened its own: the
+peer's bound passes first, while the culprit is still within its own.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def main() -> int:
     p.add_argument("--min-step", type=int, default=20)
     p.add_argument("--max-step", type=int, default=300)
     p.add_argument("--step-seconds", type=float, default=0.003)
+    p.add_argument("--late", type=float, default=0.0)
     args = p.parse_args()
     generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ["RANK"])
@@ -48,6 +51,8 @@ def main() -> int:
     x = torch.ones(1)
     step = 0
     while fault is not None or step < args.min_step:
+        if fault is not None and step == hang_step and rank == args.rank:
+            time.sleep(args.late)  # its peer opens this step's section first: its bound too
         ft.start_section("step")
         if fault is not None:
             fault.check(step, rank)  # never returns on the hung rank at its step

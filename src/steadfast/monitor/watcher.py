@@ -304,6 +304,7 @@ class Watcher:
                 self._follow(pids, generation)
             now = time.monotonic()
             soonest = now + self.cfg.workload_check_interval
+            reread = False  # a rank was judged: read every row again before any sleep
             for local, pid in pids.items():
                 if local in handled or local >= self.table.rows:
                     continue
@@ -330,12 +331,19 @@ class Watcher:
                         self._detect(hang, pid, snap.pid == pid)
                         continue
                     self._judge(hang, pids, started, explicit=not judged)
-                    break  # what is handled changed: read again
+                    reread = True  # what is handled, held or deferred changed
+                    break
                 # a deadline that starts after this read ends no sooner than this
                 soonest = min(soonest, deadline, now + shortest_timeout(snap))
                 if snap.learn or plain:  # a learned bound may become ready before then
                     soonest = min(soonest, now + self.cfg.learned_timeout_floor)
             soonest = min(soonest, self._terminate(time.monotonic()))
+            if reread:
+                # ``soonest`` holds only the rows read before the judged one: sleeping
+                # on it slept through the others' deadlines (a rank whose bound passed
+                # first, deferred for its culprit still within its own bound, left that
+                # culprit's hang seen a whole check interval late)
+                continue
             self._sleep(soonest - time.monotonic() + 0.0005)
 
     def _where(self, local: int, pid: int) -> str:
