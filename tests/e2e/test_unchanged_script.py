@@ -207,12 +207,15 @@ def _steps(workdir: Path) -> list[tuple[str, float]]:
 
 @pytest.mark.slow
 def test_a_long_evaluation_and_a_rank_0_save_are_not_hangs(tmp_path: Path):
-    """A 25 s evaluation on every rank at step 30 (no forward: only the CPU moves) and a
-    20 s save on rank 0 alone at step 45 while the other waits in barrier() (only rank
-    0's writes move), both far past the learned bound (5 s): no hang, ever."""
-    code, evs = launch(
-        tmp_path, "--steps", "55", "--eval-every", "30", "--eval-seconds", "25",
-        "--save-at", "45", "--save-seconds", "20",
+    """A 6 s evaluation on every rank at step 30 (no forward: only the CPU moves) and a
+    5 s save on rank 0 alone at step 45 while the other waits in barrier() (only rank
+    0's writes move), both far past the learned bound (its floor taken down from 5 s to
+    1 s: the same multiples of it as a 25 s evaluation and a 20 s save at the default,
+    in a quarter of the time): no hang, ever."""
+    code, evs = launch_run(
+        tmp_path, "--nproc-per-node=2", "--max-restarts=2", "--ft-learned-timeout-floor=1",
+        *script_args(tmp_path, "--steps", "55", "--eval-every", "30", "--eval-seconds", "6",
+                     "--save-at", "45", "--save-seconds", "5"),
     )  # fmt: skip
     assert code == 0
     assert not kinds(evs, "rank_hung") and not kinds(evs, "hang_confirmed")
