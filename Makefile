@@ -78,9 +78,9 @@ metrics:
 	@bash $(DEBIAN) ensure prometheus tmux || $(call optional,prometheus tmux (the metrics tests))
 
 # One worker by default. `PYTEST_ARGS="-n 2"` runs two (pytest-xdist;
-# tests/slurm and tests/multinode each stay in one worker, tests/conftest.py): not yet
-# the default, as its first full run on this 2-core machine failed tests a serial run
-# passes (issue 51's note).
+# tests/slurm and tests/multinode each stay in one worker, tests/conftest.py): 30 min
+# here where one takes 47, but not yet the default: its full run failed a test that a
+# serial run passes (issue 51's note).
 PYTEST_ARGS ?=
 pytest: $(STAMP) slurm nodes metrics
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
