@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 
 from sfharness import (
+    COV_CONTEXT_ENV,
     SPAWNED,
     children,
+    cover_as,
     shm_entries,
     shm_leaks,
     socket_count,
@@ -114,7 +116,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 # The quick tier's measurement (scripts/quick_tier.py measure) sets these: each test's
 # code, in this process and in every process it starts, is covered under the test's id,
 # and each test's seconds (setup, call and teardown) are written at the end.
-COV_CONTEXT_ENV = "STEADFAST_COV_CONTEXT"
 TIMES_ENV = "STEADFAST_TEST_TIMES"
 _seconds: dict[str, float] = {}
 
@@ -124,11 +125,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if COV_CONTEXT_ENV not in os.environ:
         return
     os.environ[COV_CONTEXT_ENV] = item.nodeid  # read by each process coverage starts in
-    import coverage
-
-    cov = coverage.Coverage.current()
-    if cov is not None:
-        cov.switch_context(item.nodeid)
+    cover_as(item.nodeid)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -195,17 +195,27 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _cover_as_the_test() -> None:
-    """Under the quick tier's measurement (scripts/quick_tier.py), a rank forked by the
-    session's template covers code under the test that asked for it (the template's
-    coverage started under the session's first test)."""
-    context = os.environ.get("STEADFAST_COV_CONTEXT")
-    if context:
-        import coverage
+#: the quick tier's measurement (scripts/quick_tier.py) sets it: the id of the test whose
+#: coverage a process records (tests/conftest.py sets it at each test's setup)
+COV_CONTEXT_ENV = "STEADFAST_COV_CONTEXT"
 
-        cov = coverage.Coverage.current()
-        if cov is not None:
-            cov.switch_context(context)
+
+def cover_as(context: str) -> None:
+    """Record this process's coverage from now on under ``context`` (a test's id), where
+    coverage.py measures it."""
+    import coverage
+
+    cov = coverage.Coverage.current()
+    if cov is not None:
+        cov.switch_context(context)
+
+
+def _cover_as_the_test() -> None:
+    """A rank forked by the session's template covers code under the test that asked for
+    it (the template's coverage started under the session's first test)."""
+    context = os.environ.get(COV_CONTEXT_ENV)
+    if context:
+        cover_as(context)
 
 
 def _rank_main(workdir: str, rank: int, world_size: int) -> None:

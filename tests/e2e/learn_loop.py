@@ -36,6 +36,12 @@ def expected(steps: int) -> float:
     return x
 
 
+def pace(step_seconds: float, slowdown: float, step: int, steps: int) -> float:
+    """How long step ``step`` of ``steps`` sleeps: ``step_seconds``, slower and slower
+    with ``slowdown`` > 1."""
+    return step_seconds * (1 + (slowdown - 1) * step / steps)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -73,21 +79,21 @@ def main() -> int:
 
     x = torch.ones(1, dtype=torch.float64)
     for step in range(steps):
-        pace = args.step_seconds * (1 + (args.slowdown - 1) * step / steps)
+        seconds = pace(args.step_seconds, args.slowdown, step, steps)
         if args.sections:
             ft.start_section("step")
         if fault is not None:
             fault.check(step, rank)  # never returns on the hung rank at its step
-        time.sleep(pace)
+        time.sleep(seconds)
         x = 0.5 * x + step
         dist.all_reduce(x)
         if args.sections:
             ft.end_section("step")
         ft.send_heartbeat()
         if args.ckpt_every and step and step % args.ckpt_every == 0:
-            phase("checkpoint", args.ckpt_x * pace)
+            phase("checkpoint", args.ckpt_x * seconds)
         if args.eval_every and step and step % args.eval_every == 0:
-            phase("eval", args.eval_x * pace)
+            phase("eval", args.eval_x * seconds)
         if args.ckpt_every or args.eval_every:
             dist.barrier()  # as a save's or an evaluation's collectives would
     if rank == 0:

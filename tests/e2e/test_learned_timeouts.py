@@ -22,7 +22,7 @@ from sfharness import assert_none_left
 
 SCRIPT = Path(__file__).with_name("learn_loop.py")
 sys.path.insert(0, str(SCRIPT.parent))
-from learn_loop import expected  # noqa: E402
+from learn_loop import expected, pace  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -92,5 +92,5 @@ def test_steps_that_slow_down_3x_gradually_are_no_hang(tmp_path: Path):
     # an interval holds a whole step's sleep, so the longest is at least the sleep of
     # the last step kept (the kept record may end a step or two before the run does)
     count = kept["heartbeat"]["count"]
-    last_kept_sleep = 0.05 * (1 + 2 * (count - 1) / 100)
+    last_kept_sleep = pace(0.05, 3, count - 1, 100)
     assert count >= 90 and kept["heartbeat"]["longest"] >= last_kept_sleep, kept
