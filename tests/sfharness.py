@@ -115,8 +115,14 @@ def shm_leaks(before: set[str], pids: set[int]) -> set[str]:
     return {
         name
         for name in shm_entries() - before
-        if name in ours or mine & set(re.findall(r"\d+", name))
+        if name in ours or (not name.startswith("steadfast-") and mine & _numbers(name))
     }
+
+
+def _numbers(name: str) -> set[str]:
+    """The whole numbers in ``name`` (``torch_812_3`` holds 812 and 3; the hex
+    ``8d772c8a`` holds none)."""
+    return set(re.findall(r"(?<![0-9A-Za-z])\d+(?![0-9A-Za-z])", name))
 
 
 def socket_count() -> int:
