@@ -12,6 +12,7 @@ is a fresh interpreter started with subprocess.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib
 import os
 import pickle
@@ -224,9 +225,23 @@ def _cover_as_the_test() -> None:
         cover_as(context)
 
 
+#: :meth:`Ranks.wait` sends it to a rank that outlives its bound: the rank's faulthandler
+#: writes every thread's stack to ``stacks_<rank>.txt`` (a real-time signal: none of
+#: steadfast's or torch's)
+STACKS_SIGNAL = signal.SIGRTMIN + 3
+_stacks_file: Any = None
+
+
+def _dump_stacks_on_signal(workdir: str, rank: int) -> None:
+    global _stacks_file
+    _stacks_file = open(Path(workdir) / f"stacks_{rank}.txt", "w")  # noqa: SIM115 (kept open)
+    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
+
+
 def _rank_main(workdir: str, rank: int, world_size: int) -> None:
     """Entry point of one rank process (``python sfharness.py WORKDIR RANK WORLD``)."""
     _cover_as_the_test()
+    _dump_stacks_on_signal(workdir, rank)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     import torch.distributed as dist
 
@@ -311,10 +326,28 @@ class Ranks:
                 p.wait(max(0.01, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 hung.append(rank)
+        stacks = self._stacks(hung)
         self.kill()
         if hung:
-            raise TimeoutError(f"ranks still running after {timeout}s: {hung}")
+            raise TimeoutError(f"ranks still running after {timeout}s: {hung}\n{stacks}")
         return [p.returncode for p in self.procs]
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """Every thread's Python stack in each of ``ranks``, still running (see
+        :data:`STACKS_SIGNAL`)."""
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.procs[rank].pid, STACKS_SIGNAL)
+        texts = []
+        for rank in ranks:
+            path = self.workdir / f"stacks_{rank}.txt"
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline and not (path.exists() and path.stat().st_size):
+                time.sleep(0.05)
+            time.sleep(0.2)  # the rest of the dump
+            text = path.read_text(errors="replace") if path.exists() else "(no dump)"
+            texts.append(f"--- rank {rank} ---\n{text}")
+        return "\n".join(texts)
 
     def kill(self) -> None:
         for p in self.procs:
