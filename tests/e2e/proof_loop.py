@@ -1,11 +1,11 @@
 """A plain DDP loop (gloo) with an LR scheduler and a data position, which logs each
 step's loss (``step_done``), for the replay proofs of restores
 (``test_restore_proof.py``). Its faults: ``--kill-at K`` SIGKILLs rank 1 in step K
-(once per run); ``--forget scheduler|data`` leaves that object out of the checkpoints
-(the resume bugs the proof must catch); ``--swap-snapshots A B`` makes rank 1, just
-before it dies, swap every rank's memory snapshots of steps A and B (each stays whole
-and consistent: its files and manifest move together, the manifest's step is set to
-its new name's)."""
+(once per run, once rank 0 logged step K's loss); ``--forget scheduler|data`` leaves
+that object out of the checkpoints (the resume bugs the proof must catch);
+``--swap-snapshots A B`` makes rank 1, just before it dies, swap every rank's memory
+snapshots of steps A and B (each stays whole and consistent: its files and manifest
+move together, the manifest's step is set to its new name's)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,14 @@ def swap(a: int, b: int) -> None:
             manifest.write_text(json.dumps(data))
 
 
+def wait_for_file(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never came")
+        time.sleep(0.005)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", type=Path, required=True)
@@ -80,7 +88,9 @@ def main() -> int:
     start = restored[0] if restored else 0
     events.job_start(start, dist.get_world_size(), str(ckpt.loaded_path) if restored else None)
     killer = None
+    logged = args.ckpt.parent / "k" / "rank0_logged_the_kill_step"
     if args.kill_at is not None:
+        logged.parent.mkdir(parents=True, exist_ok=True)
         killer = fail_at(1, args.kill_at, "rank_killed", once_dir=args.ckpt.parent / "k")
     for step in range(start, args.steps):
         began = time.monotonic()
@@ -91,8 +101,13 @@ def main() -> int:
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         if killer is not None and rank == 1 and step == args.kill_at:
-            if args.swap_snapshots and not (args.ckpt.parent / "k" / killer.marker).exists():
-                swap(*args.swap_snapshots)  # snapshots A and B are written by now
+            if not (args.ckpt.parent / "k" / killer.marker).exists():
+                # rank 0 logs this step's loss first: the losses a restore's proof reads
+                # are the same on a busy machine (else the launcher may stop rank 0
+                # before it logs, and the newest provable checkpoint is one step older)
+                wait_for_file(logged, 60)
+                if args.swap_snapshots:
+                    swap(*args.swap_snapshots)  # snapshots A and B are written by now
             killer.check(step, rank)
         opt.step()
         sched.step()
@@ -100,6 +115,8 @@ def main() -> int:
         events.emit(
             "step_done", step=step, seconds=round(time.monotonic() - began, 6), loss=loss.item()
         )
+        if killer is not None and rank == 0 and step == args.kill_at:
+            logged.touch()
         done = step + 1
         if args.memory_every:
             ckpt.snapshot(done, state, rank_state)
