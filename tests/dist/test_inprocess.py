@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -222,8 +223,28 @@ def _env() -> dict[str, str]:
 
 def _run(tmp_path: Path, world: int, plan: dict[str, Any], schedule: Any) -> tuple[Ranks, list]:
     ranks = Ranks(inproc_train, tmp_path, world, (plan, schedule), _env())
-    codes = ranks.wait(100)  # below pytest's 120 s: a hang ends with the ranks' stacks
+    try:
+        codes = ranks.wait(100)  # below pytest's 120 s: a hang ends with the ranks' stacks
+    except TimeoutError as exc:  # and with what the ranks and their monitors last said
+        raise TimeoutError(f"{exc}\n{_last_words(tmp_path)}") from None
     return ranks, codes
+
+
+def _last_words(workdir: Path) -> str:
+    """The tails of the run's event log and of its monitor processes' logs."""
+    parts = []
+    if (workdir / "events.jsonl").exists():
+        counts = Counter(
+            (e["kind"], e.get("cause"), e.get("rank"))
+            for e in read_events(workdir / "events.jsonl")
+        )
+        parts.append(f"--- events by (kind, cause, rank): {sorted(counts.items(), key=str)}")
+    for path in [workdir / "events.jsonl", *sorted(workdir.glob("monitor_*.log"))]:
+        if path.exists():
+            lines = path.read_text(errors="replace").splitlines()
+            parts.append(f"--- {path.name} (last 40 of {len(lines)} lines) ---")
+            parts.extend(line[:300] for line in lines[-40:])
+    return "\n".join(parts)
 
 
 def _result(tmp_path: Path, rank: int) -> dict[str, Any]:
