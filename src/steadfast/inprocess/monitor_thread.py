@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -49,6 +50,7 @@ class MonitorThread:
         self.interrupting = -1  # iteration whose interruption is under way
         self._on_interrupt = on_interrupt
         self._main_tid = threading.get_ident()
+        self._exception = ctypes.py_object(InterruptedIteration)
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -141,6 +143,38 @@ class MonitorThread:
                 self.interrupting = iteration
                 return False
             self.interrupting = iteration
-            _set_async_exc(self._main_tid, ctypes.py_object(InterruptedIteration))
+            deadline = time.monotonic() + _STARTING_WAIT
+            while not _raise_in(self._main_tid, self._exception):
+                if time.monotonic() > deadline:  # not seen: a thread stuck before it ran
+                    logger.warning("a thread has not started for %.0fs", _STARTING_WAIT)
+                    _set_async_exc(self._main_tid, self._exception)
+                    break
+                time.sleep(0.0005)  # the starting thread gets the GIL and binds its id
             self._on_interrupt(first)
             return True
+
+
+#: the longest the interruption waits for threads being started to start
+_STARTING_WAIT = 5.0
+
+
+def _raise_in(tid: int, exception: Any) -> bool:
+    """Set ``exception`` pending in thread ``tid``, unless a thread is being started
+    (False: try again).
+
+    Why: CPython 3.11 gives a thread state made for a new thread its *creator's* id until
+    the new thread runs, and ``PyThreadState_SetAsyncExc`` sets the exception in the
+    first thread state with the id, the newest. An interruption raised while the main
+    thread starts a thread (a memory snapshot's writer) landed in the new thread, which
+    died before it had started, and the main thread waited in ``Thread.start()`` until
+    the hard timeout ended it. ``threading._limbo`` holds every thread from before its
+    state is made until after it has its own id. No bytecode between the test and the
+    call checks for a thread switch (a forward jump, then a C call that keeps the GIL), so
+    no thread can be started in between. Threads started with ``_thread`` directly are
+    not seen."""
+    limbo = threading._limbo  # type: ignore[attr-defined]
+    set_exc = _set_async_exc
+    if limbo:
+        return False
+    set_exc(tid, exception)
+    return True
