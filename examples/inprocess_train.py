@@ -7,7 +7,11 @@ The training function is wrapped in ``steadfast.inprocess.Wrapper``. It initiali
 torch.distributed itself, from ``RANK``/``WORLD_SIZE`` (which the Wrapper sets for every
 iteration) and ``call_wrapper.store`` (a fresh store prefix per iteration). The model and
 optimizer state live in memory outside the function: a snapshot after every step is what
-the next iteration resumes from, so a restart loses at most the step that failed.
+the next iteration resumes from, so a restart loses at most the step that failed. Each
+rank also keeps the snapshot before, and every iteration starts from the older step any
+rank holds: the interruption can land between a rank's last collective of a step and its
+snapshot, after its peers took theirs, and ranks that resumed from different steps would
+run them against each other (a restart without end).
 
 ``--fault KIND:RANK:STEP`` (``steadfast.faults.fail_at``, once: the process lives on
 across iterations): ``exception`` raises, ``rank_killed`` sends SIGKILL (the other ranks
@@ -53,8 +57,10 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     memory: dict[str, Any] = {"step": 0, "model": model.state_dict(), "opt": opt.state_dict()}
+    before: dict[str, Any] = {}  # the snapshot before the newest
 
     def snapshot(step: int) -> None:
+        before.update(memory)
         memory["step"] = step
         memory["model"] = {k: v.clone() for k, v in model.state_dict().items()}
         memory["opt"] = {
@@ -81,6 +87,10 @@ def main() -> None:
         cw = call_wrapper
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group("gloo", store=cw.store, rank=rank, world_size=world)
+        oldest = torch.tensor([memory["step"]])
+        dist.all_reduce(oldest, op=dist.ReduceOp.MIN)  # the step every rank holds
+        if int(oldest.item()) != memory["step"]:  # one step ahead: take the one before
+            memory.update(before)
         model.load_state_dict(memory["model"])
         opt.load_state_dict(memory["opt"])
         print(
@@ -100,7 +110,8 @@ def main() -> None:
                 dist.all_reduce(p.grad)
                 p.grad /= world
             opt.step()
-            snapshot(step + 1)
+            with cw.atomic():  # never half a snapshot: the interruption waits for it
+                snapshot(step + 1)
         dist.destroy_process_group()
         return {k: v.clone() for k, v in model.state_dict().items()}
 

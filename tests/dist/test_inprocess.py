@@ -139,8 +139,9 @@ def inproc_train(
     )
     if "max_iterations" in plan:
         kwargs["initialize"] = RetryController(max_iterations=plan["max_iterations"])
-    memory: dict[str, Any] = {"step": 0, "params": _params(_model())}  # survives iterations
-    seen: dict[str, Any] = {"iterations": [], "ranks": []}
+    # survives iterations: this step's state and the one before (see _agree_on_the_step)
+    memory: dict[str, Any] = {"step": 0, "params": _params(_model()), "prev": None}
+    seen: dict[str, Any] = {"iterations": [], "ranks": [], "starts": []}
 
     @Wrapper(**kwargs)
     def train(plan: dict[str, Any], call_wrapper: CallWrapper | None = None) -> Any:
@@ -160,6 +161,7 @@ def inproc_train(
             restored = tier.restore({"model": model})
             memory["step"] = restored[0] if restored else 0
         else:
+            seen["starts"].append(_agree_on_the_step(memory))
             with torch.no_grad():
                 for p, saved in zip(model.parameters(), memory["params"], strict=True):
                     p.copy_(saved)
@@ -171,7 +173,12 @@ def inproc_train(
                 wait_for((workdir / "atomic_entered").exists, 30, "rank 0 in atomic()")
             _strike(fault, plan, rank, step)
             _step(model, step, r, w)
-            memory["step"], memory["params"] = step + 1, _params(model)
+            if plan.get("late_snapshot") and rank == 0 and cw.iteration == 0 and step == 2:
+                while True:  # descheduled between its last collective and its snapshot,
+                    time.sleep(0.01)  # until the interruption lands here
+            with cw.atomic():  # never half a snapshot
+                memory["prev"] = (memory["step"], memory["params"])
+                memory["step"], memory["params"] = step + 1, _params(model)
             if tier is not None:
                 tier.snapshot(step + 1, {"model": model})
         if tier is not None:
@@ -196,6 +203,25 @@ def inproc_train(
         "dist_initialized": dist.is_initialized(),
         "env": (os.environ["RANK"], os.environ["WORLD_SIZE"]),
     }
+
+
+def _agree_on_the_step(memory: dict[str, Any]) -> int:
+    """The step every rank resumes from: the oldest any rank holds.
+
+    State kept by hand is rank-local, and the interruption lands at any bytecode: a rank
+    interrupted between its step's last collective and its snapshot holds the step
+    before, while its peers, whose collective completed too, hold the step. Each rank
+    keeps the step before as well and all take the older one (a rank can be at most one
+    step ahead: the next step's collective needs the rank that is behind). Without it
+    the ranks run different steps against each other, and the one ahead finishes and
+    leaves while the other still needs it: a restart without end (docs/guides/inprocess)."""
+    mine = torch.tensor([memory["step"]])
+    dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+    agreed = int(mine.item())
+    if agreed != memory["step"]:
+        assert memory["prev"] is not None and memory["prev"][0] == agreed, (agreed, memory)
+        memory["step"], memory["params"] = memory["prev"]
+    return agreed
 
 
 def _atomic_probe(cw: CallWrapper, workdir: Path) -> None:
@@ -328,6 +354,30 @@ def test_exception_on_one_rank_restarts_every_rank(tmp_path: Path, event_log: Pa
     for r, res in enumerate(results):
         assert res["seen"]["iterations"] == [0, 1]
         assert res["env"] == (str(r), "2")
+        _assert_bit_exact(res)
+        _assert_clean(res)
+
+
+def test_a_rank_interrupted_before_its_snapshot_resumes_with_the_others_from_the_older_step(
+    tmp_path: Path, event_log: Path
+) -> None:
+    """Rank 0 is interrupted after step 2's collectives and before its snapshot of step
+    3, which rank 1 has taken: the ranks agree on step 2 (the loop's by-hand state, as
+    the example's), restart once and end bit-exact. Before they agreed, rank 1 ran
+    steps ahead of rank 0 against it and the job restarted thousands of times a minute."""
+    full = [(2, STEPS, {0: 0, 1: 1})]
+    _, codes = _run(tmp_path, 2, {"kind": "exception", "rank": 1, "late_snapshot": True}, full)
+    assert codes == [0, 0]
+    evs = _events(event_log)
+    faults = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "exception"]
+    assert [(e["fault_rank"], e["iteration"]) for e in faults] == [(1, 0)]
+    assert sorted((e["rank"], e["iteration"]) for e in _kinds(evs, "inprocess_restart")) == [
+        (0, 1),
+        (1, 1),
+    ]
+    for res in (_result(tmp_path, r) for r in range(2)):
+        assert res["seen"]["iterations"] == [0, 1]
+        assert res["seen"]["starts"] == [0, FAULT_STEP - 1]
         _assert_bit_exact(res)
         _assert_clean(res)
 
