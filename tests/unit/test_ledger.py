@@ -50,6 +50,8 @@ def ev(kind: str, cause: str | None = None, host: str = "n1", **fields: object) 
     [
         (ev("node_unhealthy", "gpu", reason="device 3: ECC"), "n1", "health_check"),
         (ev("node_lost", "silent", node="n7", how="no beat for 5 s"), "n7", "node_lost"),
+        # a node that left on a fault of its own (an exception), saying so: not lost
+        (ev("node_lost", "left", node="n7", how="it left the job: its workers FAILED"), None, None),
         (ev("rank_failed", "signal SIGBUS", rank=3), "n1", "hardware_signal"),
         (ev("node_unhealthy", "ledger", reason="over the threshold"), None, None),
         (ev("rank_failed", "exit 1", rank=3), None, None),  # a Python exception: the script's

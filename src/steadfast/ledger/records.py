@@ -10,7 +10,9 @@ Only causes that point at the hardware or the node count (:func:`fault_of`):
 - ``health_check``: the node failed its health check (``node_unhealthy``), the
   ledger's own refusal excepted;
 - ``node_lost``: the node was lost from a running round (``node_lost``; the launcher
-  that reported it writes it, once per loss);
+  that reported it writes it, once per loss). A node that *left*, saying why (cause
+  ``left``: its workers failed with no restarts left, its launcher stopped), was not
+  lost: what failed there is in its own events, and counts only if one of them does;
 - ``hardware_signal``: a worker died of ``SIGBUS`` (the kernel's signal for a memory
   error it could not correct: machine-check, ECC). A ``SIGSEGV`` does not count: from
   outside the process it cannot be told from a bug in the script's own native code;
@@ -156,7 +158,7 @@ def fault_of(event: Mapping[str, Any], job: str) -> Fault | None:
     if kind == "node_unhealthy" and cause != "ledger":
         why = _evidence(f"{cause} check failed: {event.get('reason') or ''}")
         return Fault(host, job, at, "health_check", why)
-    if kind == "node_lost" and event.get("node"):
+    if kind == "node_lost" and event.get("node") and cause != "left":
         how = _evidence(f"lost ({cause}): {event.get('how') or ''}, seen by {host}")
         return Fault(str(event["node"]), job, at, "node_lost", how)
     if kind == "rank_failed" and cause == "signal SIGBUS":
