@@ -52,6 +52,9 @@ def ev(kind: str, cause: str | None = None, host: str = "n1", **fields: object) 
         (ev("node_lost", "silent", node="n7", how="no beat for 5 s"), "n7", "node_lost"),
         # a node that left on a fault of its own (an exception), saying so: not lost
         (ev("node_lost", "left", node="n7", how="it left the job: its workers FAILED"), None, None),
+        # one that failed its check counts once, by its own node_unhealthy; a refusal never
+        (ev("node_lost", "unhealthy", node="n7", how="unhealthy (gpu): ECC"), None, None),
+        (ev("node_lost", "unhealthy", node="n7", how="unhealthy (ledger): over"), None, None),
         (ev("rank_failed", "signal SIGBUS", rank=3), "n1", "hardware_signal"),
         (ev("node_unhealthy", "ledger", reason="over the threshold"), None, None),
         (ev("rank_failed", "exit 1", rank=3), None, None),  # a Python exception: the script's

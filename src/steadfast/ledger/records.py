@@ -11,8 +11,10 @@ Only causes that point at the hardware or the node count (:func:`fault_of`):
   ledger's own refusal excepted;
 - ``node_lost``: the node was lost from a running round (``node_lost``; the launcher
   that reported it writes it, once per loss). A node that *left*, saying why (cause
-  ``left``: its workers failed with no restarts left, its launcher stopped), was not
-  lost: what failed there is in its own events, and counts only if one of them does;
+  ``left``: its workers failed with no restarts left, its launcher stopped; cause
+  ``unhealthy``: its health check failed, the ledger's refusal included), was not lost:
+  what failed there is in its own events, and counts only if one of them does (a
+  failed check once, as ``health_check``; a refusal never);
 - ``hardware_signal``: a worker died of ``SIGBUS`` (the kernel's signal for a memory
   error it could not correct: machine-check, ECC). A ``SIGSEGV`` does not count: from
   outside the process it cannot be told from a bug in the script's own native code;
@@ -141,6 +143,10 @@ def _fault(item: Any, i: int) -> Fault:
     return Fault(f["node"], f["job"], float(f["time"]), f["cause"], f["evidence"])
 
 
+#: ``node_lost`` causes that are the node's own words (``nodes.confirm.record_leaving``)
+_LEFT_SAYING_WHY = ("left", "unhealthy")
+
+
 def _evidence(text_: str) -> str:
     return text_[: MAX_TEXT - 1]
 
@@ -158,7 +164,7 @@ def fault_of(event: Mapping[str, Any], job: str) -> Fault | None:
     if kind == "node_unhealthy" and cause != "ledger":
         why = _evidence(f"{cause} check failed: {event.get('reason') or ''}")
         return Fault(host, job, at, "health_check", why)
-    if kind == "node_lost" and event.get("node") and cause != "left":
+    if kind == "node_lost" and event.get("node") and cause not in _LEFT_SAYING_WHY:
         how = _evidence(f"lost ({cause}): {event.get('how') or ''}, seen by {host}")
         return Fault(str(event["node"]), job, at, "node_lost", how)
     if kind == "rank_failed" and cause == "signal SIGBUS":
