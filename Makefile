@@ -77,8 +77,9 @@ nodes:
 metrics:
 	@bash $(DEBIAN) ensure prometheus tmux || $(call optional,prometheus tmux (the metrics tests))
 
-# Two pytest-xdist workers (PYTEST_WORKERS=0: one process): most tests wait on real
-# timeouts, so two share the 2 cores here in 29 min where one process takes 47;
+# Two pytest-xdist workers (PYTEST_WORKERS=0: one process): pytest takes 31-35 min on
+# the 2 cores here where one process takes 47; a third worker saved 4 min but made every
+# test 29 % slower (the suite is CPU-bound) and failed timing-tight tests;
 # tests/slurm and tests/multinode each stay in one worker (tests/conftest.py).
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
