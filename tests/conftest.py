@@ -134,7 +134,42 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
 
 
+# What each test costs in CPU (scripts/test_cpu.py reads it): STEADFAST_TEST_CPU=DIR
+# makes each pytest process write DIR/cpu-<worker>.json, each test's CPU seconds (user and
+# system, of this process and of every process it started and reaped: the launchers and
+# their templates and ranks; not a Slurm job's, whose processes are slurmd's) and wall
+# seconds, setup and teardown included. The suite is CPU-bound on two cores: this says
+# where its CPU goes.
+CPU_ENV = "STEADFAST_TEST_CPU"
+_cpu: dict[str, tuple[float, float]] = {}
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    if CPU_ENV not in os.environ:
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    _cpu[item.nodeid] = (_cpu_seconds() - cpu, time.monotonic() - wall)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     path = os.environ.get(TIMES_ENV)
     if path and _seconds:
         Path(path).write_text(json.dumps(_seconds, indent=0, sort_keys=True))
+    folder = os.environ.get(CPU_ENV)
+    if folder and _cpu:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        Path(folder, f"cpu-{worker}.json").write_text(json.dumps(_cpu, indent=0, sort_keys=True))
