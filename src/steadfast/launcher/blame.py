@@ -52,13 +52,7 @@ def record_failures(
             else:
                 emit_failures(failures, {}, loss=loss_cause(lost, isolated))
             return
-    exits = watcher.exit_times()
-    deadline = time.monotonic() + 0.5  # the watcher thread records an exit within ms
-    while any(int(f.local_rank) not in exits for f in failures.values()):
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.005)
-        exits = watcher.exit_times()
+    exits = watcher.exit_times()  # once the watcher thread took in every exit
     if roster is not None:  # one culprit for the job, not one per node
         claim = rank_claim(
             roster.name,

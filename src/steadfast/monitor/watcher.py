@@ -44,6 +44,7 @@ from ..config import FaultToleranceConfig
 from ..progress.proc import running, signal_group
 from ..progress.watch import ProgressWatch, record
 from .client import STACK_DUMP_SIGNAL
+from .exits import ExitClock
 from .learned import effective
 from .table import HeartbeatTable, RowSnapshot
 from .teardown import Teardown
@@ -130,18 +131,6 @@ def shortest_timeout(snap: RowSnapshot) -> float:
     return min((t for t in candidates if math.isfinite(t) and t > 0), default=math.inf)
 
 
-def _pidfd(pid: int) -> int | None:
-    """A pidfd of ``pid`` (readable once it exits), None where the kernel has none or
-    the process is already gone."""
-    opener = getattr(os, "pidfd_open", None)
-    if opener is None:
-        return None
-    try:
-        return int(opener(pid))
-    except OSError:
-        return None
-
-
 class Watcher:
     """Watches the rows of ``table`` for the workers the agent started.
 
@@ -180,7 +169,7 @@ class Watcher:
         self._generation = 0
         self._started = 0.0
         self._handled: set[int] = set()
-        self._exits: dict[int, float] = {}  # local rank -> monotonic time it exited
+        self._exits = ExitClock()  # when each worker exited (its pidfd; the thread's)
         # local rank -> (the pid of the culprit it waits for, until when; inf: it runs)
         self._held: dict[int, tuple[int, float]] = {}
         # local rank -> until when it is not judged again: past its bound, it waits for
@@ -188,8 +177,6 @@ class Watcher:
         self._deferred: dict[int, float] = {}
         # local rank -> (what timed out, epoch time of its last sign of life)
         self._hung: dict[int, tuple[str, float]] = {}
-        # pidfd -> (local rank, generation), the watcher thread's
-        self._pidfds: dict[int, tuple[int, int]] = {}
         self._ending: list[_Ending] = []  # hung ranks being terminated (the thread's)
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -224,8 +211,8 @@ class Watcher:
             if running(ending.pid):
                 signal_group(ending.pid, signal.SIGKILL)
         self._ending = []
-        fds = (*self._pidfds, self._ctl_r, self._ctl_w, self._wake_fd)
-        self._pidfds = {}
+        self._exits.close(self._poll)
+        fds = (self._ctl_r, self._ctl_w, self._wake_fd)
         self._ctl_r = self._ctl_w = self._wake_fd = -1
         self._poll = None
         for fd in fds:
@@ -247,7 +234,7 @@ class Watcher:
             self._generation += 1
             self._started = time.monotonic()
             self._handled = set()
-            self._exits = {}
+            self._exits.new_generation(self._generation)
             self._hung = {}
             self._held = {}
             self._deferred = {}
@@ -260,16 +247,17 @@ class Watcher:
         with self._lock:
             self._pids = {}
             self._generation += 1
+            self._exits.new_generation(self._generation, keep=True)
         if self.progress_watch is not None:
             self.progress_watch.reporter.unwatch()
         self._kick()
 
     def exit_times(self) -> dict[int, float]:
         """When each worker of the current generation that has ended exited
-        (``local_rank -> time.monotonic()``), as seen through its pidfd; empty where
-        the kernel has no pidfds."""
-        with self._lock:
-            return dict(self._exits)
+        (``local_rank -> time.monotonic()``), as seen through its pidfd, once the watcher
+        thread took in every exit that happened (:class:`~.exits.ExitClock`, bounded);
+        empty where the kernel has no pidfds."""
+        return self._exits.times() if self._thread is not None else self._exits.times(0)
 
     def hung(self) -> dict[int, tuple[str, float]]:
         """The ranks of the current generation found hung: ``local_rank -> (what timed
@@ -301,7 +289,8 @@ class Watcher:
                 new_generation = generation != self._generation
                 generation = self._generation
             if new_generation:
-                self._follow(pids, generation)
+                assert self._poll is not None
+                self._exits.follow(self._poll, pids, generation)
             now = time.monotonic()
             soonest = now + self.cfg.workload_check_interval
             reread = False  # a rank was judged: read every row again before any sleep
@@ -453,33 +442,6 @@ class Watcher:
         snap = self.table.snapshot(local)
         self._detect(hang, pids[local], snap.pid == pids[local])
 
-    def _follow(self, pids: Mapping[int, int], generation: int) -> None:
-        """Hold a pidfd of each worker of a new generation (closing the old ones)."""
-        assert self._poll is not None
-        for old in self._pidfds:
-            self._poll.unregister(old)
-            os.close(old)
-        self._pidfds = {}
-        gone = []
-        for local, pid in pids.items():
-            fd = _pidfd(pid)
-            if fd is None:
-                if not running(pid):  # already gone before we looked
-                    gone.append(local)
-                continue
-            self._pidfds[fd] = (local, generation)
-            self._poll.register(fd, select.POLLIN)
-        self._exited(gone, generation, time.monotonic())
-
-    def _exited(self, locals_: list[int], generation: int, when: float) -> None:
-        """Record that ``locals_`` exited at ``when``: one time for all the exits seen in
-        one wake-up, whose order the watcher cannot tell (ties, for the agent)."""
-        with self._lock:
-            if generation != self._generation:  # a worker of a generation gone already
-                return
-            for local in locals_:
-                self._exits.setdefault(local, when)
-
     def _sleep(self, seconds: float) -> None:
         """Wait up to ``seconds`` for a control message, a rank's wake-up, or a worker's
         exit (recorded), whichever comes first."""
@@ -487,19 +449,12 @@ class Watcher:
         # poll() takes milliseconds as a C int; an hour is as good as any longer sleep
         ready = self._poll.poll(max(0, math.ceil(min(seconds, 3600.0) * 1000)))
         when = time.monotonic()
-        exited: dict[int, list[int]] = {}
         for fd, _ in ready:
             if fd in (self._ctl_r, self._wake_fd):
                 with contextlib.suppress(OSError):
                     while os.read(fd, 512):
                         pass
-            elif fd in self._pidfds:
-                local, generation = self._pidfds.pop(fd)
-                exited.setdefault(generation, []).append(local)
-                self._poll.unregister(fd)
-                os.close(fd)
-        for generation, locals_ in exited.items():
-            self._exited(locals_, generation, when)
+        self._exits.take(self._poll, (fd for fd, _ in ready), when)
 
     def _detect(self, hang: Hang, pid: int, dumps_stacks: bool) -> None:
         """A hang: the event, then the rank's stacks asked for; :meth:`_terminate` ends
