@@ -4,7 +4,11 @@ CPU machine every GPU check fails (no CUDA), which is the answer compared."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import select
+import subprocess
+import time
 
 import pytest
 import torch
@@ -16,6 +20,20 @@ from steadfast.launcher.nodes import health as health_module
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="compares the answers of a GPU check that fails"
 )
+
+
+def hurried(proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
+    """The child started ahead, once it lowered itself to nice 19 (asserted), put back to
+    0. At 19 it imports torch behind every other process: under ``make soak`` (a busy
+    loop per core) these tests waited 85-103 s for it, 3-5 s idle, against a 120 s bound.
+    What they show is what it answers, not how fast at 19."""
+    deadline = time.monotonic() + 60
+    while os.getpriority(os.PRIO_PROCESS, proc.pid) != 19:
+        assert proc.poll() is None and time.monotonic() < deadline, "never niced itself"
+        time.sleep(0.01)
+    with contextlib.suppress(PermissionError):  # not root: it keeps 19
+        os.setpriority(os.PRIO_PROCESS, proc.pid, 0)
+    return proc
 
 
 def wait_ready(check: GpuCheck) -> None:
@@ -30,6 +48,8 @@ def test_the_warm_check_answers_what_a_cold_one_does():
     check = GpuCheck(1)
     check.warm()
     ahead = check._next
+    assert ahead is not None
+    hurried(ahead)
     wait_ready(check)
     assert ahead is not None and ahead.poll() is None  # waiting to be asked
     assert check.run(120) == cold
@@ -53,7 +73,7 @@ def test_a_waiting_check_whose_launcher_is_gone_ends_without_checking():
     check.warm()
     waiting = check._next
     assert waiting is not None and waiting.stdin is not None
-    waiting.stdin.close()  # the launcher died: EOF
+    hurried(waiting).stdin.close()  # the launcher died: EOF
     assert waiting.wait(120) == 0
     assert waiting.stdout is not None and waiting.stdout.read() == "ready\n"  # no check
     waiting.stdout.close()
