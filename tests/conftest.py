@@ -138,8 +138,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 # makes each pytest process write DIR/cpu-<worker>.json, each test's CPU seconds (user and
 # system, of this process and of every process it started and reaped: the launchers and
 # their templates and ranks; not a Slurm job's, whose processes are slurmd's) and wall
-# seconds, setup and teardown included. The suite is CPU-bound on two cores: this says
-# where its CPU goes.
+# seconds, setup and teardown included. Most of the suite is CPU-bound on two cores (the
+# Slurm folder mostly waits): this says where its CPU goes.
 CPU_ENV = "STEADFAST_TEST_CPU"
 _cpu: dict[str, tuple[float, float]] = {}
 
