@@ -138,10 +138,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 # makes each pytest process write DIR/cpu-<worker>.json, each test's CPU seconds (user and
 # system, of this process and of every process it started and reaped: the launchers and
 # their templates and ranks; not a Slurm job's, whose processes are slurmd's) and wall
-# seconds, setup and teardown included. Most of the suite is CPU-bound on two cores (the
-# Slurm folder mostly waits): this says where its CPU goes.
+# seconds, setup and teardown included, and when it started (seconds since the epoch:
+# what ran beside what, and which worker waited at the end). Most of the suite is
+# CPU-bound on two cores (the Slurm folder mostly waits): this says where its CPU goes.
 CPU_ENV = "STEADFAST_TEST_CPU"
-_cpu: dict[str, tuple[float, float]] = {}
+_cpu: dict[str, tuple[float, float, float]] = {}
 
 
 def _cpu_seconds() -> float:
@@ -159,9 +160,9 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     if CPU_ENV not in os.environ:
         yield
         return
-    cpu, wall = _cpu_seconds(), time.monotonic()
+    cpu, wall, start = _cpu_seconds(), time.monotonic(), time.time()
     yield
-    _cpu[item.nodeid] = (_cpu_seconds() - cpu, time.monotonic() - wall)
+    _cpu[item.nodeid] = (_cpu_seconds() - cpu, time.monotonic() - wall, start)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
