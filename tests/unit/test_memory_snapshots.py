@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,6 +58,36 @@ def test_the_newest_of_memory_and_disk_is_restored(tmp_path, memory):
         assert mgr.restore({"model": fresh})[0] == 8
     assert _loaded(tmp_path)[-1] == (8, "memory")
     assert torch.equal(fresh.weight, net.weight)
+
+
+def test_a_snapshot_still_being_written_when_the_loop_restarts_in_process_is_restored(
+    tmp_path, memory, monkeypatch
+):
+    """An in-process restart: the loop raised right after its snapshot of step 2, whose
+    write was still on the tier's thread (slow here on purpose: a busy machine), and its
+    manager was never closed. The next manager in the process waits for that write and
+    restores step 2, the last step done, not step 1."""
+    from steadfast.checkpoint.memory import MemoryTier
+
+    real = MemoryTier._write
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.5)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryTier, "_write", slow)
+    net = torch.nn.Linear(3, 2)
+    abandoned = CheckpointManager(tmp_path / "ck", memory_every=1)
+    for step in (1, 2):
+        with torch.no_grad():
+            net.weight.add_(1.0)
+        abandoned.snapshot(step, {"model": net})
+    fresh = torch.nn.Linear(3, 2)
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as again:
+        assert again.restore({"model": fresh})[0] == 2
+    assert _loaded(tmp_path) == [(2, "memory")]
+    assert torch.equal(fresh.weight, net.weight)
+    abandoned.close()
 
 
 def test_a_snapshot_of_another_job_is_never_restored(tmp_path, memory, monkeypatch):

@@ -105,6 +105,12 @@ KEEP = NEEDED + 2
 #: how many snapshot sizes the tier may hold in memory per rank, with replicas
 BUDGET_SLOTS = 2 * (KEEP + 1)
 _RING_TIMEOUT = timedelta(seconds=120)
+#: how long a new tier waits for this process's snapshot still being written to its
+#: folder (:func:`_await_write`)
+WRITE_WAIT = 30.0
+#: the snapshot writes in flight in this process, by the folder each writes to
+_writing: dict[str, threading.Event] = {}
+_writing_lock = threading.Lock()
 
 
 def create_memory_dir() -> Path:
@@ -231,6 +237,7 @@ class MemoryTier:
         self._checked = False
         #: the newest step every rank's snapshot is held for, as the last restore saw
         self.newest_whole = -1
+        _await_write(self.own)  # an in-process restart's: the step is done, keep it
         # what a kill mid-write or mid-prune left in this rank's folders
         for folder in (self.own, self.base / "replica" / f"rank_{self.source}"):
             if folder.is_dir():
@@ -260,9 +267,12 @@ class MemoryTier:
         payload = self._stager.stage(replicated, shards=True) if keeps else None
         own = self._local_stager.stage(local)
         stall = time.monotonic() - start
+        written = threading.Event()
+        with _writing_lock:
+            _writing[str(self.own)] = written
         self._thread = threading.Thread(
             target=self._background,
-            args=(step, payload, own, stall, sharded),
+            args=(step, payload, own, stall, sharded, written),
             name="steadfast-memory-writer",
             daemon=True,  # the snapshot is for the next restart: never hold an exit
         )
@@ -271,7 +281,15 @@ class MemoryTier:
             raise failed
         return stall
 
-    def _background(self, step: int, payload: Any, local: Any, stall: float, sharded: bool) -> None:
+    def _background(
+        self,
+        step: int,
+        payload: Any,
+        local: Any,
+        stall: float,
+        sharded: bool,
+        done: threading.Event,
+    ) -> None:
         written: Path | None = None
         error: BaseException | None = None
         try:
@@ -281,6 +299,11 @@ class MemoryTier:
             logger.debug("snapshot of step %d in %.3f s (stall %.3f s)", step, seconds, stall)
         except BaseException as exc:
             error = exc
+        finally:
+            done.set()
+            with _writing_lock:
+                if _writing.get(str(self.own)) is done:
+                    del _writing[str(self.own)]
         if self.ring is not None:  # always: the peers wait for this rank's turn
             try:
                 self._replicate(step, written)
@@ -437,6 +460,21 @@ class MemoryTier:
 
 
 # ---------------------------------------------------------------------- helpers
+def _await_write(folder: Path) -> None:
+    """Wait, at most :data:`WRITE_WAIT`, for a snapshot this process is still writing to
+    ``folder``. An in-process restart abandons the tier of the loop that raised (its
+    snapshot of the last step done may still be on its thread: under load, seen to
+    take longer than the restart); without the wait the new tier's clean-up removes
+    that write's temporary folder, and the restore goes back one step more than it
+    must. Only the local write is waited for: the replica exchange needs the peers."""
+    with _writing_lock:
+        pending = _writing.get(str(folder))
+    if pending is not None and not pending.wait(WRITE_WAIT):
+        logger.warning(
+            "a snapshot to %s still being written after %.0f s: not waited for", folder, WRITE_WAIT
+        )
+
+
 def ring_group() -> Any:
     """The gloo group replication runs on (collective: every rank creates it)."""
     return dist.new_group(backend="gloo", timeout=_RING_TIMEOUT)
