@@ -77,11 +77,12 @@ nodes:
 metrics:
 	@bash $(DEBIAN) ensure prometheus tmux || $(call optional,prometheus tmux (the metrics tests))
 
-# Two pytest-xdist workers (PYTEST_WORKERS=0: one process): pytest takes 31-35 min on
-# the 2 cores here where one process takes 47; a third worker saved 4 min but made every
-# test 29 % slower (the suite is CPU-bound) and failed timing-tight tests;
-# tests/slurm and tests/multinode each stay in one worker (tests/conftest.py).
-PYTEST_WORKERS ?= 2
+# Three pytest-xdist workers (PYTEST_WORKERS=0: one process): tests/slurm, which mostly
+# waits on Slurm's timers, has one to itself and the CPU-bound rest has two
+# (tests/conftest.py). Two workers, Slurm's sharing one: pytest 29-35 min on the 2 cores
+# here; three workers for everything made every test 29 % slower and failed
+# timing-tight tests.
+PYTEST_WORKERS ?= 3
 PYTEST_ARGS ?=
 pytest: $(STAMP) slurm nodes metrics
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)

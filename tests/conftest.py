@@ -93,23 +93,42 @@ def event_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
 #: bed of several launchers: two at once would mostly wait for each other's CPU)
 ONE_WORKER = ("slurm", "multinode")
 
+#: the folder that mostly waits (on Slurm's timers: a node declared DOWN, a requeue; 2-5
+#: CPU-s in a 30-90 s test): given a third worker, it has that worker to itself, beside
+#: two for the rest, which is CPU-bound on two cores
+WAITS = "slurm"
+
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under pytest-xdist (``PYTEST_ARGS="-n 2"``), the tests of each folder of
-    :data:`ONE_WORKER` run in one worker, one after another; every other test goes
-    wherever a worker is free. A scheduler of our own, not ``--dist loadgroup``: that
-    one marks a group in each test's id, which pytest 9.2's structured ids silently
-    ignore (pytest-xdist#1386: every test then goes anywhere, and two workers started
-    two Slurm clusters on the same ports)."""
+    """Under pytest-xdist (``-n N``), the tests of each folder of :data:`ONE_WORKER` run
+    in one worker, one after another; every other test goes wherever a worker is free.
+    With three workers or more, the worker that runs :data:`WAITS` runs nothing else and
+    ends with it: its waits overlap the CPU-bound rest instead of taking a CPU-bound
+    worker's turn. A scheduler of our own, not ``--dist loadgroup``: that one marks a
+    group in each test's id, which pytest 9.2's structured ids silently ignore
+    (pytest-xdist#1386: every test then goes anywhere, and two workers started two Slurm
+    clusters on the same ports)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class MachineWide(LoadScopeScheduling):  # type: ignore[misc]
+        waiter: Any = None  # the worker that runs WAITS alone
+
         def _split_scope(self, nodeid: str) -> str:
             parts = nodeid.split("/", 2)
             if len(parts) == 3 and parts[0] == "tests" and parts[1] in ONE_WORKER:
                 return f"tests/{parts[1]}"
             return nodeid
+
+        def _assign_work_unit(self, node: Any) -> None:
+            waits = f"tests/{WAITS}"
+            if self.waiter is None and len(self.nodes) >= 3 and waits in self.workqueue:
+                self.workqueue.move_to_end(waits, last=False)
+                self.waiter = node
+                super()._assign_work_unit(node)
+                node.shutdown()  # it has all it will get: it runs that, then ends
+                return
+            super()._assign_work_unit(node)
 
     return MachineWide(config, log)
 
