@@ -4,6 +4,7 @@ workers the launcher started, so the launcher never restarts a process."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,15 @@ def test_exception_is_recovered_in_process_under_steadfast_launch(
     assert sorted(e["rank"] for e in restarts) == [0, 1]
     # the launcher saw no failure: no process was restarted
     assert not [e for e in evs if e["kind"] in ("restart", "rank_failed")]
-    assert "iteration 1: rank 1 of 2, from step 5" in proc.stdout
+    # every rank resumes from the same step: the fault's (rank 1 raised as step 5
+    # began, after its snapshot of 5), or the one before when the interruption reached
+    # rank 0 between step 4's last all-reduce and its snapshot (a busy machine: rank 0
+    # descheduled there for the monitor's interval; the example's docstring says why
+    # all then take the older step)
+    # (the two ranks' lines may run together: they share the launcher's stdout)
+    resumed = dict(re.findall(r"\[(\d)\] iteration 1: rank \d of 2, from step (\d+)", proc.stdout))
+    assert len(resumed) == 2 and len(set(resumed.values())) == 1, proc.stdout
+    assert resumed["1"] in ("4", "5"), proc.stdout
     got = torch.load(out, weights_only=True)
     for key, want in _reference().items():
         assert torch.equal(got[key], want), key
