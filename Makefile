@@ -79,9 +79,9 @@ metrics:
 
 # Three pytest-xdist workers (PYTEST_WORKERS=0: one process): tests/slurm, which mostly
 # waits on Slurm's timers, has one to itself and the CPU-bound rest has two
-# (tests/conftest.py). Two workers, Slurm's sharing one: pytest 29-35 min on the 2 cores
-# here; three workers for everything made every test 29 % slower and failed
-# timing-tight tests.
+# (tests/conftest.py). A fresh clone's .ci/run here, idle: 28:51, pytest 27:17; with two
+# workers, Slurm's sharing one: 31:12, pytest 29:30. Three workers that each take anything
+# made every test 29 % slower and failed timing-tight tests.
 PYTEST_WORKERS ?= 3
 PYTEST_ARGS ?=
 pytest: $(STAMP) slurm nodes metrics

@@ -3,6 +3,9 @@
 
     STEADFAST_TEST_CPU=/tmp/cpu make pytest
     python scripts/test_cpu.py /tmp/cpu [--top 30]
+
+then, where the record says when each test started, when each worker ended: the
+last is the suite's wall; the CPU-bound workers should end together.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ def main() -> int:
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
     tests: dict[str, tuple[float, float]] = {}
+    workers: dict[str, list[list[float]]] = {}  # each worker's tests: [cpu, wall, start]
     for f in sorted(args.folder.glob("cpu-*.json")):
-        tests.update({k: (v[0], v[1]) for k, v in json.loads(f.read_text()).items()})
+        record = json.loads(f.read_text())
+        tests.update({k: (v[0], v[1]) for k, v in record.items()})
+        workers[f.stem.removeprefix("cpu-")] = list(record.values())
     if not tests:
         p.error(f"{args.folder}: no cpu-*.json (was STEADFAST_TEST_CPU set for the run?)")
     cpu = sum(c for c, _ in tests.values())
@@ -38,6 +44,12 @@ def main() -> int:
     print(f"\n{'CPU min':>8} {'wall min':>8} {'tests':>6}  folder")
     for folder, (c, w, n) in sorted(folders.items(), key=lambda kv: -kv[1][0]):
         print(f"{c / 60:8.1f} {w / 60:8.1f} {int(n):6d}  {folder}")
+    starts = [v[2] for runs in workers.values() for v in runs if len(v) > 2]
+    if starts:  # a record that says when each test started: when each worker ended
+        print(f"\n{'ends min':>8} {'CPU min':>8} {'tests':>6}  worker (ends: from the first start)")
+        for name, runs in sorted(workers.items()):
+            end = max(v[2] + v[1] for v in runs) - min(starts)
+            print(f"{end / 60:8.1f} {sum(v[0] for v in runs) / 60:8.1f} {len(runs):6d}  {name}")
     return 0
 
 
