@@ -112,8 +112,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class MachineWide(LoadScopeScheduling):  # type: ignore[misc]
-        waiter: Any = None  # the worker that runs WAITS alone
-
         def _split_scope(self, nodeid: str) -> str:
             parts = nodeid.split("/", 2)
             if len(parts) == 3 and parts[0] == "tests" and parts[1] in ONE_WORKER:
@@ -122,9 +120,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
         def _assign_work_unit(self, node: Any) -> None:
             waits = f"tests/{WAITS}"
-            if self.waiter is None and len(self.nodes) >= 3 and waits in self.workqueue:
+            if len(self.nodes) >= 3 and waits in self.workqueue:  # the first to ask
                 self.workqueue.move_to_end(waits, last=False)
-                self.waiter = node
                 super()._assign_work_unit(node)
                 node.shutdown()  # it has all it will get: it runs that, then ends
                 return
