@@ -3,6 +3,7 @@ probe): run under torchrun and under ``steadfast launch`` with the same flags, e
 writes ``RANK.json`` into ``$PROBE_OUT``; the test compares them field
 by field against docs/guides/unchanged-scripts.md ("What differs from torchrun")."""
 
+import gc
 import json
 import os
 import random
@@ -95,6 +96,7 @@ probe = {
     "os_threads": int(status("Threads")),
     "fds": fd_kinds(),
     "modules": len(sys.modules),
+    "gc": [gc.isenabled(), gc.get_threshold(), gc.get_freeze_count() > 0],
     "torch_threads": [torch.get_num_threads(), torch.get_num_interop_threads()],
     "cmdline": Path("/proc/self/cmdline").read_text().split("\0")[:-1],
     # drawn per rank: the test compares them across ranks, not across launchers

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import mmap
 import os
@@ -199,6 +200,7 @@ def start_monitor_process(cfg: MonitorProcessConfig, shared: SharedProgress) -> 
     if pid == 0:  # pragma: no cover - runs in the child; covered by the dist tests
         code = 1
         try:
+            gc.freeze()  # the rank's objects: no collection here walks (and copies) them
             os.close(stop_w)
             os.close(ready_r)
             code = _Monitor(cfg, shared, stop_r, ready_w).run()
