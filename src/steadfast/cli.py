@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["launch"]:  # its flags are torchrun's and --ft-*: passed through whole
         from .launcher import main as launch_main
 
-        return launch_main(args[1:])
+        return launch_main(args[1:], entry=argv is None)
     ns = build_parser().parse_args(args)
     ns.argv = args[1:]
     code: int = ns.func(ns)

@@ -34,7 +34,7 @@ from typing import Any
 
 from .as_main import run_as_main, stdio_as_python
 from .fresh import apply_launcher_state, fresh_random_streams, launcher_state
-from .preload import Preloader, die_with_parent
+from .preload import Preloader, die_with_parent, uncollected
 
 __all__ = [
     "Template",
@@ -160,8 +160,9 @@ def serve(fd: int) -> dict[str, Any] | None:
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent()  # the launcher gone -> the template, and then its workers, gone
 
-    for name in ("torch", "torch.distributed", "torch.nn.parallel"):
-        importlib.import_module(name)
+    with uncollected():
+        for name in ("torch", "torch.distributed", "torch.nn.parallel"):
+            importlib.import_module(name)
     # what workers import later (dynamo, Inductor's compiler: ~2 s each on 2 cores), so
     # that each restart's workers start without it (see .preload for when); never while
     # forking (the main thread is the only one: no import lock is held at a fork)
