@@ -286,12 +286,20 @@ def test_a_killed_rank_then_a_preemption_with_four_ranks_per_node_end_bit_exact(
     for launch in (node1, node2):
         os.kill(_launcher_pid(launch), signal.SIGTERM)
     node1.wait(), node2.wait()
-    saved = {e["step"] for e in bed.events("checkpoint_saved") if e["time"] > preempted}
-    assert len(saved) == 1 and max(saved) < STEPS, saved  # one step, saved by every rank
+    # one step agreed by the 8 ranks, and saved after it (a save of the every-2-steps
+    # cadence may also land after the signals were sent: it is not the preemption's)
+    [agreed] = [e for e in bed.events("shutdown_agreed") if e["time"] > preempted]
+    assert agreed["ranks_signalled"] == 8, agreed
+    stop = agreed["step"] + 1  # the loop's step index -> the checkpoint's step count
+    assert stop < STEPS
+    saves = bed.events("checkpoint_saved", step=stop)
+    assert [e for e in saves if e["time"] > agreed["time"]], bed.logs()
+    done = {e["rank"] for e in bed.events("shutdown_complete") if e["time"] > preempted}
+    assert done == set(range(8)), done  # every rank stopped after that step
     again = [bed.launch(n, *flags, script=script) for n in ("node1", "node2")]
     assert [lc.wait() for lc in again] == [0, 0], bed.logs()
     loads = [e for e in bed.events("checkpoint_loaded") if e["time"] > preempted]
-    assert len(loads) == 8 and {e["step"] for e in loads} == saved
+    assert len(loads) == 8 and {e["step"] for e in loads} == {stop}
     # the kill struck once (node1's agent names its own first exit too: issue 30)
     assert [e["rank"] for e in bed.events("rank_failed", cause="signal SIGKILL")] == [6]
     assert_bit_exact(bed.shared / "out.pt", reference(STEPS, 8, *fsdp))
