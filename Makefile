@@ -79,9 +79,11 @@ metrics:
 
 # Three pytest-xdist workers (PYTEST_WORKERS=0: one process): tests/slurm, which mostly
 # waits on Slurm's timers, has one to itself and the CPU-bound rest has two
-# (tests/conftest.py). Fresh clones' .ci/run here, idle: 28:51 and 33:32 (pytest 27:17
-# and 31:31); with two workers, Slurm's sharing one: 31:12, pytest 29:30. Three workers
-# that each take anything made every test 29 % slower and failed timing-tight tests.
+# (tests/conftest.py). Fresh clones' .ci/run here, idle: 26:39 (pytest 24:57) since
+# forked workers no longer walk the template's objects (30:08 with half that cut;
+# 28:51 and 33:32 before it); with two workers, Slurm's sharing one: 31:12. Three
+# workers that each take anything made every test 29 % slower and failed timing-tight
+# tests.
 PYTEST_WORKERS ?= 3
 PYTEST_ARGS ?=
 pytest: $(STAMP) slurm nodes metrics
