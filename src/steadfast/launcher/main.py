@@ -292,8 +292,8 @@ def get_args_parser() -> Any:
 
 #: What the launcher imports for its run (torch's elastic agent and torchrun's parser,
 #: steadfast's agent): by a launcher that is its process's entry, without the cyclic
-#: collector (:func:`.preload.uncollected`: ~0.3 s of its ~2 s of CPU at each start,
-#: a requeue's included).
+#: collector (:func:`.preload.uncollected`: its collections were ~0.2 s of its ~2 s of
+#: CPU at each start, a requeue's included, by ``perf record``).
 _IMPORTED = (
     "torch.distributed.run",
     "torch.distributed.elastic.rendezvous.api",

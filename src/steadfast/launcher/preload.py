@@ -161,9 +161,10 @@ def uncollected() -> Iterator[None]:
     """Import (torch, dynamo, the compiler) without the cyclic collector, then freeze
     what is there: an import of torch and dynamo ran ~700 collections (5 of them full)
     over the objects it had made so far (0.6 s of its ~3.5 s of CPU), objects
-    that live as long as the template; frozen, no later collection of the template or
-    of a worker it forks walks them (see the fork in :func:`.template.serve`). A cycle
-    left by the import is kept, as the module it came from is."""
+    that live as long as the process (the template; a launcher, :func:`.main.main`);
+    frozen, no later collection of it or of a worker the template forks walks them (see
+    the fork in :func:`.template.serve`). A cycle left by the import is kept, as the
+    module it came from is."""
     enabled = gc.isenabled()
     gc.disable()
     try:
