@@ -166,12 +166,17 @@ def inproc_train(
                 for p, saved in zip(model.parameters(), memory["params"], strict=True):
                     p.copy_(saved)
         for step in range(memory["step"], STEPS):
+            at_fault = cw.iteration == 0 and step == FAULT_STEP
+            if at_fault and rank in plan.get("late", {}):
+                time.sleep(plan["late"][rank])  # this rank's last progress comes later
             cw.ping()
             if plan.get("atomic") and rank == 0 and cw.iteration == 0 and step == FAULT_STEP:
                 _atomic_probe(cw, workdir)
             if plan.get("atomic") and rank == 1 and cw.iteration == 0 and step == FAULT_STEP:
                 wait_for((workdir / "atomic_entered").exists, 30, "rank 0 in atomic()")
             _strike(fault, plan, rank, step)
+            if at_fault and rank in plan.get("linger", {}):
+                _run_python_for(plan["linger"][rank])  # after its ping, before it blocks
             _step(model, step, r, w)
             if plan.get("late_snapshot") and rank == 0 and cw.iteration == 0 and step == 2:
                 while True:  # descheduled between its last collective and its snapshot,
@@ -222,6 +227,13 @@ def _agree_on_the_step(memory: dict[str, Any]) -> int:
         assert memory["prev"] is not None and memory["prev"][0] == agreed, (agreed, memory)
         memory["step"], memory["params"] = memory["prev"]
     return agreed
+
+
+def _run_python_for(seconds: float) -> None:
+    """Run bytecode (the progress count moves) for ``seconds``, without a ping."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.01)
 
 
 def _atomic_probe(cw: CallWrapper, workdir: Path) -> None:
@@ -436,21 +448,31 @@ def test_sigkilled_rank_survivors_restart_with_shifted_ranks(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("first", "timing"),
+    [
+        # Rank 0 pings 1 s after rank 1 stopped in Python: rank 1's timeout comes first,
+        # while its interpreter runs.
+        (1, {"late": {0: 1.0}}),
+        # Rank 1 pings 1 s late, then stops in Python; rank 0 runs Python for 0.3 s after
+        # its own ping, then blocks in the all-reduce that waits for rank 1: rank 0's
+        # timeout comes first, its main thread outside Python for 1.2 of the 1.5 s.
+        (0, {"late": {1: 1.0}, "linger": {0: 0.3}}),
+    ],
+    ids=["the_hung_rank_first", "its_blocked_peer_first"],
+)
 def test_rank_hung_in_python_is_interrupted_by_the_soft_timeout(
-    tmp_path: Path, event_log: Path
+    tmp_path: Path, event_log: Path, first: int, timing: dict[str, Any]
 ) -> None:
     full = [(2, STEPS, {0: 0, 1: 1})]
-    plan = {"kind": "rank_hung", "rank": 1, "soft": 1.5, "hard": 30}
+    plan = {"kind": "rank_hung", "rank": 1, "soft": 1.5, "hard": 30, **timing}
     _, codes = _run(tmp_path, 2, plan, full)
     assert codes == [0, 0]
     evs = _events(event_log)
     soft = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "soft_timeout"]
-    # Rank 1 stopped pinging while its interpreter ran; rank 0, blocked in the all-reduce
-    # that waits for rank 1, stopped progressing at the same moment: either may be first.
-    assert soft and {e["fault_rank"] for e in soft} <= {0, 1}
-    for e in soft:
-        where = "ping() stopped" if e["fault_rank"] == 1 else "stuck outside Python"
-        assert where in e["detail"]
+    assert [e["fault_rank"] for e in soft] == [first], soft
+    where = "ping() stopped" if first == 1 else "the main thread is stuck outside Python"
+    assert where in soft[0]["detail"], soft[0]
     assert not _kinds(evs, "inprocess_terminated")
     assert sorted(e["rank"] for e in _kinds(evs, "inprocess_restart")) == [0, 1]
     for r in range(2):

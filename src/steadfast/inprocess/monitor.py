@@ -326,9 +326,13 @@ class _Monitor:
                 age = now - progress
                 if phase == RUNNING and age > cfg.soft_timeout and soft_done != iteration:
                     soft_done = iteration
+                    # Where the main thread is now: its interpreter has stopped if the
+                    # count has not moved for half the timeout. (Not "did it tick after
+                    # its last ping": a rank pings, runs Python up to its collective and
+                    # blocks there, so a tick after the ping says nothing about now.)
                     where = (
                         "the interpreter runs but ping() stopped"
-                        if now - auto < cfg.soft_timeout
+                        if now - ticked_at < cfg.soft_timeout / 2
                         else "the main thread is stuck outside Python"
                     )
                     detail = (
