@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from sfharness import assert_bit_exact, launch_run
+from sfharness import assert_bit_exact, launch_run, wait_for
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "unchanged_train.py"
@@ -90,6 +90,9 @@ def stop_rank_1_after(
             if '"workers_started"' in line
         ]  # fmt: skip
         os.kill(started["pids"][1], signal.SIGSTOP)
+        # stopped once the kernel says so: kill() returns before the signal lands on a rank
+        # running on the other core, which can still make progress for a few microseconds
+        wait_for(lambda: _state(started["pids"][1]) == "T", 10, "rank 1 stopped")
         stopped_at = time.time()
         code = proc.wait(180)
     finally:
@@ -97,6 +100,11 @@ def stop_rank_1_after(
             proc.kill()
             proc.wait()
     return code, [json.loads(line) for line in events.read_text().splitlines()], stopped_at
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (``T``: stopped by a signal)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 @pytest.fixture(scope="module")

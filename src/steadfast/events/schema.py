@@ -205,6 +205,7 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     # monitoring / launcher
     (Kind.RANK_HUNG, "a rank overstayed a timeout and is terminated (cause: what timed out)", {
         "section": "the section, or what timed out", "elapsed": "seconds since it began",
+        "fault_time": "epoch seconds of when it began (the rank's last sign of progress)",
         "timeout": "the timeout", "learned": "whether the timeout was learned (not "
         "configured)", "local_rank": _WORKER["local_rank"],
         "worker_pid": _WORKER["worker_pid"],

@@ -84,7 +84,13 @@ class Hang:
     what: str
     elapsed: float
     timeout: float
+    since: float  # time.monotonic() of the silence's start (its elapsed is from then)
     learned: bool = False  # the timeout was learned (monitor/learned.py), not configured
+
+
+def _wall(monotonic: float) -> float:
+    """The epoch time of a ``time.monotonic()`` reading (the two clocks read together)."""
+    return time.time() - (time.monotonic() - monotonic)
 
 
 def next_deadline(
@@ -385,8 +391,9 @@ class Watcher:
             asked = self.cfg.initial_rank_heartbeat_timeout != _INITIAL_DEFAULT
             if not (asked and (deadline, what, since, timeout) < progress):
                 deadline, what, since, timeout = progress
-                return deadline, Hang(local, what, now - since, timeout, True), True, True
-        return deadline, Hang(local, what, now - since, timeout, what in learned), plain, False
+                return deadline, Hang(local, what, now - since, timeout, since, True), True, True
+        hang = Hang(local, what, now - since, timeout, since, what in learned)
+        return deadline, hang, plain, False
 
     def _judge(self, hang: Hang, pids: Mapping[int, int], started: float, explicit: bool) -> None:
         """A bound passed: look at every rank before acting, and act on the culprit."""
@@ -397,7 +404,7 @@ class Watcher:
                 if self._pids == pids:
                     self._handled.add(hang.local_rank)
             return
-        since = time.monotonic() - hang.elapsed
+        since = hang.since
         decision = watch.decide(dict(pids), hang.local_rank, hang.what, since, explicit)
         if decision is None:
             return
@@ -434,7 +441,7 @@ class Watcher:
         else:  # the look took its window: the silence as it stands now, not before it
             hang = replace(hang, elapsed=time.monotonic() - since)
         if decision.cause == "progress_cap":
-            hang = Hang(hang.local_rank, "progress_cap", hang.elapsed, self.cfg.progress_cap)
+            hang = replace(hang, what="progress_cap", timeout=self.cfg.progress_cap, learned=False)
         record(decision, self.global_rank)
         with self._lock:  # one fault: the others wait for the culprit, and go with it
             if self._pids == pids:
@@ -466,7 +473,7 @@ class Watcher:
         if not running(pid):  # it exited (the agent will see it): not a hang to act on
             return
         with self._lock:
-            self._hung[hang.local_rank] = (hang.what, time.time() - hang.elapsed)
+            self._hung[hang.local_rank] = (hang.what, _wall(hang.since))
         rank = self.global_rank(hang.local_rank)
         logger.error(
             "rank %d (local %d, pid %d) hung: %s for %.2fs (timeout %.2fs%s); terminating it",
@@ -485,6 +492,7 @@ class Watcher:
             local_rank=hang.local_rank,
             section=hang.what.removeprefix("section:"),
             elapsed=round(hang.elapsed, 4),
+            fault_time=round(_wall(hang.since), 6),
             timeout=hang.timeout,
             learned=hang.learned,
             worker_pid=pid,

@@ -304,7 +304,9 @@ def _fault(
             faults.append((float(e.get("fault_time") or t), float(e.get("detected") or t),
                            f"{e.get('what')} on {e.get('node')} ({e.cause})"))  # fmt: skip
         elif e.kind == ev.Kind.RANK_HUNG:
-            faults.append((t - float(e.get("elapsed") or 0.0), t, f"rank {e.rank} hung"))
+            began = e.get("fault_time")  # older logs: from the event's time
+            began = float(began) if began is not None else t - float(e.get("elapsed") or 0.0)
+            faults.append((began, t, f"rank {e.rank} hung"))
         elif e.kind == ev.Kind.HANG_CONFIRMED:
             faults.append((t, t, f"rank {e.get('culprit')} hung ({e.cause})"))
         elif e.kind == ev.Kind.RANK_FAILED:
