@@ -22,9 +22,13 @@ pytestmark = pytest.mark.slow
 PLAIN = Path(__file__).with_name("plain_ddp.py")
 EPOCHS = int(os.environ.get("PLAIN_EPOCHS", "30"))
 KILL_AT = int(os.environ.get("PLAIN_KILL_AT", "8"))
-END_WITHIN = float(
-    os.environ.get("PLAIN_END_WITHIN", "2.0")
-)  # a launcher ends this soon after its node's last worker
+#: A launcher that waited for a node that cannot come (issue 36) waits for a timeout:
+#: job_end_timeout (60 s by default) or the rendezvous's. One that waited for none ends
+#: a fraction of a second after the last worker when the machine is idle (the figure is
+#: bench/bench_launcher_end.py's), and ~2 s at worst under the soak's load (torch's c10d
+#: rendezvous polls every second). The bound tells the two apart under any load; how soon
+#: is the bench's to say, not a test's.
+END_WITHIN = float(os.environ.get("PLAIN_END_WITHIN", "10.0"))
 
 
 def job(nnodes: str, *, backend: str = "steadfast", endpoint: str = "node1:29500") -> list[str]:
@@ -105,9 +109,10 @@ def assert_every_epoch_ran_and_launchers_ended(bed: Any, launches: list[Any]) ->
     ran = {int(r["epoch"]) for r in lines if "epoch" in r}
     assert ran == set(range(EPOCHS)), sorted(set(range(EPOCHS)) - ran)
     assert (bed.shared / "out.pt").exists()
-    # each launcher ended soon after the job's last worker exited: it waited for no node
-    # that could not come. From the exit, not the script's last line: a worker's end is
-    # its interpreter's teardown (about 1 s for a torch process, as under torchrun)
+    # each launcher heard every node of its round finish, and ended soon after the job's
+    # last worker exited: it waited for no node that could not come. From the exit, not
+    # the script's last line: a worker's end is its interpreter's teardown (about 1 s for
+    # a torch process, as under torchrun)
     exits = [
         float(x["time"])
         for e in bed.events("workers_exited")
@@ -119,6 +124,10 @@ def assert_every_epoch_ran_and_launchers_ended(bed: Any, launches: list[Any]) ->
         if not done or lc.proc.returncode != 0:
             continue
         assert lc.ended is not None and exits
+        barrier = bed.events("exit_barrier", host=lc.node)
+        assert [(e["cause"], e["missing"], e["lost"]) for e in barrier] == [
+            ("all_finished", [], [])
+        ], barrier
         late = lc.ended - max(exits)
         assert late <= END_WITHIN, f"{lc.node}'s launcher ended {late:.1f}s after the last worker"
 
