@@ -33,10 +33,12 @@ __all__ = [
     "set_nccl_env",
     "backend_device",
     "count_true",
+    "cpu_group",
     "gather_flags",
     "group_rank",
     "is_distributed",
     "member_index",
+    "PendingCount",
     "world_info",
 ]
 
@@ -124,6 +126,43 @@ def count_true(flag: bool | torch.Tensor, group: ProcessGroup | None = None) -> 
     if is_distributed():
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return int(t.item())
+
+
+def cpu_group(group: ProcessGroup | None = None) -> ProcessGroup | None:
+    """A group over ``group``'s ranks whose collectives run on CPU tensors: ``group``
+    itself when its backend has gloo, else a new gloo group over the same ranks (made by
+    its members only, ``use_local_synchronization``). A small CPU collective then waits
+    for no GPU stream and runs in gloo's own thread."""
+    import torch.distributed as dist
+
+    if not is_distributed() or "gloo" in str(dist.get_backend(group)).lower():
+        return group
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+
+
+class PendingCount:
+    """:func:`count_true` started now (``async_op``) and read later: a flag agreed at one
+    step and read at the next costs a step no wait. ``group`` must run CPU collectives
+    (:func:`cpu_group`); every rank of it must start one at the same point."""
+
+    def __init__(self, flag: bool, group: ProcessGroup | None = None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._count = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self._work = (
+            dist.all_reduce(self._count, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            if is_distributed()
+            else None
+        )
+
+    def read(self) -> int:
+        """How many ranks passed a true flag (waits for the all-reduce if it still runs)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return int(self._count.item())
 
 
 def agree_any(flag: bool | torch.Tensor, group: ProcessGroup | None = None) -> bool:

@@ -8,9 +8,10 @@ emergency checkpoint and exits. If the graceful shutdown takes longer than
 
 Beyond the original:
 
-- ``agree=True`` makes every rank stop after the *same* step: ``should_shutdown()`` does one
-  small all-reduce, so a signal delivered to one rank (Slurm often signals one task, or
-  one node first) stops them all together and no rank is left waiting in a collective.
+- ``agree=True`` makes every rank stop after the *same* step: ``should_shutdown()`` starts
+  one small all-reduce and reads the one it started at the step before, so a signal
+  delivered to one rank (Slurm often signals one task, or one node first) stops them all
+  together, one step later, and no step waits for the agreement.
 - Before a forced exit, the Python stacks of all threads are written to stderr (where the
   process was stuck is the first thing one asks) and a ``shutdown_forced`` event is logged.
 - Events ``shutdown_requested``, ``shutdown_agreed``, ``shutdown_forced``, ``shutdown_complete``.
@@ -35,7 +36,7 @@ from typing import Any
 
 from . import events
 from .config import parse_signal, require_number
-from .dist import count_true, gather_flags, group_rank
+from .dist import PendingCount, cpu_group, gather_flags, group_rank, is_distributed
 
 __all__ = [
     "FORCED_EXIT_CODE",
@@ -91,8 +92,10 @@ class ShutdownHandler:
         timeout_sec: Maximum seconds allowed for graceful shutdown before forced exit.
             Set to 0 to disable the timeout.
         agree: When True, :meth:`should_shutdown` is a collective (every rank must call it
-            at each step) and returns the same answer on every rank: True as soon as any
-            rank has received a signal.
+            at each step) and returns the same answer on every rank: True at the step
+            after the one at which any rank had received a signal. Its all-reduce runs on
+            CPU (``group`` itself when it has gloo, else a gloo group over its ranks) in
+            the background from one step to the next, so no step waits for it.
         group: The process group to agree over (default: the world).
     """
 
@@ -104,6 +107,8 @@ class ShutdownHandler:
         self._group = group
         self._shutdown_requested = False
         self._agreed = False
+        self._pending: PendingCount | None = None  # the count started at the last step
+        self._cpu_group: Any = None  # where that count runs (dist.cpu_group), made once
         self._signal_received: signal.Signals | None = None
         self._timer: threading.Timer | None = None
         self._original_handlers: dict[signal.Signals, _Handler] = {}
@@ -129,11 +134,22 @@ class ShutdownHandler:
         """Check if the training loop should exit. Call this after each training step.
 
         With ``agree=True`` this is a collective: every rank must call it after each step,
-        and all of them get True at the same step. ``step`` is only used for the event.
+        and all of them get True at the same step. Each call starts counting the ranks
+        that have a signal and reads the count the call before started (at once, as it
+        ran in the background during the step): a signal stops the ranks one step after
+        the step it reached them in. ``step`` is only used for the event.
         """
         if not self._agree or self._agreed:
             return self._shutdown_requested
-        signalled = count_true(self._shutdown_requested, self._group)
+        if not is_distributed():
+            signalled = int(self._shutdown_requested)  # one rank agrees with itself at once
+        else:
+            pending, self._pending = self._pending, None
+            signalled = pending.read() if pending is not None else 0
+            if signalled == 0:
+                if self._cpu_group is None:
+                    self._cpu_group = cpu_group(self._group)
+                self._pending = PendingCount(self._shutdown_requested, self._cpu_group)
         if signalled == 0:
             return False
         self._agreed = True
@@ -179,6 +195,12 @@ class ShutdownHandler:
             self._watcher.stop()
             self._watcher = None
         self._cancel_timer()
+        pending, self._pending = self._pending, None
+        if pending is not None:  # every rank started it: it ends, and leaves nothing behind
+            try:
+                pending.read()
+            except Exception as exc:  # its group destroyed first: the count is not needed
+                logger.debug("the last shutdown count was not read: %s", exc)
 
     def finish(self) -> None:
         """Call after graceful shutdown is complete.

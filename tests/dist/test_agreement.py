@@ -118,6 +118,53 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path: Path):
     ]
 
 
+def _late_peer(rank: int, world: int, workdir: Path, no_gloo: bool) -> dict:
+    """From step 1, rank 1 reaches each ``should_shutdown`` only once rank 0 has come back
+    from it, and signals itself at step 2: a blocking agreement would wait for it forever.
+    (The first call, at step 0, makes the count's group where it needs one of its own:
+    that once, every rank waits for the others.)"""
+    import torch.distributed as dist
+
+    from steadfast import ShutdownHandler
+
+    get_backend = dist.get_backend
+    if no_gloo:  # the group the handler is given says it has no gloo (an NCCL world)
+        dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
+    h = ShutdownHandler(timeout_sec=60, agree=True)
+    h.register()
+    said = []
+    for step in range(5):
+        if rank == 1 and step >= 1:
+            wait_for((workdir / f"back_{step}").exists, 20, f"rank 0 back from step {step}")
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+        said.append(h.should_shutdown(step))
+        if rank == 0:
+            write_atomic(workdir / f"back_{step}", "")
+        if said[-1]:
+            break
+    counted_on = get_backend(h._cpu_group)
+    h.finish()
+    dist.get_backend = get_backend  # type: ignore[assignment]
+    return {"said": said, "counted_on": counted_on, "own_group": h._cpu_group is not None}
+
+
+@pytest.mark.parametrize("no_gloo", [False, True], ids=["gloo_world", "nccl_world"])
+def test_the_agreement_makes_no_step_wait_and_stops_both_one_step_later(
+    tmp_path: Path, no_gloo: bool
+):
+    env = {"STEADFAST_EVENTS": str(tmp_path / "events.jsonl")}
+    r0, r1 = run_ranks(_late_peer, tmp_path, args=(no_gloo,), env=env)
+    # signalled at step 2 on rank 1; its count, started there, is read at step 3
+    assert r0["said"] == r1["said"] == [False, False, False, True]
+    assert r0["counted_on"] == r1["counted_on"] == "gloo"
+    ev = read_events(tmp_path / "events.jsonl")
+    agreed = [
+        (e["rank"], e["step"], e["ranks_signalled"]) for e in ev if e["kind"] == "shutdown_agreed"
+    ]
+    assert agreed == [(0, 3, 1)]
+
+
 # ----------------------------------------------------------------- collective health
 def _health(rank: int, world: int, workdir: Path, join: bool) -> dict:
     from steadfast import check_nccl_health

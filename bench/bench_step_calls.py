@@ -1,0 +1,100 @@
+"""What the library's per-step calls cost a healthy step: the agreed shutdown check.
+
+Two gloo ranks run the same loop of ``--steps`` steps of ``--step-ms`` each (a sleep: the
+host waits for the GPU, as it does in a real step) plus a jitter of up to ``--jitter-ms``
+that differs by rank and step, as real steps do. Each mode adds one call after each step:
+
+- ``bare``: none (the baseline, measured in the same run);
+- ``blocking``: the agreement as it was, one all-reduce read at once (``count_true``):
+  every step waits for the slowest rank's;
+- ``agree``: ``ShutdownHandler(agree=True).should_shutdown(step)``, whose count runs in
+  the background from one step to the next.
+
+It prints, per mode, the time spent in the call per step (mean over ranks and steps) and
+the loop's time per step, and their share of the step.
+
+    .venv/bin/python bench/bench_step_calls.py [--steps 60] [--step-ms 100] [--jitter-ms 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+MODES = ("bare", "blocking", "agree")
+
+
+def _rank(rank: int, world: int, store: str, args: Any, out: Any) -> None:
+    from steadfast import ShutdownHandler
+    from steadfast.dist import count_true
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    rng = random.Random(rank)
+    for mode in MODES:
+        handler = ShutdownHandler(timeout_sec=0, agree=True)
+        handler.should_shutdown(-1)  # its first call makes what it needs, once
+        dist.barrier()
+        in_call, start = 0.0, time.perf_counter()
+        for step in range(args.steps):
+            time.sleep((args.step_ms + rng.uniform(0, args.jitter_ms)) / 1000)
+            t0 = time.perf_counter()
+            if mode == "blocking":
+                count_true(False)
+            elif mode == "agree":
+                handler.should_shutdown(step)
+            in_call += time.perf_counter() - t0
+        loop = time.perf_counter() - start
+        handler.unregister()
+        out.put((mode, rank, in_call / args.steps, loop / args.steps))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--step-ms", type=float, default=100.0)
+    ap.add_argument("--jitter-ms", type=float, default=10.0)
+    ap.add_argument("--world", type=int, default=2)
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_rank, args=(r, args.world, store, args, out))
+            for r in range(args.world)
+        ]
+        for p in procs:
+            p.start()
+        rows = [out.get(timeout=600) for _ in range(len(MODES) * args.world)]
+        for p in procs:
+            p.join()
+    step = args.step_ms / 1000
+    print(
+        f"{args.world} gloo ranks, {args.steps} steps of {args.step_ms:g} ms "
+        f"+ up to {args.jitter_ms:g} ms of jitter"
+    )
+    print(f"{'mode':<10} {'in call ms/step':>16} {'% of step':>10} {'loop ms/step':>13}")
+    bare = None
+    for mode in MODES:
+        mine = [r for r in rows if r[0] == mode]
+        call = sum(r[2] for r in mine) / len(mine)
+        loop = max(r[3] for r in mine)
+        bare = loop if mode == "bare" else bare
+        print(f"{mode:<10} {call * 1000:>16.3f} {100 * call / step:>9.2f}% {loop * 1000:>13.2f}")
+    assert bare is not None
+    for mode in MODES[1:]:
+        loop = max(r[3] for r in rows if r[0] == mode)
+        print(f"loop time of {mode} / bare: {loop / bare:.4f}")
+
+
+if __name__ == "__main__":
+    main()
