@@ -53,8 +53,11 @@ def server() -> Iterator[subprocess.Popen[str]]:
 
 
 def client(server: subprocess.Popen[str], prefix: str | None = "round1") -> dist.Store:
-    """One launcher's connection to the store, under the round's prefix."""
-    conn = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=_td(1))  # type: ignore[attr-defined]
+    """One launcher's connection to the store, under the round's prefix: its calls time
+    out after 1 s (the tests' bounds); its connection may take longer on a busy machine,
+    where the store's process waits for a core as a real store host's would."""
+    conn = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=_td(30))  # type: ignore[attr-defined]
+    conn.set_timeout(_td(1))
     return dist.PrefixStore(prefix, conn) if prefix else conn
 
 
@@ -67,11 +70,15 @@ def _td(seconds: float):
 @pytest.fixture
 def rosters(server) -> Iterator[list[NodeRoster]]:
     # reached at an address, named by a host name (the one every event of it carries)
-    made = [NodeRoster(FT, host=f"127.0.0.{i + 1}", name=f"node{i + 1}") for i in range(3)]
-    enter(made, [client(server) for _ in made])
-    yield made
-    for r in made:
-        r.close()
+    made: list[NodeRoster] = []
+    try:  # the rosters made are closed however the setup ends
+        for i in range(3):
+            made.append(NodeRoster(FT, host=f"127.0.0.{i + 1}", name=f"node{i + 1}"))
+        enter(made, [client(server) for _ in made])
+        yield made
+    finally:
+        for r in made:
+            r.close()
 
 
 def kinds(path: Path, kind: str) -> list[dict]:
