@@ -33,6 +33,28 @@ def run(tmp_path: Path, mode: str, *flags: str) -> tuple[int, list, list[str], f
     return code, evs, trace.read_text().split("\n")[:-1], took
 
 
+def teardowns(evs: list, faulted: int | None) -> dict[int, dict]:
+    """The ``worker_teardown`` events by worker pid; ``faulted``: the pid of the worker the
+    test made fail, whose event the test checks itself.
+
+    The script ends with DDP alive at ``destroy_process_group()``, as a user's does, and
+    there torch's own teardown sometimes aborts ("terminate called without an active
+    exception", docs/troubleshooting.md), on any rank, under torchrun too. The launcher
+    reports that as it should, a warning and not a fault: it is allowed on the other
+    workers, as exactly that (cause ``signal``, SIGABRT) and nothing else."""
+    out = {e["worker_pid"]: e for e in evs if e["kind"] == "worker_teardown"}
+    for pid, e in out.items():
+        if pid != faulted:
+            assert (e["cause"], e.get("signal")) == ("signal", "SIGABRT"), e
+    return out
+
+
+def _pid(evs: list, rank: int) -> int:
+    """The pid of ``rank``'s first worker."""
+    started = next(e for e in evs if e["kind"] == "workers_started")
+    return int(started["pids"][rank])
+
+
 def report(tmp_path: Path) -> str:
     return subprocess.run(
         [sys.executable, "-m", "steadfast.cli", "report", "--no-timeline", str(tmp_path)],
@@ -50,7 +72,7 @@ def test_a_finished_worker_hung_in_atexit_is_ended_and_the_training_runs_once(
     assert code == 0
     assert sorted(trained) == ["trained 0", "trained 1"]  # once: no restart
     assert [e["kind"] for e in evs].count("workers_started") == 1
-    [teardown] = [e for e in evs if e["kind"] == "worker_teardown"]
+    teardown = teardowns(evs, _pid(evs, 1))[_pid(evs, 1)]
     assert (teardown["rank"], teardown["cause"]) == (1, "hung")
     assert teardown["after"] >= TEARDOWN
     assert not [e for e in evs if e["kind"] in ("rank_failed", "rank_hung", "hang_confirmed")]
@@ -64,7 +86,7 @@ def test_a_finished_worker_that_aborts_in_teardown_is_finished(tmp_path: Path):
     code, evs, trained, _ = run(tmp_path, "abort-after")
     assert code == 0
     assert sorted(trained) == ["trained 0", "trained 1"]
-    [teardown] = [e for e in evs if e["kind"] == "worker_teardown"]
+    teardown = teardowns(evs, _pid(evs, 1))[_pid(evs, 1)]
     assert (teardown["rank"], teardown["cause"], teardown["signal"]) == (1, "signal", "SIGABRT")
     assert not [e for e in evs if e["kind"] in ("rank_failed", "restart")]
     assert "warning: rank 1 died of SIGABRT in its teardown" in report(tmp_path)
@@ -77,4 +99,4 @@ def test_an_abort_before_the_script_finished_is_still_a_fault(tmp_path: Path):
     assert (failed["rank"], failed["signal"]) == (1, "SIGABRT")
     assert [e["kind"] for e in evs].count("restart") == 1
     assert sorted(trained) == ["trained 0", "trained 0", "trained 1", "trained 1"]
-    assert not [e for e in evs if e["kind"] == "worker_teardown"]
+    assert _pid(evs, 1) not in teardowns(evs, None)  # the abort before the end: a fault
