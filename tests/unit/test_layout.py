@@ -1,6 +1,7 @@
 """The source tree's shape (issue 29): every module small enough to read in one sitting,
 no submodule importing its own package's ``__init__`` (an upward import, held together
-by import order), and no circle among the imports a module runs when it is imported."""
+by import order), no circle among the imports a module runs when it is imported, and no
+two modules importing each other even from inside a function."""
 
 from __future__ import annotations
 
@@ -56,6 +57,48 @@ def _top_level_imports(name: str, modules: dict[str, Path]) -> list[tuple[str, l
 
     visit(tree.body)
     return found
+
+
+def _all_imports(name: str, modules: dict[str, Path]) -> set[str]:
+    """The modules of steadfast ``name`` imports anywhere, inside functions too (not under
+    ``TYPE_CHECKING``)."""
+    tree = ast.parse(modules[name].read_text())
+    package = name if _is_package(name, modules) else name.rpartition(".")[0]
+    typing_only = {
+        id(sub)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test)
+        for sub in ast.walk(node)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            subs = {f"{base}.{a.name}" for a in node.names} & modules.keys()
+            found |= subs or ({base} & modules.keys())
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names} & modules.keys()
+    return found - {name}
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """A lazy import inside a function hides a circle from the import-time check below
+    (checkpoint/proof.py and rerun/machine.py did so): no two modules may import each
+    other at all. A package and its own submodules are left out (its ``__init__``
+    re-exports them)."""
+    modules = _modules()
+    plain = [n for n in modules if not _is_package(n, modules)]
+    imports = {n: _all_imports(n, modules) for n in plain}
+    mutual = sorted(
+        (a, b) for a in plain for b in imports[a] if b in imports and a in imports[b] and a < b
+    )
+    assert mutual == [], mutual
 
 
 def test_no_module_is_over_600_lines() -> None:

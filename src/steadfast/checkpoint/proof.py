@@ -76,10 +76,24 @@ __all__ = [
     "RestoreMismatch",
     "RestoreUnproven",
     "logged_losses",
+    "on_bad_restore",
     "read_excluded",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Told ``(step, tier, text)`` when a restore fails its proof. The re-run state machine
+#: (:mod:`steadfast.rerun.machine`) adds itself when it is imported: it uses the proof
+#: (``resume_exactly``), and the proof imports nothing of it.
+_BAD_RESTORE_LISTENERS: list[Callable[[int, str, str], None]] = []
+
+
+def on_bad_restore(listener: Callable[[int, str, str], None]) -> None:
+    """Call ``listener(step, tier, text)`` whenever a restore of this process fails its
+    replay proof (once per listener, however often it is added)."""
+    if listener not in _BAD_RESTORE_LISTENERS:
+        _BAD_RESTORE_LISTENERS.append(listener)
+
 
 #: Re-done steps whose losses prove a restore (why three: the module's description).
 NEEDED = 3
@@ -432,8 +446,6 @@ class Proof:
             )  # fmt: skip
 
     def _mismatch(self, pending: _Pending, differs: list[dict[str, Any]]) -> None:
-        from ..rerun.machine import note_bad_restore
-
         tier = tier_of(pending.tier)
         first = differs[0]
         if "objects" in first:
@@ -467,7 +479,8 @@ class Proof:
         excluded = f"the {tier} tier's checkpoints up to step {pending.step}" + (
             f" and the disk's up to step {pending.against[0]}" if pending.against else ""
         )
-        note_bad_restore(pending.step, pending.tier, text)
+        for listener in list(_BAD_RESTORE_LISTENERS):  # the re-run state machine's
+            listener(pending.step, pending.tier, text)
         self.coord.all_gather(None)  # the exclusion is written before any rank restarts
         raise RestoreMismatch(
             f"{text}. The state it resumed from is not the state it lost (a state the "

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import events
-from ..checkpoint.proof import resume_exactly
+from ..checkpoint.proof import on_bad_restore, resume_exactly
 from ..checkpoint.state import RNGState
 from ..config import ConfigError, require_choice
 from ..dist import agree_any, agree_flags, world_info
@@ -566,6 +566,9 @@ def note_bad_restore(step: int, tier: str, text: str) -> None:
         return
     machine.bad_restore = text
     machine._verdict("bad_restore", f"Restore of step {step} ({tier}) not proven\n{text}")
+
+
+on_bad_restore(note_bad_restore)
 
 
 def initialize_rerun_state_machine(**kwargs: Any) -> RerunStateMachine:
