@@ -29,6 +29,16 @@ def _is_package(name: str, modules: dict[str, Path]) -> bool:
     return modules[name].name == "__init__.py"
 
 
+def _source(node: ast.ImportFrom, package: str) -> str:
+    """The absolute name of the module a ``from X import ...`` in ``package`` reads."""
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")
+        anchor = anchor[: len(anchor) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+    return base
+
+
 def _top_level_imports(name: str, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
     """``(module imported, names taken from it)`` for each import that runs when ``name``
     is imported (not those inside functions, nor under ``TYPE_CHECKING``)."""
@@ -48,12 +58,7 @@ def _top_level_imports(name: str, modules: dict[str, Path]) -> list[tuple[str, l
             elif isinstance(node, ast.Import):
                 found.extend((a.name, []) for a in node.names)
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")
-                    anchor = anchor[: len(anchor) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                found.append((base, [a.name for a in node.names]))
+                found.append((_source(node, package), [a.name for a in node.names]))
 
     visit(tree.body)
     return found
@@ -75,11 +80,7 @@ def _all_imports(name: str, modules: dict[str, Path]) -> set[str]:
         if id(node) in typing_only:
             continue
         if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[: len(anchor) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
+            base = _source(node, package)
             subs = {f"{base}.{a.name}" for a in node.names} & modules.keys()
             found |= subs or ({base} & modules.keys())
         elif isinstance(node, ast.Import):
