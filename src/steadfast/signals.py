@@ -109,6 +109,7 @@ class ShutdownHandler:
         self._agreed = False
         self._pending: PendingCount | None = None  # the count started at the last step
         self._cpu_group: Any = None  # where that count runs (dist.cpu_group), made once
+        self._cpu_group_made = False  # (None is a made group too: the default one)
         self._signal_received: signal.Signals | None = None
         self._timer: threading.Timer | None = None
         self._original_handlers: dict[signal.Signals, _Handler] = {}
@@ -147,8 +148,8 @@ class ShutdownHandler:
             pending, self._pending = self._pending, None
             signalled = pending.read() if pending is not None else 0
             if signalled == 0:
-                if self._cpu_group is None:
-                    self._cpu_group = cpu_group(self._group)
+                if not self._cpu_group_made:
+                    self._cpu_group, self._cpu_group_made = cpu_group(self._group), True
                 self._pending = PendingCount(self._shutdown_requested, self._cpu_group)
         if signalled == 0:
             return False
