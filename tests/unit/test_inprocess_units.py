@@ -262,3 +262,35 @@ def test_pipe_runs_left_to_right() -> None:
 
     (Note("a") | Note("b"))(State.first(0, 1))
     assert order == ["a", "b"]
+
+
+# -- what a rank records as its own fault -------------------------------------------------
+def test_an_exception_after_another_rank_ended_the_iteration_is_not_a_fault_of_its_own(
+    tmp_path, monkeypatch
+) -> None:
+    """Rank 1 records its fault (ending iteration 0), then aborts its process group: rank
+    0's collective fails on the closed connection before rank 0's monitor thread delivers
+    the interruption. That exception is rank 1's consequence: no record or event of rank
+    0's own. An exception in an iteration no rank ended is rank 0's fault."""
+    import json
+
+    from steadfast.inprocess.monitor_thread import MonitorThread
+    from steadfast.inprocess.store import TCPStore
+
+    log = tmp_path / "events.jsonl"
+    monkeypatch.setenv("STEADFAST_EVENTS", str(log))
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=s(10))
+    rank0 = object.__new__(CallWrapper)  # only what recording a fault reads
+    rank0.store_client, rank0.state = store, State.first(0, 2)
+    rank0._monitor_thread = MonitorThread(lambda first: None)  # it delivered nothing yet
+
+    store.record_interruption(0, 1, "exception", "InjectedFaultError: rank 1's own")
+    rank0._record_own_fault(0, RuntimeError("Connection closed by peer [127.0.0.1]:12715"))
+    assert [(c["rank"], c["cause"]) for c in store.interruptions(0)] == [(1, "exception")]
+
+    rank0._record_own_fault(1, RuntimeError("a fault of rank 0's own"))
+    assert [(c["rank"], c["cause"]) for c in store.interruptions(1)] == [(0, "exception")]
+    evs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(e["kind"], e["iteration"], e["fault_rank"], e["first"]) for e in evs] == [
+        ("inprocess_interrupted", 1, 0, True)
+    ]

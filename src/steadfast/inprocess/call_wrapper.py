@@ -42,6 +42,7 @@ from .state import (
 )
 from .store import (
     COMPLETED,
+    INTERRUPTED,
     StoreMixin,
     TCPStore,
     default_address,
@@ -295,10 +296,23 @@ class CallWrapper:
                     self.shared.set_phase(mon.RUNNING, iteration)
 
     def _record_own_fault(self, iteration: int, exc: BaseException) -> None:
-        """Record this rank's fault (not an interruption by another rank) in the store."""
+        """Record this rank's fault (not an interruption by another rank) in the store.
+
+        An exception caught once another rank's record has ended the iteration is that
+        record's consequence, not a fault of this rank: the faulty rank records first,
+        then aborts its process group, and this rank's collective fails on the closed
+        connection ("Connection closed by peer") before its monitor thread has delivered
+        the interruption (which wins the race on a quiet machine, loses it on a busy one).
+        """
         if isinstance(exc, InterruptedIteration) or self._monitor_thread.interrupting == iteration:
             return  # a consequence of another rank's interruption, not a fault of ours
         detail = f"{type(exc).__name__}: {exc}"
+        if self.store_client.iteration_state(iteration) == INTERRUPTED:
+            logger.info(
+                "rank %d: iteration %d failed after another rank ended it (its consequence): %s",
+                self.state.initial_rank, iteration, detail,
+            )  # fmt: skip
+            return
         logger.warning(
             "rank %d: iteration %d failed: %s", self.state.initial_rank, iteration, detail
         )
