@@ -26,7 +26,9 @@ elastic agent restarts the workers of a crash; a lost node or a hang ends the jo
 watchdog, 10 minutes by default, then a requeue from the last disk checkpoint), NVRx
 (in-job restart; hangs found by its calculated section timeouts, 5 x the longest step;
 restarts from the user's last disk checkpoint). The per-fault costs measured here are
-arguments with their source (``--costs``: a JSON of the same shape as ``MEASURED``).
+arguments with their source: ``MEASURED`` below, or ``--costs``, the JSON
+bench/bench_fault_costs.py writes (its ``systems``, MEASURED's shape, and the proof's
+steps a restore re-does, its ``proof_steps``).
 
     .venv/bin/python bench/bench_goodput_projection.py [--step-s 5] [--ckpt-interval-s 1800]
 """
@@ -158,14 +160,17 @@ def main() -> None:
     ap.add_argument("--ckpt-load-s", type=float, default=60.0)
     ap.add_argument("--snapshot-every", type=int, default=1)
     ap.add_argument("--snapshot-load-s", type=float, default=5.0)
-    ap.add_argument("--proof-steps", type=float, default=1.25, help="demo: 5 over 4 restores")
+    ap.add_argument("--proof-steps", type=float, default=None, help="default: --costs's, else 1.25")
     ap.add_argument("--requeue-s", type=float, default=600.0)
     ap.add_argument("--doubling-s", type=float, default=0.5)
     ap.add_argument("--sdc-found-after-s", type=float, default=3600.0)
     ap.add_argument("--healthy-steadfast", type=float, default=0.005)
-    ap.add_argument("--costs", type=Path, default=None, help="JSON shaped as MEASURED")
+    ap.add_argument("--costs", type=Path, default=None, help="bench_fault_costs.py's JSON (--out)")
     args = ap.parse_args()
-    costs = json.loads(args.costs.read_text()) if args.costs else MEASURED
+    data = json.loads(args.costs.read_text()) if args.costs else {"systems": MEASURED}
+    costs = data["systems"]
+    if args.proof_steps is None:
+        args.proof_steps = data.get("proof_steps") or 1.25
     inp = Inputs(
         step_s=args.step_s, ckpt_interval_s=args.ckpt_interval_s, ckpt_save_s=args.ckpt_save_s,
         ckpt_load_s=args.ckpt_load_s, snapshot_every=args.snapshot_every,

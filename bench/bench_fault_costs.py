@@ -1,0 +1,408 @@
+"""Every fault's cost in one table (issue 52): each fault kind measured in one run of this
+bench, split into the report's restart phases, beside torchrun where torchrun recovers,
+and written as the JSON ``bench_goodput_projection.py --costs`` reads.
+
+    .venv/bin/python bench/bench_fault_costs.py [--out fault_costs.json] [--skip nodes]
+    .venv/bin/python bench/bench_goodput_projection.py --costs fault_costs.json
+
+The jobs (2 gloo ranks a node, this machine's CPUs; each fault's first-step time is the
+last rank's):
+
+- ``demo``: ``steadfast demo`` as ``make demo`` runs it (``examples/train.py``, a memory
+  snapshot every step, a disk checkpoint every 20 steps): a NaN streak (every rank skips,
+  then rolls back), a killed rank and a hung rank (in-job restarts), a slowed rank (the
+  straggler report) and a SIGTERM (every rank saves after the same step; the demo starts
+  the launcher again, the shape a Slurm requeue runs). Its report's faults and restarts
+  give those rows, and its goodput is set beside what the table predicts for it.
+- ``frozen``: a torchrun script that imports nothing of steadfast
+  (``tests/e2e/unchanged_train.py``), rank 1 SIGSTOPped mid-run: found by progress
+  watching alone, restarted from the script's own snapshot.
+- ``proof``: a restore whose proof fails (``tests/e2e/proof_loop.py``: the memory
+  snapshot the restart would restore swapped for another step's, whole and with valid
+  checksums): the mismatch, then the disk tier, proven.
+- ``kill``: the same killed rank (``bench/_restart_worker.py``) under ``steadfast launch``
+  and under torchrun, the baseline of the row.
+- ``nodes`` (root; ``scripts/nodes-localhost.sh``): a node killed while a spare waits,
+  under steadfast's rendezvous, torch's c10d under ``steadfast launch``, and torchrun;
+  and a node killed without a spare (``--nnodes 1:2``: the survivor goes on alone),
+  steadfast and torchrun.
+
+NVRx 0.4.1 runs where it is installed (``--nvrx PYTHON``, the environment
+``scripts/nvrx-env.sh`` makes): its rows are left out otherwise, and the projection keeps
+its assumed costs (their source says so).
+
+Columns (seconds): ``detect`` the fault to its detection; ``stop`` the old workers' exit;
+``requeue`` the old launcher's end to the new one's (Slurm's shape); ``rdzv`` the health
+check, the rendezvous and the launcher's own work; ``start`` the spawn to the script's
+model (process start, imports, the process group, the script's setup); ``restore`` the
+checkpoint load; ``step`` the first iteration (its batches and compile too); ``restart``
+the detection to the first step, the sum of the phases; ``redo`` the steps done again
+(from the last state kept to the fault), of which ``proof`` were done only for the proof.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import bench_launcher  # noqa: E402
+import bench_node_loss  # noqa: E402
+
+from steadfast import events as ev  # noqa: E402
+from steadfast.report import compute_report, load_events  # noqa: E402
+
+E2E = REPO / "tests" / "e2e"
+#: The report's restart phases, grouped into the table's columns.
+COLUMNS: dict[str, tuple[str, ...]] = {
+    "stop": ("stopping",),
+    "requeue": ("requeue",),
+    "rdzv": ("health_check", "rendezvous", "launcher"),
+    "start": ("process_start", "imports", "init_process_group", "setup", "inprocess_restart"),
+    "restore": ("checkpoint_load", "refuted"),
+    "step": ("first_batch", "compile", "first_step", "inprocess_first_step"),
+}
+
+
+@dataclass
+class Row:
+    """One fault's cost: seconds, None where the run has no such phase."""
+
+    fault: str
+    system: str
+    detect: float | None
+    restart: float | None
+    phases: dict[str, float] = field(default_factory=dict)
+    redo: int | None = None
+    proof: int | None = None
+    step_s: float | None = None  # the run's median step, to turn redo into seconds
+    source: str = ""
+
+    def column(self, name: str) -> float | None:
+        parts = [self.phases[p] for p in COLUMNS[name] if p in self.phases]
+        return sum(parts) if parts else None
+
+
+def _step_time(evs: list[ev.Event]) -> float | None:
+    times = sorted(e.time for e in evs if e.kind == ev.Kind.STEP_DONE and e.rank == 0)
+    gaps = [b - a for a, b in itertools.pairwise(times) if b - a < 5.0]
+    return statistics.median(gaps) if gaps else None
+
+
+def _restart_rows(evs: list[ev.Event], system: str, source: str) -> list[Row]:
+    """A row per fault the run's report saw, with its restart's phases where it had one."""
+    report = compute_report(evs)
+    step_s = _step_time(evs)
+    rows = []
+    for f in report.faults:
+        near = [r for r in report.restarts_phases if abs(r["fault_time"] - f.time) < 1.0]
+        r = near[0] if near else None
+        detect = f.detection_latency
+        if r is None:  # recovered in the processes (a NaN streak's rollback), or none
+            restart = f.recovery_time
+            phases: dict[str, float] = {}
+            redo = proof = None
+            back = [e for e in evs if e.kind == ev.Kind.ROLLBACK and e.rank == 0
+                    and e.time >= f.time and e.step is not None]  # fmt: skip
+            if back and isinstance(back[0].get("to_step"), int):
+                redo = back[0].step - back[0].get("to_step")
+        else:
+            phases = {k: v for k, v in r["phases"].items() if k != "detection"}
+            restart = sum(phases.values()) if r["seconds"] is not None else None
+            if detect is None:
+                detect = r["phases"].get("detection")
+            pr = r.get("proof") or {}
+            proof = pr.get("proof_steps")
+            redo = None
+            if isinstance(pr.get("step"), int):
+                seen = f.time + (detect or 0.0)
+                before = [e.step for e in evs if e.kind == ev.Kind.STEP_DONE and e.rank == 0
+                          and e.step is not None and e.time <= seen]  # fmt: skip
+                if before:
+                    redo = max(before) + 1 - pr["step"]
+        rows.append(Row(f.fault, system, detect, restart, phases, redo, proof, step_s, source))
+    return rows
+
+
+def demo(work: Path) -> tuple[list[Row], dict[str, Any]]:
+    """``steadfast demo`` (its default run): its faults' rows, and its goodput's parts."""
+    out = work / "demo"
+    done = subprocess.run(
+        [sys.executable, "-m", "steadfast.cli", "demo", "--workdir", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"the demo failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    evs, _ = load_events(out / "run" / "events.jsonl")
+    report = compute_report(evs)
+    rows = _restart_rows(evs, "steadfast", "steadfast demo")
+    steps = [e.time for e in evs if e.kind == ev.Kind.STEP_DONE and e.rank == 0]
+    return rows, {
+        "wall": report.wall_time,
+        "productive": report.productive_time,
+        "goodput": report.goodput,
+        "badput": report.badput,
+        "cold_start": min(steps) - min(e.time for e in evs),  # the first launch's
+    }
+
+
+def _wait_lines(path: Path, word: str, count: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            lines = path.read_text().splitlines()
+            if sum(1 for line in lines if line.startswith(word + " ")) >= count:
+                return
+        time.sleep(0.05)
+    raise SystemExit(f"{path}: fewer than {count} {word!r} lines in {timeout} s")
+
+
+def frozen(work: Path) -> list[Row]:
+    """An unchanged torchrun script, rank 1 SIGSTOPped after 15 steps."""
+    out = work / "frozen"
+    out.mkdir(parents=True)
+    log = out / "events.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(log),
+         "--nproc-per-node=2", "--max-restarts=2", str(E2E / "unchanged_train.py"),
+         "--out", str(out / "out.pt"), "--snapshot", str(out / "snap.pt"),
+         "--trace", str(out / "trace")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        _wait_lines(out / "trace", "step", 15)
+        [started] = [e for e in load_events(log)[0] if e.kind == ev.Kind.WORKERS_STARTED]
+        pid = int(started.fields["pids"][1])
+        os.environ[ev.EVENTS_ENV] = str(log)
+        hung = "rank_hung"
+        os.kill(pid, signal.SIGSTOP)
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.001)
+        ev.emit("fault_injected", rank=1, cause=hung, fault=hung)
+        if proc.wait(300) != 0:
+            raise SystemExit(f"the frozen rank's run failed; see {log}")
+    finally:
+        os.environ.pop(ev.EVENTS_ENV, None)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    rows = _restart_rows(load_events(log)[0], "steadfast", "an unchanged script, SIGSTOP")
+    for r in rows:
+        r.fault = "rank_frozen"
+    return rows
+
+
+def proof(work: Path) -> list[Row]:
+    """A restore whose proof fails: the memory snapshot swapped, the disk tier proven."""
+    out = work / "proof"
+    out.mkdir(parents=True)
+    log = out / "events.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(log),
+         "--nproc-per-node=2", "--monitor-interval=0.1", "--max-restarts=3",
+         str(E2E / "proof_loop.py"), "--ckpt", str(out / "ck"), "--out", str(out / "out.pt"),
+         "--kill-at", "7", "--memory-every", "1", "--save-every", "4",
+         "--swap-snapshots", "5", "6"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"the proof run failed; see {log}")
+    evs = load_events(log)[0]
+    if not any(e.kind == ev.Kind.RESTORE_MISMATCH for e in evs):
+        raise SystemExit(f"the swapped snapshot was not caught; see {log}")
+    # two restarts: the kill's, whose restore (the swapped snapshot) runs until its proof
+    # fails ("refuted": those steps and the proof), then the one from the disk tier, proven
+    [row] = _restart_rows(evs, "steadfast", "tests/e2e/proof_loop.py, a swapped snapshot")
+    [fault] = compute_report(evs).faults
+    first, last = [
+        r for r in compute_report(evs).restarts_phases if r["fault_time"] >= fault.time - 1.0
+    ]
+    phases: dict[str, float] = {}
+    for r in (first, last):
+        for k, v in r["phases"].items():
+            if k != "detection":
+                phases[k] = phases.get(k, 0.0) + v
+    detect = row.detect or 0.0
+    row.restart = last["fault_time"] + last["seconds"] - fault.time - detect
+    phases["refuted"] = row.restart - sum(phases.values())
+    ran = [e.step for e in evs if e.kind == ev.Kind.STEP_DONE and e.rank == 0
+           and first["fault_time"] < e.time < last["fault_time"]]  # fmt: skip
+    done = max(e.step for e in evs if e.kind == ev.Kind.STEP_DONE and e.rank == 0
+               and e.step is not None and e.time <= fault.time + detect)  # fmt: skip
+    row.fault, row.phases = "proof_failed", phases
+    row.redo = len(ran) + done + 1 - int(last["proof"]["step"])
+    row.proof = last["proof"].get("proof_steps")
+    return [row]
+
+
+def killed(repeats: int) -> list[Row]:
+    """The same killed rank under steadfast launch and torchrun, median of ``repeats``."""
+    launchers = {
+        "steadfast": [sys.executable, "-m", "steadfast.cli", "launch",
+                      "--ft-param-rank_section_timeouts=step:5"],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    }  # fmt: skip
+    got: dict[str, list[float]] = {name: [] for name in launchers}
+    for _ in range(repeats):  # interleaved
+        for name, cmd in launchers.items():
+            back = bench_launcher.run(cmd, kill=True)[1]
+            assert back is not None
+            got[name].append(back)
+    return [
+        Row("rank_killed", name, 0.0, statistics.median(v), source=f"_restart_worker.py x{repeats}")
+        for name, v in got.items()
+    ]
+
+
+def nodes() -> list[Row]:
+    """A lost node with a spare and without one, on the network-namespace bed."""
+    check = subprocess.run(["bash", str(bench_node_loss.SCRIPT), "check"], capture_output=True)
+    if check.returncode != 0:
+        print("  nodes: skipped (no network namespaces here: needs root)")
+        return []
+    rows = []
+    cases = [
+        ("lost_node", "steadfast", "steadfast", True, "spare, steadfast's rendezvous"),
+        ("lost_node", "steadfast", "c10d", True, "spare, c10d under steadfast launch"),
+        ("lost_node", "torchrun", "c10d", True, "spare, torchrun (c10d)"),
+        ("lost_node_no_spare", "steadfast", "steadfast", False, "--nnodes 1:2, steadfast"),
+        ("lost_node_no_spare", "torchrun", "c10d", False, "--nnodes 1:2, torchrun (c10d)"),
+    ]
+    for fault, launcher, backend, spare, source in cases:
+        rec = bench_node_loss.run(launcher, False, backend, spare=spare)
+        phases = {k: v for k, v in (rec.phases or {}).items() if k != "detection"}
+        detect = rec.detected
+        restart = rec.first_step - detect if detect is not None else None
+        system = f"{launcher}/{backend}" if launcher == "steadfast" else launcher
+        if detect is None:
+            source += f"; kill -> first step {rec.first_step:.2f} s"
+        rows.append(Row(fault, system, detect, restart, phases, source=source))
+    return rows
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def table(rows: list[Row]) -> str:
+    head = ["fault", "system", "detect", *COLUMNS, "restart", "redo", "proof"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.fault, r.system, _fmt(r.detect), *(_fmt(r.column(c)) for c in COLUMNS),
+                 _fmt(r.restart), "-" if r.redo is None else str(r.redo),
+                 "-" if r.proof is None else str(r.proof)]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+#: The projection's fault kinds, and the row of the table that measures each.
+PROJECTED = {"crash": "rank_killed", "hang": "rank_hung", "lost_node": "lost_node",
+             "proof_failed": "proof_failed"}  # fmt: skip
+
+
+def costs(rows: list[Row]) -> dict[str, Any]:
+    """The projection's input (bench_goodput_projection.py's MEASURED shape): each
+    system's measured rows where this run has them (a crash: the same killed worker under
+    each launcher), its assumed costs, with their source, where not."""
+    from bench_goodput_projection import MEASURED
+
+    out: dict[str, Any] = json.loads(json.dumps(MEASURED))
+    for system, kinds in out.items():
+        for kind, row_fault in PROJECTED.items():
+            if kinds[kind]["restart"] is None:  # the model's: no recovery in the job
+                continue
+            mine = [r for r in rows if r.fault == row_fault and r.system.split("/")[0] == system
+                    and r.restart is not None]  # fmt: skip
+            preferred = {"crash": "_restart_worker", "lost_node": "spare, steadfast's"}
+            mine = [r for r in mine if r.source.startswith(preferred.get(kind, ""))] or mine
+            if not mine:
+                kinds[kind]["source"] = (
+                    f"assumed, not measured in this run: {kinds[kind]['source']}"
+                )
+                continue
+            r = mine[0]
+            kinds[kind]["restart"] = round(r.restart or 0.0, 3)
+            if kinds[kind]["detect"] is not None:  # None: the model's learned timeout
+                kinds[kind]["detect"] = round(r.detect or 0.0, 3)
+            kinds[kind]["source"] = f"bench_fault_costs: {r.source}"
+    proofs = [r.proof for r in rows if r.system == "steadfast" and r.proof is not None]
+    return {
+        "systems": out,
+        "proof_steps": statistics.mean(proofs) if proofs else None,
+        "table": [asdict(r) for r in rows],
+    }
+
+
+def predicted(rows: list[Row], parts: dict[str, Any]) -> float:
+    """The demo's goodput as the table predicts it: its productive time over that time
+    plus the first launch's cold start, what its healthy steps lost (the blocking part of
+    its saves, the straggling, the rest: as measured) and each of its faults' cost from
+    the table (detection, restart, the steps done again; a slowed rank's cost is its
+    straggling)."""
+    lost = 0.0
+    for r in rows:
+        if r.source == "steadfast demo" and r.fault != "slow_rank":
+            lost += (r.detect or 0.0) + (r.restart or 0.0) + (r.redo or 0.0) * (r.step_s or 0.0)
+    healthy = sum(parts["badput"].get(k, 0.0) for k in ("checkpoint_save", "straggling", "other"))
+    prod = parts["productive"]
+    return float(prod / (prod + parts["cold_start"] + healthy + lost))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("fault_costs.json"))
+    ap.add_argument("--skip", default="", help="comma-separated jobs to leave out")
+    ap.add_argument("--repeats", type=int, default=3, help="of the killed-rank pair")
+    args = ap.parse_args()
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    rows: list[Row] = []
+    parts: dict[str, Any] | None = None
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if "demo" not in skip:
+            print("demo ...", flush=True)
+            demo_rows, parts = demo(work)
+            rows += demo_rows
+        if "frozen" not in skip:
+            print("frozen rank ...", flush=True)
+            rows += frozen(work)
+        if "proof" not in skip:
+            print("failed proof ...", flush=True)
+            rows += proof(work)
+    if "kill" not in skip:
+        print("killed rank, steadfast and torchrun ...", flush=True)
+        rows += killed(args.repeats)
+    if "nodes" not in skip:
+        print("lost nodes ...", flush=True)
+        rows += nodes()
+    print()
+    print(table(rows))
+    for r in rows:
+        print(f"  {r.fault} / {r.system}: {r.source}; phases "
+              + ", ".join(f"{k} {v:.3f}" for k, v in r.phases.items() if v >= 0.0005))  # fmt: skip
+    if parts is not None:
+        print(
+            f"\nthe demo: goodput measured {100 * parts['goodput']:.1f} %, predicted from its "
+            f"rows {100 * predicted(rows, parts):.1f} % (badput measured: "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in parts["badput"].items())
+            + ")"
+        )
+    args.out.write_text(json.dumps(costs(rows), indent=1) + "\n")
+    print(f"written: {args.out} (bench/bench_goodput_projection.py --costs {args.out})")
+
+
+if __name__ == "__main__":
+    main()
