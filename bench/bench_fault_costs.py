@@ -170,18 +170,22 @@ def _wait_lines(path: Path, word: str, count: int, timeout: float = 120) -> None
     raise SystemExit(f"{path}: fewer than {count} {word!r} lines in {timeout} s")
 
 
-def frozen(work: Path) -> list[Row]:
-    """An unchanged torchrun script, rank 1 SIGSTOPped after 15 steps."""
-    out = work / "frozen"
+def _launch(work: Path, name: str, *args: str) -> tuple[Path, Path, list[str]]:
+    """A job's folder, its event log, and its ``steadfast launch`` command (2 ranks)."""
+    out = work / name
     out.mkdir(parents=True)
     log = out / "events.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(log),
-         "--nproc-per-node=2", "--max-restarts=2", str(E2E / "unchanged_train.py"),
-         "--out", str(out / "out.pt"), "--snapshot", str(out / "snap.pt"),
-         "--trace", str(out / "trace")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    cmd = [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(log),
+           "--nproc-per-node=2", *args]  # fmt: skip
+    return out, log, cmd
+
+
+def frozen(work: Path) -> list[Row]:
+    """An unchanged torchrun script, rank 1 SIGSTOPped after 15 steps."""
+    out, log, cmd = _launch(work, "frozen", "--max-restarts=2", str(E2E / "unchanged_train.py"))
+    cmd += ["--out", str(out / "out.pt"), "--snapshot", str(out / "snap.pt"),
+            "--trace", str(out / "trace")]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_lines(out / "trace", "step", 15)
         [started] = [e for e in load_events(log)[0] if e.kind == ev.Kind.WORKERS_STARTED]
@@ -207,17 +211,12 @@ def frozen(work: Path) -> list[Row]:
 
 def proof(work: Path) -> list[Row]:
     """A restore whose proof fails: the memory snapshot swapped, the disk tier proven."""
-    out = work / "proof"
-    out.mkdir(parents=True)
-    log = out / "events.jsonl"
-    done = subprocess.run(
-        [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(log),
-         "--nproc-per-node=2", "--monitor-interval=0.1", "--max-restarts=3",
-         str(E2E / "proof_loop.py"), "--ckpt", str(out / "ck"), "--out", str(out / "out.pt"),
-         "--kill-at", "7", "--memory-every", "1", "--save-every", "4",
-         "--swap-snapshots", "5", "6"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    out, log, cmd = _launch(
+        work, "proof", "--monitor-interval=0.1", "--max-restarts=3", str(E2E / "proof_loop.py")
+    )
+    cmd += ["--ckpt", str(out / "ck"), "--out", str(out / "out.pt"), "--kill-at", "7",
+            "--memory-every", "1", "--save-every", "4", "--swap-snapshots", "5", "6"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise SystemExit(f"the proof run failed; see {log}")
     evs = load_events(log)[0]
