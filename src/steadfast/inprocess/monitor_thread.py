@@ -57,10 +57,17 @@ class MonitorThread:
 
     # -- the main thread's side ---------------------------------------------------------
     def start(self, store_client: Any, interval: float, iteration: Callable[[], int]) -> None:
-        """Start watching the iterations (``iteration()``: the current one) in the store."""
+        """Start watching the iterations (``iteration()``: the current one) in the store.
+
+        The thread's own connection is made here, in the calling thread: made in the
+        thread, a connection whose first try failed (a busy store's "Broken pipe") went
+        on retrying there while the function ran unwatched, and past the job's end,
+        when the store had closed: the call's exit joined the thread for the store's
+        whole timeout."""
+        store = own_connection(store_client)
         self._thread = threading.Thread(
             target=self._run,
-            args=(store_client, interval, iteration),
+            args=(store, interval, iteration),
             name="steadfast-inprocess-monitor",
             daemon=True,
         )
@@ -108,8 +115,7 @@ class MonitorThread:
             self.interrupting = iteration
 
     # -- the monitor thread -------------------------------------------------------------
-    def _run(self, store_client: Any, interval: float, iteration: Callable[[], int]) -> None:
-        store = own_connection(store_client)
+    def _run(self, store: Any, interval: float, iteration: Callable[[], int]) -> None:
         watched = -1
         while True:
             with self._cond:
