@@ -225,10 +225,9 @@ def proof(work: Path) -> list[Row]:
     # two restarts: the kill's, whose restore (the swapped snapshot) runs until its proof
     # fails ("refuted": those steps and the proof), then the one from the disk tier, proven
     [row] = _restart_rows(evs, "steadfast", "tests/e2e/proof_loop.py, a swapped snapshot")
-    [fault] = compute_report(evs).faults
-    first, last = [
-        r for r in compute_report(evs).restarts_phases if r["fault_time"] >= fault.time - 1.0
-    ]
+    report = compute_report(evs)
+    [fault] = report.faults
+    first, last = [r for r in report.restarts_phases if r["fault_time"] >= fault.time - 1.0]
     phases: dict[str, float] = {}
     for r in (first, last):
         for k, v in r["phases"].items():

@@ -302,7 +302,7 @@ class CallWrapper:
         record's consequence, not a fault of this rank: the faulty rank records first,
         then aborts its process group, and this rank's collective fails on the closed
         connection ("Connection closed by peer") before its monitor thread has delivered
-        the interruption (which wins the race on a quiet machine, loses it on a busy one).
+        the interruption (the monitor thread usually wins that race, not always).
         """
         if isinstance(exc, InterruptedIteration) or self._monitor_thread.interrupting == iteration:
             return  # a consequence of another rank's interruption, not a fault of ours
