@@ -6,19 +6,20 @@ How (no line of the loop changes):
 - **Before the restore** (the first one of a :class:`~steadfast.CheckpointManager`: a
   process's start, an in-process restart), rank 0 reads the event log for the losses
   that ``step_done`` events carried before now (the newest value of each rank's step,
-  leaving out the steps of a generation whose restore failed its proof). A checkpoint
-  of step ``C`` re-does the steps from ``C`` on. The route:
-
-  - **losses**: the newest checkpoint leaves at least :data:`NEEDED` logged steps to
-    re-do: it is restored, and their losses are compared;
-  - **state**: it leaves fewer (a save at a graceful stop, a snapshot every step), the
-    newest is a disk checkpoint the loop saves again (one of its cadence, or at a step
-    it snapshots) and an older one exists: the one before it is restored,
-    and when the loop snapshots or saves at the newest one's step, the state it reached
-    is compared with that checkpoint's, object by object, byte for byte (RNG streams
-    included); the losses logged on the way are compared too;
-  - else the newest checkpoint that leaves :data:`NEEDED` logged steps (a memory
-    snapshot every step: two or three steps back).
+  leaving out the steps of a generation whose restore failed its proof), the state keys
+  of the run's last restore proven by replay, and the ledger of the disk checkpoints'
+  digests at save time (:mod:`.proof_log`). A checkpoint of step ``C`` re-does the
+  steps from ``C`` on. The route, cheapest proof first (:mod:`.proof_route`): the
+  newest checkpoint when it leaves :data:`NEEDED` logged steps to re-do (their losses
+  compared); the newest disk checkpoint with no step re-done when an earlier restore of
+  the run was proven by replay with the same state keys and its digest is the one
+  logged at its save (the **ledger**: a checkpoint replaced or swapped after its save
+  cannot match it); the one before the newest when the loop saves or snapshots again at
+  the newest one's step, whose state (a disk checkpoint, or each rank's own memory
+  snapshot) the state it reaches there is compared with, object by object, byte for
+  byte (RNG streams included), with the losses logged on the way (**state**: after a
+  snapshot every step, one step re-done); else the newest that leaves ``NEEDED``
+  logged steps.
 
   The steps a newer checkpoint held are re-done only for the proof: the
   ``restore_verified`` event says how many (``proof_steps``), the report their time.
@@ -30,7 +31,7 @@ How (no line of the loop changes):
   step, and the two losses or the objects that differ.
 - **A mismatch is never ignored.** Rank 0 records the tier's checkpoints up to the
   restored step as excluded (``restore-excluded.json`` in the checkpoint folder; with
-  the state route the disk's up to the compared one too: either may be the wrong one),
+  the state route the compared one's tier up to it too: either may be the wrong one),
   the re-run state machine hears "a bad restore", and every rank raises
   :class:`RestoreMismatch`: the launcher restarts the workers, whose restore skips what
   is excluded (the next tier, an older checkpoint). When nothing is left to restore
@@ -42,11 +43,17 @@ its LR scheduler (a ``LambdaLR``: a fresh one counts from 0) gives the right fir
 (the parameters were restored), the right second one (the first update used the
 restored rate), and a wrong third (the fresh scheduler's first ``step()`` set the wrong
 rate for the second update). The state route sees it one step after the restore.
-Measured with ``tests/e2e/proof_loop.py``.
+Measured with ``tests/e2e/proof_loop.py``. The ledger route re-does nothing: what a
+replay shows about the loop (its checkpoints hold every state its result depends on)
+was shown by the run's earlier proof for the same keys, and what it shows about the
+checkpoint (these are the bytes saved at that step) the digest logged outside the
+checkpoint's folder shows.
 
 What it cannot see, and says so (``restore_unverified``): a loop that logs no losses
-and saves at no step it re-does, sharded (DCP) state on the state route (only the
-losses are compared). A rollback inside a process (a NaN burst) re-does steps that went
+and saves at no step it re-does, sharded (DCP) state on the state and ledger routes
+(only the losses are compared). The ledger route trusts the earlier proof for the
+rest of the run: a state the checkpoints lack that starts to matter only after it (a
+schedule that turns later) is not seen by a restore the ledger proves. A rollback inside a process (a NaN burst) re-does steps that went
 wrong on purpose, so only a manager's first restore is proven.
 """
 
@@ -57,7 +64,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,15 +73,19 @@ from .. import events
 from ..events import writer
 from .collectives import Coordinator
 from .compare import DEFAULT_TOLERANCE, difference
-from .layout import CheckpointError, read_manifest, step_dirs
+from .layout import CheckpointError, read_manifest
+from .proof_log import NEEDED, ceiling, digest, logged_losses, read_log
+from .proof_route import Plan, route
 
 __all__ = [
     "EXCLUDED_FILE",
     "resume_exactly",
     "NEEDED",
+    "Plan",
     "Proof",
     "RestoreMismatch",
     "RestoreUnproven",
+    "ceiling",
     "logged_losses",
     "on_bad_restore",
     "read_excluded",
@@ -95,11 +106,6 @@ def on_bad_restore(listener: Callable[[int, str, str], None]) -> None:
         _BAD_RESTORE_LISTENERS.append(listener)
 
 
-#: Re-done steps whose losses prove a restore (why three: the module's description).
-NEEDED = 3
-#: The end of the event log read for the losses (the steps a restart re-does are the
-#: last ones logged; a log of a long job at scale is many GB).
-LOG_TAIL = 64 << 20
 #: In the checkpoint folder: tier -> the newest step of it that failed its proof.
 EXCLUDED_FILE = "restore-excluded.json"
 #: The exit status of a job whose every checkpoint failed its proof: the launcher's
@@ -178,73 +184,6 @@ def _exclude(folder: Path, tier: str, step: int) -> None:
     os.replace(tmp, folder / EXCLUDED_FILE)
 
 
-def logged_losses(path: str | None, before: float) -> dict[int, dict[int, Any]]:
-    """rank -> step -> the loss its newest ``step_done`` before ``before`` carried (as
-    the log holds it: a float, or a string for a non-finite one), from the log's last
-    :data:`LOG_TAIL` bytes."""
-    found: dict[int, dict[int, list[tuple[float, Any, tuple[Any, Any]]]]] = {}
-    bad: set[tuple[Any, Any]] = set()  # generations whose restore failed its proof
-    if path is None:
-        return {}
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - LOG_TAIL))
-            if size > LOG_TAIL:
-                f.readline()  # the first line read may be cut
-            for raw in f:
-                mismatch = b'"restore_mismatch"' in raw
-                if not mismatch and (b'"step_done"' not in raw or b'"loss"' not in raw):
-                    continue
-                try:
-                    e = json.loads(raw)
-                except ValueError:
-                    continue  # a line cut by a crash
-                if mismatch and e.get("kind") == "restore_mismatch":
-                    bad.add(_generation(e))
-                    continue
-                at, rank, step, loss = e.get("time"), e.get("rank"), e.get("step"), e.get("loss")
-                rank = 0 if rank is None else rank  # a process with no RANK: alone
-                if e.get("kind") != "step_done" or loss is None or not isinstance(at, float):
-                    continue
-                if at >= before or not isinstance(rank, int) or not isinstance(step, int):
-                    continue
-                found.setdefault(rank, {}).setdefault(step, []).append((at, loss, _generation(e)))
-    except OSError:
-        return {}
-    losses: dict[int, dict[int, Any]] = {}
-    for rank, steps in found.items():
-        for step, seen in steps.items():
-            good = [(at, loss) for at, loss, gen in seen if gen not in bad]
-            if good:
-                losses.setdefault(rank, {})[step] = max(good, key=lambda g: g[0])[1]
-    return losses
-
-
-def _generation(e: dict[str, Any]) -> tuple[Any, Any]:
-    """The workers' generation an event comes from: its Slurm and in-job restarts."""
-    return e.get("slurm_restart"), e.get("restart")
-
-
-def ceiling(losses: dict[int, dict[int, Any]]) -> int | None:
-    """The newest checkpoint step that leaves :data:`NEEDED` logged steps to re-do;
-    None: fewer are logged (no ceiling: nothing can prove the restore)."""
-    steps = sorted({s for per_rank in losses.values() for s in per_rank})
-    return steps[-NEEDED] if len(steps) >= NEEDED else None
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What rank 0 decided before a restore: the newest step it may take (None: any),
-    the excluded checkpoints, and the disk checkpoint to compare the re-done state with
-    (its step and folder; None: the losses alone prove it)."""
-
-    at_most: int | None
-    excluded: dict[str, int]
-    against: tuple[int, str] | None = None
-    why: str | None = None  # why no proof was planned
-
-
 @dataclass
 class _Pending:
     """A restore whose proof is under way."""
@@ -256,6 +195,7 @@ class _Pending:
     horizon: int | None  # the last re-done step whose loss is compared
     expected: dict[int, Any]  # this rank's logged losses of the steps compared
     against: tuple[int, str] | None  # the checkpoint the state is compared with
+    against_tier: str = "disk"  # its tier: disk, or memory (each rank's own snapshot)
     seen: dict[int, Any] = field(default_factory=dict)
     state_differs: list[str] | None = None  # None: not compared (yet)
 
@@ -270,7 +210,8 @@ class _Pending:
 
 class Proof:
     """The replay proofs of one manager's restores (see the module's description).
-    ``read``: a disk checkpoint's state as this rank saved it (to compare with)."""
+    ``read``: a disk checkpoint's state as this rank saved it (to compare with);
+    ``read_snapshot``: this rank's own memory snapshot of a step, as it was taken."""
 
     def __init__(
         self,
@@ -280,46 +221,60 @@ class Proof:
         budget: int = 10,
         memory_every: int = 0,
         tolerance: float = DEFAULT_TOLERANCE,
+        read_snapshot: Callable[[int], dict[str, Any]] | None = None,
     ) -> None:
         self.folder, self.coord, self.read, self.budget = folder, coord, read, budget
+        self.read_snapshot = read_snapshot
         self.tolerance = tolerance  # the relative difference taken for rounding (compare.py)
         self.memory_every = memory_every  # the loop snapshots every this many steps
         self.rank = coord.rank  # as the event log numbers it, once a restore is armed
         self.enabled = True  # only a manager's first restore is proven
         self._losses: dict[int, dict[int, Any]] = {}
         self._plan = Plan(None, {})
+        self._keys: list[str] = []  # the restored state's keys (rank 0's)
         self.pending: _Pending | None = None
 
-    def plan(self, held: Callable[[], list[int]]) -> Plan:
+    def plan(self, held: Callable[[], list[int]], own: Callable[[], dict[int, str]] = dict) -> Plan:
         """Before a restore (collective; ``held``: the steps this node's memory tier
-        holds, asked on rank 0 only). Rank 0 reads the log and the exclusions, and
-        picks the route: the newest checkpoint is restored when it leaves
-        :data:`NEEDED` logged steps to re-do; else, when the newest is a disk
-        checkpoint (no newer snapshot) and one older exists, the one before it is, and
-        the state the loop reaches at the newest one's step is compared with it; else
-        the newest that leaves enough steps."""
+        holds, asked on rank 0 only; ``own``: the steps of this rank's own snapshots
+        it can compare with, and their folders). Rank 0 reads the log and the
+        exclusions, and picks the route (:mod:`.proof_route`)."""
+        owns: list[dict[int, str]] = self.coord.all_gather(own() if self.enabled else {})
         mine: Plan | None = None
         if self.coord.rank == 0:
             excluded = read_excluded(self.folder)
             mine = Plan(None, excluded)
             if self.enabled:
-                self._losses = logged_losses(writer.current_path(), time.time())
-                limit = ceiling(self._losses)
-                mine = _route(self.folder, excluded, limit, held(), self.budget, self.memory_every)
+                logged = read_log(writer.current_path(), time.time())
+                self._losses = logged.losses
+                comparable = {s: p for s, p in owns[0].items() if all(s in o for o in owns)}
+                mine = route(
+                    self.folder, excluded, logged, held(), self.budget, self.memory_every,
+                    comparable,
+                )  # fmt: skip
         got: Plan = self.coord.from_rank0(mine)
         self._plan = got
         return got
 
-    def armed(self, loaded: tuple[int, str, str, int] | None, bounded: bool) -> None:
+    def armed(
+        self,
+        loaded: tuple[int, str, str, int] | None,
+        bounded: bool,
+        keys: Collection[str] = (),
+    ) -> None:
         """After the restore (collective): ``loaded``, the step, tier and checkpoint read
         and the newest there was (None: nothing was restored); ``bounded``: the restore
-        kept to the plan's bound."""
+        kept to the plan's bound; ``keys``: the restored state's keys."""
         if not self.enabled:
             return
         self.enabled = False  # a rollback re-does steps that went wrong on purpose
         if loaded is None or self.budget <= 0:  # nothing restored, or proofs off
             return
         step, tier, path, newest = loaded
+        self._keys = sorted(keys)
+        if self._plan.ledger:
+            self._by_ledger(step, tier, path, newest)
+            return
         plan: tuple[int | None, dict[int, dict[int, Any]]] | None = None
         if self.coord.rank == 0:
             later = sorted({s for per in self._losses.values() for s in per if s >= step})
@@ -347,8 +302,9 @@ class Proof:
                 )
             return
         self.pending = _Pending(
-            step, tier, path, newest, horizon, per_rank.get(self.rank, {}), against
-        )
+            step, tier, path, newest, horizon, per_rank.get(self.rank, {}), against,
+            self._plan.against_tier,
+        )  # fmt: skip
         writer.step_listeners.append(self._step_done)
 
     def _step_done(self, record: dict[str, Any]) -> None:
@@ -380,11 +336,15 @@ class Proof:
         drift = 0.0  # the largest relative difference within the tolerance
         if pending.against is not None and done == pending.against[0]:
             try:
-                stored, now = self.read(Path(pending.against[1])), state()
+                if pending.against_tier == "memory" and self.read_snapshot is not None:
+                    stored = self.read_snapshot(done)
+                else:
+                    stored = self.read(Path(pending.against[1]))
+                now = state()
                 gaps = {key: difference(now[key], stored[key]) for key in stored if key in now}
                 pending.state_differs = sorted(k for k, g in gaps.items() if g > self.tolerance)
                 drift = max((g for g in gaps.values() if g <= self.tolerance), default=0.0)
-            except CheckpointError as exc:  # every rank: read_plain agrees on failures
+            except CheckpointError as exc:  # disk: read_plain agrees on failures
                 logger.error("the re-done state is not compared: %s", exc)
         self.close()
         differs: list[dict[str, Any]] = []
@@ -435,6 +395,7 @@ class Proof:
             proof_steps=max(0, pending.newest - pending.step),
             exact=drift == 0.0,
             difference=drift or None,
+            keys=self._keys,
         )
         if drift:
             logger.warning(
@@ -448,7 +409,13 @@ class Proof:
     def _mismatch(self, pending: _Pending, differs: list[dict[str, Any]]) -> None:
         tier = tier_of(pending.tier)
         first = differs[0]
-        if "objects" in first:
+        if "digest" in first:
+            what = (
+                f"its files' digest is {first['digest']}, the one logged when step "
+                f"{first['step']} was saved {first['logged']} (checkpoint_saved): it is "
+                "not the checkpoint saved under that name"
+            )
+        elif "objects" in first:
             what = (
                 f"rank {first['rank']}'s state at step {first['step']} differs from "
                 f"{pending.against[1] if pending.against else 'the checkpoint'} in "
@@ -475,64 +442,71 @@ class Proof:
             )
             _exclude(self.folder, tier, pending.step)
             if pending.against is not None:  # which of the two is wrong: both distrusted
-                _exclude(self.folder, "disk", pending.against[0])
+                _exclude(self.folder, pending.against_tier, pending.against[0])
         excluded = f"the {tier} tier's checkpoints up to step {pending.step}" + (
-            f" and the disk's up to step {pending.against[0]}" if pending.against else ""
+            f" and the {pending.against_tier} tier's up to step {pending.against[0]}"
+            if pending.against
+            else ""
         )
         for listener in list(_BAD_RESTORE_LISTENERS):  # the re-run state machine's
             listener(pending.step, pending.tier, text)
         self.coord.all_gather(None)  # the exclusion is written before any rank restarts
+        why = (
+            "a checkpoint replaced or swapped after its save?"
+            if "digest" in first
+            else "a state the checkpoint does not hold: an LR scheduler, a data position?"
+        )
         raise RestoreMismatch(
-            f"{text}. The state it resumed from is not the state it lost (a state the "
-            f"checkpoint does not hold: an LR scheduler, a data position?); the workers "
-            f"restart without {excluded}"
+            f"{text}. The state it resumed from is not the state it lost ({why}); the "
+            f"workers restart without {excluded}"
         )
 
-
-def _route(
-    folder: Path,
-    excluded: dict[str, int],
-    limit: int | None,
-    held: list[int],
-    budget: int,
-    memory_every: int = 0,
-) -> Plan:
-    """Rank 0's route for a restore (see :meth:`Proof.plan`); ``limit``: the newest step
-    that leaves :data:`NEEDED` logged steps; ``budget``: the most steps a proof may
-    re-do that a newer checkpoint held. The state route needs the loop to save or
-    snapshot again at the compared step: a save of its cadence (not an emergency one,
-    nor a stop's save off the cadence: each manifest says how many steps it came after
-    the loop's previous save), or a step of its snapshots'."""
-    if budget <= 0:
-        return Plan(None, excluded, why="replay proofs are off (max_proof_steps=0)")
-    disk = [(s, p) for s, p in step_dirs(folder) if s > excluded.get("disk", -1)]
-    steps = sorted({s for s, _ in disk} | {s for s in held if s > excluded.get("memory", -1)})
-    if not steps or (limit is not None and limit >= steps[-1]):
-        return Plan(limit, excluded)  # the newest, proven by the losses (or nothing)
-    newest = steps[-1]
-    older = [s for s in steps if s < newest]
-    manifest = read_manifest(disk[-1][1])[0] if disk and disk[-1][0] == newest else None
-    if manifest is not None and manifest.get("exact"):
-        return Plan(None, excluded, why="the re-run state machine's checkpoint (exit 16): "
-                    "resumed from exactly, its re-run is its check")  # fmt: skip
-    if manifest is not None and older and newest - older[-1] <= budget:
-        # the loop saves again at this step: a save of its cadence (as many steps after
-        # the save before it as that one was after its own), or a snapshot step
-        before = read_manifest(disk[-2][1])[0] if len(disk) > 1 else None
-        since = manifest.get("since")
-        cadence = before is None or since is None or before.get("since") in (None, since)
-        again = (manifest.get("regular", True) and cadence) or (
-            memory_every > 0 and newest % memory_every == 0
+    def _by_ledger(self, step: int, tier: str, path: str, newest: int) -> None:
+        """The ledger route's verdict (collective): the restored disk checkpoint's
+        digest against the one logged at its save, its keys against the proven
+        restore's (rank 0 decides)."""
+        verdict: tuple[str, Any] | None = None
+        if self.coord.rank == 0:
+            verdict = self._ledger_verdict(step, tier, path)
+        kind, detail = self.coord.from_rank0(verdict)
+        pending = _Pending(step, tier, path, newest, None, {}, None)
+        if kind == "mismatch":
+            self._mismatch(pending, detail)
+        if self.coord.rank != 0:
+            return
+        if kind == "unverified":
+            events.emit("restore_unverified", step=step, tier=tier, path=path, reason=detail)
+            return
+        events.emit(
+            "restore_verified",
+            step=step,
+            tier=tier,
+            path=path,
+            route="ledger",
+            digest=detail,
+            ranks=self.coord.world,
+            proof_steps=0,
+            exact=True,
+            keys=self._keys,
         )
-        if again and not manifest.get("sharded"):
-            return Plan(newest - 1, excluded, (newest, str(disk[-1][1])))
-    fit = [s for s in steps if limit is not None and s <= limit]
-    if fit and newest - fit[-1] <= budget:
-        return Plan(limit, excluded)
-    if fit or (manifest is not None and older and newest - older[-1] > budget):
-        why = (f"a proof would re-do more than {budget} steps a newer checkpoint held "
-               "(max_proof_steps): the newest is restored unproven")  # fmt: skip
-    else:
-        why = (f"no older checkpoint leaves {NEEDED} logged steps to re-do, and the loop "
-               "saves or snapshots at no step after it that a checkpoint holds")  # fmt: skip
-    return Plan(None, excluded, why=why)
+
+    def _ledger_verdict(self, step: int, tier: str, path: str) -> tuple[str, Any]:
+        if tier != "disk":
+            return "unverified", (
+                f"restored from the {tier} tier, which the ledger does not hold, where the "
+                "proof planned for the newest disk checkpoint's digest"
+            )
+        logged = self._plan.ledger.get(os.path.abspath(path))
+        manifest = read_manifest(Path(path))[0]
+        if logged is None or manifest is None:
+            return "unverified", "the checkpoint restored has no digest in the event log "\
+                "(checkpoint_saved) to compare with"  # fmt: skip
+        got = digest(manifest.get("files", {}))
+        if got != logged:
+            return "mismatch", [{"rank": 0, "step": step, "digest": got, "logged": logged}]
+        if self._keys != self._plan.proven:
+            return "unverified", (
+                f"its state's keys ({', '.join(self._keys)}) are not those of the restore "
+                f"proven by replay earlier in the run ({', '.join(self._plan.proven or [])})"
+            )
+        return "verified", got

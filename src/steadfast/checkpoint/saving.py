@@ -51,6 +51,7 @@ from .layout import (
     rank_file,
 )
 from .proof import take_exact
+from .proof_log import digest
 from .retention import Retention
 from .staging import Stager, dtensor_off_cpu, has_dtensor, to_cpu, to_state_dicts
 from .state import RNGState
@@ -290,6 +291,7 @@ class Saver:
                 mine = f"rank {rank}: {describe(exc, tmp)}"
         shares = self.coord.all_gather((files, mine))
         outcome: str | None = None
+        ledger: str | None = None  # the files' digest, logged for later restores' proofs
         if rank == 0:
             errors = [err for _, err in shares if err]
             outcome = "; ".join(errors) if errors else None
@@ -298,6 +300,7 @@ class Saver:
                     fence(final)  # again, just before latest moves
                     everything = {k: v for share, _ in shares for k, v in share.items()}
                     manifest = new_manifest(step, self.coord.world, sharded, job.keys, everything)
+                    ledger = digest(manifest["files"])
                     # a save of the loop's cadence, not an emergency one (a replay proof
                     # compares a re-done state only at a step the loop saves again)
                     manifest["regular"] = job.retain
@@ -325,6 +328,7 @@ class Saver:
             bytes=sum(meta["bytes"] for share, _ in shares for meta in share.values()),
             seconds=seconds,
             blocking_seconds=seconds if blocking is None else blocking,
+            digest=ledger,
         )
         if job.retain:
             self.retention.apply(step, self._in_flight, background=blocking is None)

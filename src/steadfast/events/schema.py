@@ -161,6 +161,8 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     (Kind.CHECKPOINT_SAVED, "a checkpoint is complete and visible", {
         "path": "its folder", "bytes": "its size", "seconds": "the whole save",
         "blocking_seconds": "the part the training loop waited for",
+        "digest": "its files' names, sizes and CRC-32s hashed (the ledger a later restore's "
+        "proof compares the checkpoint read with)",
     }),
     (Kind.CHECKPOINT_LOADED, "a checkpoint was verified and loaded", {
         "path": "its folder", "seconds": "the load",
@@ -182,13 +184,18 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
      "those logged before the fault, bit for bit or within the manager's proof_tolerance "
      "(step: the step restored)", {
         "tier": "disk, memory or replica", "path": "the checkpoint read",
-        "route": "losses, state (the re-done state against a newer checkpoint) or both",
+        "route": "losses, state (the re-done state against a newer checkpoint), both, or "
+        "ledger (no step re-done: the checkpoint's digest is the one logged at its save, "
+        "and an earlier restore of the run was proven by replay with the same keys)",
         "steps": "the re-done steps whose losses were compared",
-        "against": "the newer checkpoint the re-done state equals",
+        "against": "the newer checkpoint the re-done state equals (a disk checkpoint, or "
+        "rank 0's own memory snapshot: each rank compares with its own)",
         "ranks": "how many ranks compared",
         "proof_steps": "steps re-done only for the proof (a newer checkpoint held them)",
         "exact": "whether everything compared was equal bit for bit",
         "difference": "else the largest relative difference taken for rounding",
+        "keys": "the restored state's keys (rank 0's)",
+        "digest": "ledger: the checkpoint's digest",
     }),
     (Kind.RESTORE_MISMATCH, "a restore failed its replay proof: a re-done step's loss differs "
      "from the one logged before the fault, or the re-done state from a newer checkpoint's "
@@ -196,7 +203,8 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
      "without that tier's checkpoints up to that step, or stop (exit 17) when none is left", {
         "tier": "disk, memory or replica", "path": "the checkpoint read",
         "differs": "rank, step, and the loss now and the loss logged, or the objects "
-        "whose state differs from the newer checkpoint's",
+        "whose state differs from the newer checkpoint's, or the checkpoint's digest and "
+        "the one logged at its save",
     }),
     (Kind.RESTORE_UNVERIFIED, "a restore that could not be proven (step: the step restored)", {
         "tier": "disk, memory or replica", "path": "the checkpoint read",

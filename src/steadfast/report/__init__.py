@@ -153,6 +153,8 @@ def _proof_line(proof: dict[str, Any]) -> str:
             "losses": f"re-done steps {steps} gave the logged losses",
             "state": f"the re-done state equals {against}",
             "both": f"re-done steps {steps} gave the logged losses, and the state equals {against}",
+            "ledger": "its digest is the one logged at its save, and the run's earlier replay "
+            "proof holds for its keys",
         }.get(str(_at(proof, "route")), "proven")
         if _at(proof, "exact", True) is False:
             gap = _at(proof, "difference")
@@ -166,6 +168,8 @@ def _proof_line(proof: dict[str, Any]) -> str:
         what = (
             f"its state differs in {', '.join(map(str, _at(first, 'objects')))}"
             if isinstance(_at(first, "objects"), list)
+            else f"its digest {_at(first, 'digest')} is not the one logged at its save"
+            if _at(first, "digest") is not None
             else f"gave loss {_at(first, 'loss')}, logged {_at(first, 'logged')}"
         )
         return f"MISMATCH: {where}, rank {_at(first, 'rank')}'s step {_at(first, 'step')} {what}"

@@ -1,0 +1,115 @@
+"""Which checkpoint a proven restore takes, and what proves it (rank 0, before the
+restore; :mod:`.proof` carries the proof out). The routes, cheapest proof first:
+
+- **losses**: the newest checkpoint leaves :data:`~.proof_log.NEEDED` logged steps to
+  re-do (steps a restart re-does anyway): it is restored, their losses compared;
+- **ledger**: an earlier restore of this run was proven by replay (its checkpoints hold
+  every state the loop depends on) and the newest checkpoint is a disk one the ledger
+  knows: it is restored and its files' digest compared with the one logged when it
+  was saved; no step is re-done;
+- **state** (disk): the newest is a disk checkpoint the loop saves again (one of its
+  cadence, or at a step it snapshots) and an older one exists: the one before it is
+  restored, and the state the loop reaches at the newest one's step is compared with
+  it, object by object (with the losses logged on the way);
+- **state** (memory): the newest is a memory snapshot every rank holds its own copy of
+  on its node: the snapshot before it is restored and the state the loop reaches at
+  the newest one's step compared with that snapshot (after a snapshot every step: one
+  step re-done);
+- else the newest checkpoint that leaves ``NEEDED`` logged steps.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .layout import read_manifest, step_dirs
+from .proof_log import NEEDED, Logged, ceiling
+
+__all__ = ["Plan", "route"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What rank 0 decided before a restore: the newest step it may take (None: any),
+    the excluded checkpoints, the checkpoint to compare the re-done state with (its
+    step and folder, on ``against_tier``; None: the losses alone prove it), or the
+    ledger route's digests (folder -> digest) and the proven restore's keys."""
+
+    at_most: int | None
+    excluded: dict[str, int]
+    against: tuple[int, str] | None = None
+    why: str | None = None  # why no proof was planned
+    against_tier: str = "disk"
+    ledger: dict[str, str] = field(default_factory=dict)
+    proven: list[str] | None = None
+
+
+def route(
+    folder: Path,
+    excluded: dict[str, int],
+    logged: Logged,
+    held: list[int],
+    budget: int,
+    memory_every: int = 0,
+    comparable: dict[int, str] | None = None,
+) -> Plan:
+    """Rank 0's route for a restore (see the module's description). ``held``: the steps
+    this node's memory tier holds; ``comparable``: the snapshot steps every rank holds
+    its own copy of (-> rank 0's folder); ``budget``: the most steps a proof may re-do
+    that a newer checkpoint held. A state route needs the loop to save or snapshot
+    again at the compared step: a save of its cadence (not an emergency one, nor a
+    stop's save off the cadence: each manifest says how many steps it came after the
+    loop's previous save), or a step of its snapshots'."""
+    if budget <= 0:
+        return Plan(None, excluded, why="replay proofs are off (max_proof_steps=0)")
+    limit = ceiling(logged.losses)
+    disk = [(s, p) for s, p in step_dirs(folder) if s > excluded.get("disk", -1)]
+    held = [s for s in held if s > excluded.get("memory", -1)]
+    steps = sorted({s for s, _ in disk} | set(held))
+    if not steps or (limit is not None and limit >= steps[-1]):
+        return Plan(limit, excluded)  # the newest, proven by the losses (or nothing)
+    newest = steps[-1]
+    older = [s for s in steps if s < newest]
+    on_disk = disk[-1][0] == newest if disk else False
+    manifest = read_manifest(disk[-1][1])[0] if on_disk else None
+    if manifest is not None and manifest.get("exact"):
+        return Plan(None, excluded, why="the re-run state machine's checkpoint (exit 16): "
+                    "resumed from exactly, its re-run is its check")  # fmt: skip
+    if manifest is not None and logged.proven is not None and newest not in held:
+        ledger = {os.path.abspath(p): d for p, d in logged.saved.items()}
+        if os.path.abspath(disk[-1][1]) in ledger and not manifest.get("sharded"):
+            return Plan(None, excluded, ledger=ledger, proven=logged.proven)
+    if manifest is not None and older and newest - older[-1] <= budget:
+        # the loop saves again at this step: a save of its cadence (as many steps after
+        # the save before it as that one was after its own), or a snapshot step
+        before = read_manifest(disk[-2][1])[0] if len(disk) > 1 else None
+        since = manifest.get("since")
+        cadence = before is None or since is None or before.get("since") in (None, since)
+        again = (manifest.get("regular", True) and cadence) or (
+            memory_every > 0 and newest % memory_every == 0
+        )
+        if again and not manifest.get("sharded"):
+            return Plan(newest - 1, excluded, (newest, str(disk[-1][1])))
+    fit = [s for s in steps if limit is not None and s <= limit]
+    mine = (comparable or {}).get(newest)
+    if (
+        manifest is None
+        and mine is not None
+        and memory_every > 0
+        and newest % memory_every == 0
+        and older
+        and newest - older[-1] <= budget
+        and (not fit or older[-1] >= fit[-1])
+    ):  # the snapshot before the newest, compared with the newest at its step
+        return Plan(newest - 1, excluded, (newest, mine), against_tier="memory")
+    if fit and newest - fit[-1] <= budget:
+        return Plan(limit, excluded)
+    if fit or (manifest is not None and older and newest - older[-1] > budget):
+        why = (f"a proof would re-do more than {budget} steps a newer checkpoint held "
+               "(max_proof_steps): the newest is restored unproven")  # fmt: skip
+    else:
+        why = (f"no older checkpoint leaves {NEEDED} logged steps to re-do, and the loop "
+               "saves or snapshots at no step after it that a checkpoint holds")  # fmt: skip
+    return Plan(None, excluded, why=why)
