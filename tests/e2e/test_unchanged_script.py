@@ -149,7 +149,7 @@ def test_a_stopped_rank_is_named_and_the_run_goes_on_from_its_own_snapshot(
     assert "rank 1 (" in text and "stopped (state T)" in text
     assert_restart_phases(verdict, stopped_at, "rank 1 hung")
     # its restore is its own (torch.load, no CheckpointManager): said to be unproven
-    assert "restarts, fault to first step (1; restores proven by replay: 0 of 1" in text
+    assert "restarts, fault to first step (1; restores proven: 0 of 1" in text
     assert "restore: not verified (no restore_verified" in text
 
 

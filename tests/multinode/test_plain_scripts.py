@@ -289,7 +289,7 @@ def assert_the_report_tells_the_launchers_story(
     for name in ("detection", "rendezvous", "process_start", "init_process_group", "first_step"):
         assert phases[name] > 0, (name, phases)
     # its restore is its own (torch.load, no CheckpointManager): said to be unproven
-    assert "restarts, fault to first step (1; restores proven by replay: 0 of 1" in text
+    assert "restarts, fault to first step (1; restores proven: 0 of 1" in text
     assert "restore: not verified (no restore_verified" in text
     picture = plot_timeline(evs, bed.root / "timeline.png")
     assert picture.stat().st_size > 10_000

@@ -129,10 +129,13 @@ def test_a_rank_killed_twice_restarts_in_job_twice_then_succeeds(
     assert all(e["slurm_job_id"] == job and e["slurm_restart"] == 0 for e in restarts)
     starts = [e["resumed_from"] for e in _events(tmp_path, "job_start") if e["rank"] == 0]
     # killed in step 8: checkpoint 5 leaves three logged steps, its losses prove it;
-    # killed in step 17: 15 leaves two, so 10 is restored, and proven equal to 15 there
-    assert starts == [None, str(tmp_path / "ckpt" / "step_5"), str(tmp_path / "ckpt" / "step_10")]
+    # killed in step 17: 15 leaves two, and the run proved a restore by replay before:
+    # 15 is restored, its digest the one logged at its save (the ledger), none re-done
+    assert starts == [None, str(tmp_path / "ckpt" / "step_5"), str(tmp_path / "ckpt" / "step_15")]
     proofs = _events(tmp_path, "restore_verified")
-    assert [(e["step"], e["route"]) for e in proofs] == [(5, "losses"), (10, "both")]
+    assert [(e["step"], e["route"], e["proof_steps"]) for e in proofs] == [
+        (5, "losses", 0), (15, "ledger", 0)
+    ]  # fmt: skip
     assert _events(tmp_path, "job_requeued") == []
     _assert_bit_exact(tmp_path, reference)
 

@@ -93,17 +93,19 @@ def route(
         if again and not manifest.get("sharded"):
             return Plan(newest - 1, excluded, (newest, str(disk[-1][1])))
     fit = [s for s in steps if limit is not None and s <= limit]
-    mine = (comparable or {}).get(newest)
-    if (
-        manifest is None
-        and mine is not None
-        and memory_every > 0
-        and newest % memory_every == 0
-        and older
-        and newest - older[-1] <= budget
-        and (not fit or older[-1] >= fit[-1])
-    ):  # the snapshot before the newest, compared with the newest at its step
-        return Plan(newest - 1, excluded, (newest, mine), against_tier="memory")
+    # the newest snapshot every rank holds its own copy of (a rank killed while writing
+    # the newest has none of it: the step before it is the newest the tier restores)
+    snaps = [s for s in (comparable or {}) if s > excluded.get("memory", -1)]
+    mem = max(snaps, default=None)
+    if mem is not None and memory_every > 0 and mem % memory_every == 0 and not on_disk:
+        before = [s for s in steps if s < mem]
+        if (
+            before
+            and mem - before[-1] <= budget
+            and (not disk or disk[-1][0] < mem)
+            and (not fit or before[-1] >= fit[-1])
+        ):  # the snapshot before it restored, the state at its step compared with it
+            return Plan(mem - 1, excluded, (mem, (comparable or {})[mem]), against_tier="memory")
     if fit and newest - fit[-1] <= budget:
         return Plan(limit, excluded)
     if fit or (manifest is not None and older and newest - older[-1] > budget):

@@ -117,8 +117,8 @@ def _restarts(report: GoodputReport) -> list[str]:
     verified = [p for p in proofs if p["status"] == "verified"]
     cost = sum(p["proof_seconds"] for p in verified)
     lines = [
-        f"  restarts, fault to first step ({len(report.restarts_phases)}; restores proven by "
-        f"replay: {len(verified)} of {len(proofs)}, their proofs re-did "
+        f"  restarts, fault to first step ({len(report.restarts_phases)}; restores proven: "
+        f"{len(verified)} of {len(proofs)}, their proofs re-did "
         f"{sum(p['proof_steps'] for p in verified)} step(s) in {cost:.2f} s):"
     ]
     for i, r in enumerate(report.restarts_phases, 1):
