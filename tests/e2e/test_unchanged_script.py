@@ -84,7 +84,7 @@ def stop_rank_1_after(
         while time.monotonic() < deadline:
             if (workdir / "trace").exists() and len(trace_times(workdir, "step")) >= lines:
                 break
-            time.sleep(0.05)
+            time.sleep(0.01)
         [started] = [
             json.loads(line) for line in events.read_text().splitlines()
             if '"workers_started"' in line
@@ -293,8 +293,13 @@ def test_a_framework_run_without_our_callbacks_gets_steps_goodput_and_its_hang_c
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(reason)
         pytest.skip(reason)
+    # 28 lines: step 14 of each rank, between the frameworks' saves (the Trainer's every 4
+    # steps, Lightning's every 8): a rank frozen while the Trainer writes its own
+    # rng_state_1.pth leaves that file empty, and every restart then fails to resume
+    # from it (seen with 30 lines, the step before the save of 16, under load). Not
+    # ours to fix: the Trainer writes its checkpoint in place, as under torchrun
     code, evs, stopped_at = stop_rank_1_after(
-        tmp_path, 30, "--nproc-per-node=2", "--max-restarts=2",
+        tmp_path, 28, "--nproc-per-node=2", "--max-restarts=2",
         str(HERE / "plain_frameworks.py"), framework, "--ckpt", str(tmp_path / "ck"),
         "--trace", str(tmp_path / "trace"),
     )  # fmt: skip
@@ -303,7 +308,7 @@ def test_a_framework_run_without_our_callbacks_gets_steps_goodput_and_its_hang_c
     assert confirmed["where"] == "stopped (state T)"
     assert not kinds(evs, "step_done")  # nothing of steadfast in the script
     verdict, text = report(tmp_path)
-    assert verdict["steps_done"] >= 30 and verdict["productive_time"] > 0
+    assert verdict["steps_done"] >= 28 and verdict["productive_time"] > 0
     assert verdict["goodput"] > 0
     assert "rank 1 (" in text and "stopped (state T)" in text
 
