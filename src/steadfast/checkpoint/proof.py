@@ -53,8 +53,9 @@ What it cannot see, and says so (``restore_unverified``): a loop that logs no lo
 and saves at no step it re-does, sharded (DCP) state on the state and ledger routes
 (only the losses are compared). The ledger route trusts the earlier proof for the
 rest of the run: a state the checkpoints lack that starts to matter only after it (a
-schedule that turns later) is not seen by a restore the ledger proves. A rollback inside a process (a NaN burst) re-does steps that went
-wrong on purpose, so only a manager's first restore is proven.
+schedule that turns later) is not seen by a restore the ledger proves. A rollback
+inside a process (a NaN burst) re-does steps that went wrong on purpose, so only a
+manager's first restore is proven.
 """
 
 from __future__ import annotations

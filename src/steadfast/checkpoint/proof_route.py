@@ -98,12 +98,12 @@ def route(
     snaps = [s for s in (comparable or {}) if s > excluded.get("memory", -1)]
     mem = max(snaps, default=None)
     if mem is not None and memory_every > 0 and mem % memory_every == 0 and not on_disk:
-        before = [s for s in steps if s < mem]
+        earlier = [s for s in steps if s < mem]
         if (
-            before
-            and mem - before[-1] <= budget
+            earlier
+            and mem - earlier[-1] <= budget
             and (not disk or disk[-1][0] < mem)
-            and (not fit or before[-1] >= fit[-1])
+            and (not fit or earlier[-1] >= fit[-1])
         ):  # the snapshot before it restored, the state at its step compared with it
             return Plan(mem - 1, excluded, (mem, (comparable or {})[mem]), against_tier="memory")
     if fit and newest - fit[-1] <= budget:
