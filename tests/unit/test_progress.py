@@ -6,6 +6,9 @@ none."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,8 +17,9 @@ import torch
 
 from steadfast.events import Event
 from steadfast.progress import layout
-from steadfast.progress.judge import Judge, Look, culprit, summarize_stack
+from steadfast.progress.judge import CPU_SHARE, Judge, Look, culprit, summarize_stack
 from steadfast.progress.probe import Probe
+from steadfast.progress.proc import sample
 from steadfast.report.steps import seen_steps
 
 
@@ -172,6 +176,62 @@ def test_the_stack_thread_answers_while_the_main_thread_waits(probe: Probe):
     [look] = verdict.looks
     assert look.answered is True and look.state in ("R", "S")
     assert "test_the_stack_thread_answers_while_the_main_thread_waits" in look.stack
+
+
+def _spin(cpu: int) -> int:
+    """A child that computes forever on CPU ``cpu`` (its pid)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.sched_setaffinity(0, {cpu})
+            while True:
+                pass
+        finally:
+            os._exit(0)
+    return pid
+
+
+def test_a_rank_that_computes_on_a_machine_busy_with_other_work_moves(probe: Probe):
+    """A rank computing on a CPU that six other processes want too gets about a seventh
+    of it, less than the share a mover must compute (CPU_SHARE): it waited on the run
+    queue the rest of the window, which a rank blocked or asleep never does."""
+    cpu = min(os.sched_getaffinity(0))
+    pids = [_spin(cpu) for _ in range(7)]
+    try:
+        time.sleep(0.2)  # every child pinned and spinning
+        judge = Judge({0: (probe.slots, probe.area, probe.ask)})
+        [look] = judge.look({0: pids[0]}, window=1.0).looks
+        assert look.moved == ["cpu"], look
+        os.kill(pids[0], signal.SIGSTOP)  # stopped: runnable no more
+        [look] = judge.look({0: pids[0]}, window=0.5).looks
+        assert look.state == "T" and look.moved == []
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def test_a_starved_rank_waits_on_the_run_queue_an_asleep_one_does_not():
+    """What the judge's "moves" is made of: /proc's CPU time, and the time runnable but
+    waiting for a CPU (``schedstat``)."""
+    cpu = min(os.sched_getaffinity(0))
+    pids = [_spin(cpu) for _ in range(7)]
+    asleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.2)
+        before, idle = sample(pids[0]), sample(asleep.pid)
+        time.sleep(1.0)
+        after, still = sample(pids[0]), sample(asleep.pid)
+        got, waited = after.cpu - before.cpu, after.waited - before.waited
+        assert got < CPU_SHARE, got  # a seventh of a CPU: too little to count alone
+        assert got + waited >= CPU_SHARE * 3, (got, waited)  # runnable all along
+        assert still.waited - idle.waited < 0.01 and still.cpu - idle.cpu < 0.01
+    finally:
+        asleep.kill()
+        asleep.wait()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def _look(local: int, state: str = "S", where: str = "x", waiting: bool = False, **kw: Any):

@@ -6,16 +6,20 @@ window (:data:`WINDOW`, 1 s) through signals that need nothing of the script:
 
 - the rank's progress marks (steps, top-module forwards: :mod:`.probe`);
 - ``/proc``: its state (``T`` stopped, ``D`` in uninterruptible I/O), its main thread's
-  CPU time and read/write bytes, its children's CPU time (a DataLoader's workers);
+  CPU time, the time it was runnable but waited for a CPU, and its read/write bytes,
+  its children's CPU time (a DataLoader's workers);
 - its main thread's Python stack, sampled at the window's start and end by the rank's
   own thread (which can answer while the main thread waits in C with the GIL released).
 
 A rank *moves* when its marks advance, its main thread reads or writes, its stack
 changes between the samples, its children compute, or its main thread computes on a
 process without CUDA (on CUDA a rank waiting in ``cudaStreamSynchronize`` spins at
-100 %: CPU time alone proves nothing there). A rank that cannot answer (stopped, or its
-main thread holding the GIL) is stuck. Any rank moving is progress: a 25 s evaluation,
-a save on rank 0 while the others wait in a barrier.
+100 %: CPU time alone proves nothing there). Computing is being runnable: the CPU time
+it got and the time it waited on a run queue for a CPU that others' work held (on a
+node shared with other jobs, a busy rank may get much less than a core; a rank blocked
+in a collective or asleep is not runnable and accrues neither). A rank that cannot
+answer (stopped, or its main thread holding the GIL) is stuck. Any rank moving is
+progress: a 25 s evaluation, a save on rank 0 while the others wait in a barrier.
 
 When nothing moves, the culprit is the rank that is not where the others are: a
 stopped or unanswering rank first, then a rank outside any collective (asleep in its
@@ -44,7 +48,8 @@ WINDOW = 1.0
 #: machine busy with other work may leave it unscheduled for a while: only a rank that
 #: does not answer this long is taken for one that holds the GIL).
 ANSWER_WAIT = 1.0
-#: A main thread computing at least this share of the window moves (no CUDA).
+#: A main thread runnable (computing, or waiting for a CPU) at least this share of the
+#: window moves (no CUDA).
 CPU_SHARE = 0.2
 
 
@@ -185,7 +190,8 @@ class Judge:
                 moved.append("stack")
             if p2.children_cpu - p1.children_cpu >= CPU_SHARE * span:
                 moved.append("children")
-            if not g2.flags & FLAG_CUDA and p2.cpu - p1.cpu >= CPU_SHARE * span:
+            runnable = (p2.cpu - p1.cpu) + (p2.waited - p1.waited)
+            if not g2.flags & FLAG_CUDA and runnable >= CPU_SHARE * span:
                 moved.append("cpu")
             if p2.state in ("T", "t", "D", "Z", "?"):
                 moved = []  # whatever it did before, it is not moving now

@@ -1,7 +1,8 @@
 """What ``/proc`` says of a worker, for the launcher's confirmation of a hang: the
-process state, its main thread's CPU time and I/O, and the CPU time of its children (a
-DataLoader's workers); whether it still runs, and a signal to its process group (the
-watcher's and the teardown's end of a worker)."""
+process state, its main thread's CPU time, the time it was runnable but waited for a CPU
+(``schedstat``: a machine busy with other work), and its I/O, and the CPU time of its
+children (a DataLoader's workers); whether it still runs, and a signal to its process
+group (the watcher's and the teardown's end of a worker)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,16 @@ class ProcSample:
     sleeping, ``D`` uninterruptible I/O, ``T``/``t`` stopped, ``Z`` zombie, ``?`` gone);
     ``cpu``: its main thread's user+system seconds; ``io``: the bytes its main thread
     read and wrote (every ``read``/``write``, storage or not); ``children_cpu``: its
-    children's user+system seconds, their own children included."""
+    children's user+system seconds, their own children included; ``waited``: the seconds
+    its main thread was runnable but waited on a run queue (0 where the kernel does not
+    say)."""
 
     state: str
     cpu: float
     io: int
     children_cpu: float
     wchan: str = ""
+    waited: float = 0.0
 
 
 def _stat(path: str) -> tuple[str, float] | None:
@@ -38,6 +42,15 @@ def _stat(path: str) -> tuple[str, float] | None:
         return None
     # after the name: state (3), ... utime (14), stime (15)
     return fields[0], (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _waited(path: str) -> float:
+    """``schedstat``'s second field: the time runnable on a run queue, not running."""
+    try:
+        with open(path, "rb") as fh:
+            return int(fh.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _io(path: str) -> int:
@@ -88,7 +101,10 @@ def sample(pid: int) -> ProcSample:
             wchan = fh.read().strip()
     except OSError:
         pass
-    return ProcSample(main[0], main[1], _io(f"/proc/{pid}/task/{pid}/io"), children, wchan)
+    task = f"/proc/{pid}/task/{pid}"
+    return ProcSample(
+        main[0], main[1], _io(f"{task}/io"), children, wchan, _waited(f"{task}/schedstat")
+    )
 
 
 def running(pid: int) -> bool:
