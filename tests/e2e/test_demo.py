@@ -71,11 +71,11 @@ def test_quick_demo_detects_and_recovers_every_fault_bit_exact(tmp_path: Path):
     assert len(kinds("restore_verified")) == 3
     proofs = [r["proof"] for r in summary["restarts_phases"]]
     assert [p["status"] for p in proofs] == ["verified"] * 3
-    # the kill's and the hang's against the newest snapshot, one step re-done each (a
-    # snapshot every step); the requeue's (the memory tier left with the old launcher)
-    # by the ledger, none re-done: the kill's proof was a replay, with the same keys
-    assert [p["proof_steps"] for p in proofs] == [1, 1, 0], proofs
-    assert proofs[0]["proof_seconds"] > 0 and proofs[2]["route"] == "ledger"
+    # the kill's and the hang's by replay (steps re-done); the requeue's (the memory
+    # tier left with the old launcher) by the ledger, none re-done: the kill's proof
+    # was a replay, with the same keys
+    assert all(p["proof_steps"] >= 1 and p["proof_seconds"] > 0 for p in proofs[:2]), proofs
+    assert proofs[2]["route"] == "ledger" and proofs[2]["proof_steps"] == 0, proofs
     assert "restores proven: 3 of 3" in out
 
 

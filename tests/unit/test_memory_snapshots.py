@@ -54,9 +54,7 @@ def test_the_newest_of_memory_and_disk_is_restored(tmp_path, memory):
     with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
         mgr.snapshot(8, {"model": net})
     fresh = torch.nn.Linear(3, 2)
-    # the tiers, not the proofs (test_proof_routes.py): with a proof, the disk's 7 would
-    # be restored and the loop's state at 8 compared with the snapshot of 8
-    with CheckpointManager(tmp_path / "ck", memory_every=1, max_proof_steps=0) as mgr:
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
         assert mgr.restore({"model": fresh})[0] == 8
     assert _loaded(tmp_path)[-1] == (8, "memory")
     assert torch.equal(fresh.weight, net.weight)
@@ -85,8 +83,7 @@ def test_a_snapshot_still_being_written_when_the_loop_restarts_in_process_is_res
             net.weight.add_(1.0)
         abandoned.snapshot(step, {"model": net})
     fresh = torch.nn.Linear(3, 2)
-    # the tier, not the proof (which would restore step 1 and compare step 2 with it)
-    with CheckpointManager(tmp_path / "ck", memory_every=1, max_proof_steps=0) as again:
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as again:
         assert again.restore({"model": fresh})[0] == 2
     assert _loaded(tmp_path) == [(2, "memory")]
     assert torch.equal(fresh.weight, net.weight)

@@ -1,9 +1,8 @@
-"""The cheap routes of a restore's replay proof (steadfast.checkpoint.proof_route) in one
-process, each start a fresh CheckpointManager as a restarted worker's: after a memory
-snapshot every step, one step re-done against the newest snapshot; after a restore the
-run proved by replay, a disk checkpoint proven by the ledger of digests logged at its
-save, with no step re-done; and each route refuting a checkpoint that is not the one
-saved under its name."""
+"""The ledger route of a restore's proof (steadfast.checkpoint.proof_route) in one
+process, each start a fresh CheckpointManager as a restarted worker's: after a restore
+the run proved by replay, a disk checkpoint proven by the digest logged at its save,
+with no step re-done; a checkpoint that is not the one saved under its name refuted;
+a state of other keys not proven by it."""
 
 from __future__ import annotations
 
@@ -20,15 +19,6 @@ from steadfast.checkpoint.proof import RestoreMismatch, read_excluded
 from steadfast.checkpoint.proof_log import digest, read_log
 
 
-@pytest.fixture
-def memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A memory directory that outlives each manager, as a launcher's does."""
-    mem = tmp_path / "mem"
-    mem.mkdir()
-    monkeypatch.setenv("STEADFAST_MEMORY_DIR", str(mem))
-    return mem
-
-
 def _objects() -> dict:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -36,9 +26,8 @@ def _objects() -> dict:
     return {"model": model, "optim": opt}
 
 
-def _train(mgr: CheckpointManager, objects: dict, start: int, stop: int, every: int = 0) -> None:
-    """Steps ``start`` to ``stop - 1``: each logs its loss, then snapshots (when the
-    manager has a memory tier) and saves every ``every`` steps (0: never)."""
+def _train(mgr: CheckpointManager, objects: dict, start: int, stop: int, every: int) -> None:
+    """Steps ``start`` to ``stop - 1``: each logs its loss; a save every ``every``."""
     model, opt = objects["model"], objects["optim"]
     for step in range(start, stop):
         g = torch.Generator().manual_seed(step)
@@ -48,9 +37,7 @@ def _train(mgr: CheckpointManager, objects: dict, start: int, stop: int, every: 
         loss.backward()
         opt.step()
         events.emit("step_done", step=step, seconds=0.001, loss=loss.item())
-        if mgr.memory_every:
-            mgr.snapshot(step + 1, objects)
-        if every and (step + 1) % every == 0:
+        if (step + 1) % every == 0:
             mgr.save(step + 1, objects)
 
 
@@ -70,50 +57,6 @@ def _swap(first: Path, second: Path) -> None:
         data = json.loads(manifest.read_text())
         data["step"] = int(folder.name.split("_")[1])
         manifest.write_text(json.dumps(data))
-
-
-def test_after_a_snapshot_every_step_one_step_is_redone_against_the_newest(
-    tmp_path, event_log, memory
-):
-    """Snapshots of 1-7 steps, losses of steps 0-6: the snapshot of 6 is restored and
-    the state the loop reaches at 7 compared with the snapshot of 7, one step re-done
-    (the losses alone would need three: the snapshot of 4)."""
-    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
-        objects = _objects()
-        _train(mgr, objects, 0, 7)
-    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
-        objects = _objects()
-        assert mgr.restore(objects)[0] == 6
-        _train(mgr, objects, 6, 9)
-    [verified] = _kinds(event_log, "restore_verified")
-    assert (verified["step"], verified["tier"], verified["route"]) == (6, "memory", "state")
-    assert verified["proof_steps"] == 1 and verified["steps"] == [6]
-    assert verified["against"].endswith("step_7") and verified["exact"] is True
-    # the same run without the fault: equal bit for bit
-    with CheckpointManager(tmp_path / "ref") as ref:
-        expected = _objects()
-        _train(ref, expected, 0, 9)
-    assert torch.equal(objects["model"].weight, expected["model"].weight)
-
-
-def test_a_swapped_snapshot_fails_the_one_step_proof_and_both_are_distrusted(
-    tmp_path, event_log, memory
-):
-    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
-        objects = _objects()
-        _train(mgr, objects, 0, 7, every=4)  # disk: 4
-    [own] = memory.glob("*/own/rank_0")
-    _swap(own / "step_6", own / "step_7")
-    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
-        objects = _objects()
-        assert mgr.restore(objects)[0] == 6
-        with pytest.raises(RestoreMismatch, match=r"restore of step 6 .* failed its replay proof"):
-            _train(mgr, objects, 6, 9)
-    [mismatch] = _kinds(event_log, "restore_mismatch")
-    assert mismatch["differs"][-1] == {"rank": 0, "step": 7, "objects": ["model", "optim"]}
-    assert read_excluded(tmp_path / "ck") == {"memory": 7}
-    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
-        assert mgr.restore(_objects())[0] == 4  # the disk: every snapshot up to 7 is out
 
 
 def _proven_once(folder: Path) -> None:

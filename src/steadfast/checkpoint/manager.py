@@ -181,7 +181,6 @@ class CheckpointManager:
             self.max_proof_steps,
             self.memory_every,
             self.proof_tolerance,
-            self._read_snapshot,
         )
 
     # ------------------------------------------------------------------ public API
@@ -320,7 +319,7 @@ class CheckpointManager:
         values can be read from ``state``; None when there is no checkpoint yet.
         """
         proving = path is None and self.collective
-        plan = self._proof.plan(self._held, self._comparable) if proving else None
+        plan = self._proof.plan(self._held) if proving else None
         request = LoadRequest(path, objects)
         if plan is not None:
             keep = plan.against[0] if plan.against else -1
@@ -356,18 +355,6 @@ class CheckpointManager:
     def _held(self) -> list[int]:
         """The steps this node's memory tier holds (for a replay proof's plan)."""
         return [s.step for s in self._memory.holdings()] if self._memory is not None else []
-
-    def _comparable(self) -> dict[int, str]:
-        """This rank's own snapshots a replay proof can compare with: step -> folder."""
-        if self._memory is None:
-            return {}
-        return self._memory.own_snapshots(replicated=self._coord.rank == 0)
-
-    def _read_snapshot(self, step: int) -> dict[str, Any]:
-        """This rank's own snapshot of ``step`` as :meth:`_mine` gives its state."""
-        if self._memory is None:
-            raise CheckpointError("no memory tier to compare with")
-        return self._memory.read_own(step, replicated=self._coord.rank == 0)
 
     def _mine(
         self, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None

@@ -80,7 +80,7 @@ from .layout import (
     remove_stale,
 )
 from .proof_log import NEEDED
-from .snapshot_io import RANK, STATE, load_in_place, pack, unpack, verify_in_place
+from .snapshot_io import RANK, STATE, pack, unpack
 from .staging import Stager
 
 __all__ = [
@@ -397,34 +397,6 @@ class MemoryTier:
                 with contextlib.suppress(OSError):
                     trash.append(discard(Path(snap.path)))
         remove_all(trash)
-
-    def own_snapshots(self, replicated: bool) -> dict[int, str]:
-        """This rank's own snapshots on this node that a replay proof can compare with
-        (not sharded; with the replicated state when ``replicated``): step -> folder."""
-        return {
-            s.step: s.path
-            for s in self.holdings()
-            if s.tier == "memory" and s.rank == self.rank and not s.sharded
-            and (s.state or not replicated)
-        }  # fmt: skip
-
-    def read_own(self, step: int, replicated: bool) -> dict[str, Any]:
-        """This rank's own snapshot of ``step``, verified, as it was taken: its
-        ``rank.pt`` (and ``state.pt`` when ``replicated``); a replay proof compares the
-        re-done state with it. Raises :class:`CheckpointError`."""
-        path = self.own_snapshots(replicated).get(step)
-        if path is None:
-            raise CheckpointError(f"memory tier: no snapshot of step {step} in {self.own}")
-        problems = verify_in_place(Path(path))
-        if problems:
-            raise CheckpointError(f"memory snapshot {path}: {'; '.join(problems)}")
-        try:
-            state = load_in_place(path, RANK)
-            if replicated:
-                state.update(load_in_place(path, STATE))
-        except Exception as exc:  # a file torch cannot read
-            raise CheckpointError(f"memory snapshot {path}: cannot be loaded ({exc})") from exc
-        return state
 
     def other_world_sizes(self) -> set[int]:
         """The world sizes of this job's snapshots on this node taken by a round of

@@ -14,12 +14,11 @@ How (no line of the loop changes):
   compared); the newest disk checkpoint with no step re-done when an earlier restore of
   the run was proven by replay with the same state keys and its digest is the one
   logged at its save (the **ledger**: a checkpoint replaced or swapped after its save
-  cannot match it); the one before the newest when the loop saves or snapshots again at
-  the newest one's step, whose state (a disk checkpoint, or each rank's own memory
-  snapshot) the state it reaches there is compared with, object by object, byte for
-  byte (RNG streams included), with the losses logged on the way (**state**: after a
-  snapshot every step, one step re-done); else the newest that leaves ``NEEDED``
-  logged steps.
+  cannot match it); the one before the newest when the newest is a disk checkpoint the
+  loop saves again (or snapshots at its step), whose state the state it reaches there
+  is compared with, object by object, byte for byte (RNG streams included), with the
+  losses logged on the way (**state**); else the newest that leaves ``NEEDED`` logged
+  steps (a snapshot every step: two or three steps back).
 
   The steps a newer checkpoint held are re-done only for the proof: the
   ``restore_verified`` event says how many (``proof_steps``), the report their time.
@@ -31,7 +30,7 @@ How (no line of the loop changes):
   step, and the two losses or the objects that differ.
 - **A mismatch is never ignored.** Rank 0 records the tier's checkpoints up to the
   restored step as excluded (``restore-excluded.json`` in the checkpoint folder; with
-  the state route the compared one's tier up to it too: either may be the wrong one),
+  the state route the disk's up to the compared one too: either may be the wrong one),
   the re-run state machine hears "a bad restore", and every rank raises
   :class:`RestoreMismatch`: the launcher restarts the workers, whose restore skips what
   is excluded (the next tier, an older checkpoint). When nothing is left to restore
@@ -196,7 +195,6 @@ class _Pending:
     horizon: int | None  # the last re-done step whose loss is compared
     expected: dict[int, Any]  # this rank's logged losses of the steps compared
     against: tuple[int, str] | None  # the checkpoint the state is compared with
-    against_tier: str = "disk"  # its tier: disk, or memory (each rank's own snapshot)
     seen: dict[int, Any] = field(default_factory=dict)
     state_differs: list[str] | None = None  # None: not compared (yet)
 
@@ -211,8 +209,7 @@ class _Pending:
 
 class Proof:
     """The replay proofs of one manager's restores (see the module's description).
-    ``read``: a disk checkpoint's state as this rank saved it (to compare with);
-    ``read_snapshot``: this rank's own memory snapshot of a step, as it was taken."""
+    ``read``: a disk checkpoint's state as this rank saved it (to compare with)."""
 
     def __init__(
         self,
@@ -222,10 +219,8 @@ class Proof:
         budget: int = 10,
         memory_every: int = 0,
         tolerance: float = DEFAULT_TOLERANCE,
-        read_snapshot: Callable[[int], dict[str, Any]] | None = None,
     ) -> None:
         self.folder, self.coord, self.read, self.budget = folder, coord, read, budget
-        self.read_snapshot = read_snapshot
         self.tolerance = tolerance  # the relative difference taken for rounding (compare.py)
         self.memory_every = memory_every  # the loop snapshots every this many steps
         self.rank = coord.rank  # as the event log numbers it, once a restore is armed
@@ -235,12 +230,10 @@ class Proof:
         self._keys: list[str] = []  # the restored state's keys (rank 0's)
         self.pending: _Pending | None = None
 
-    def plan(self, held: Callable[[], list[int]], own: Callable[[], dict[int, str]] = dict) -> Plan:
+    def plan(self, held: Callable[[], list[int]]) -> Plan:
         """Before a restore (collective; ``held``: the steps this node's memory tier
-        holds, asked on rank 0 only; ``own``: the steps of this rank's own snapshots
-        it can compare with, and their folders). Rank 0 reads the log and the
-        exclusions, and picks the route (:mod:`.proof_route`)."""
-        owns: list[dict[int, str]] = self.coord.all_gather(own() if self.enabled else {})
+        holds, asked on rank 0 only). Rank 0 reads the log and the exclusions, and picks
+        the route (:mod:`.proof_route`)."""
         mine: Plan | None = None
         if self.coord.rank == 0:
             excluded = read_excluded(self.folder)
@@ -248,11 +241,7 @@ class Proof:
             if self.enabled:
                 logged = read_log(writer.current_path(), time.time())
                 self._losses = logged.losses
-                comparable = {s: p for s, p in owns[0].items() if all(s in o for o in owns)}
-                mine = route(
-                    self.folder, excluded, logged, held(), self.budget, self.memory_every,
-                    comparable,
-                )  # fmt: skip
+                mine = route(self.folder, excluded, logged, held(), self.budget, self.memory_every)
         got: Plan = self.coord.from_rank0(mine)
         self._plan = got
         return got
@@ -303,9 +292,8 @@ class Proof:
                 )
             return
         self.pending = _Pending(
-            step, tier, path, newest, horizon, per_rank.get(self.rank, {}), against,
-            self._plan.against_tier,
-        )  # fmt: skip
+            step, tier, path, newest, horizon, per_rank.get(self.rank, {}), against
+        )
         writer.step_listeners.append(self._step_done)
 
     def _step_done(self, record: dict[str, Any]) -> None:
@@ -337,15 +325,11 @@ class Proof:
         drift = 0.0  # the largest relative difference within the tolerance
         if pending.against is not None and done == pending.against[0]:
             try:
-                if pending.against_tier == "memory" and self.read_snapshot is not None:
-                    stored = self.read_snapshot(done)
-                else:
-                    stored = self.read(Path(pending.against[1]))
-                now = state()
+                stored, now = self.read(Path(pending.against[1])), state()
                 gaps = {key: difference(now[key], stored[key]) for key in stored if key in now}
                 pending.state_differs = sorted(k for k, g in gaps.items() if g > self.tolerance)
                 drift = max((g for g in gaps.values() if g <= self.tolerance), default=0.0)
-            except CheckpointError as exc:  # disk: read_plain agrees on failures
+            except CheckpointError as exc:  # every rank: read_plain agrees on failures
                 logger.error("the re-done state is not compared: %s", exc)
         self.close()
         differs: list[dict[str, Any]] = []
@@ -443,11 +427,9 @@ class Proof:
             )
             _exclude(self.folder, tier, pending.step)
             if pending.against is not None:  # which of the two is wrong: both distrusted
-                _exclude(self.folder, pending.against_tier, pending.against[0])
+                _exclude(self.folder, "disk", pending.against[0])
         excluded = f"the {tier} tier's checkpoints up to step {pending.step}" + (
-            f" and the {pending.against_tier} tier's up to step {pending.against[0]}"
-            if pending.against
-            else ""
+            f" and the disk's up to step {pending.against[0]}" if pending.against else ""
         )
         for listener in list(_BAD_RESTORE_LISTENERS):  # the re-run state machine's
             listener(pending.step, pending.tier, text)

@@ -11,10 +11,6 @@ restore; :mod:`.proof` carries the proof out). The routes, cheapest proof first:
   cadence, or at a step it snapshots) and an older one exists: the one before it is
   restored, and the state the loop reaches at the newest one's step is compared with
   it, object by object (with the losses logged on the way);
-- **state** (memory): the newest is a memory snapshot every rank holds its own copy of
-  on its node: the snapshot before it is restored and the state the loop reaches at
-  the newest one's step compared with that snapshot (after a snapshot every step: one
-  step re-done);
 - else the newest checkpoint that leaves ``NEEDED`` logged steps.
 """
 
@@ -34,14 +30,13 @@ __all__ = ["Plan", "route"]
 class Plan:
     """What rank 0 decided before a restore: the newest step it may take (None: any),
     the excluded checkpoints, the checkpoint to compare the re-done state with (its
-    step and folder, on ``against_tier``; None: the losses alone prove it), or the
-    ledger route's digests (folder -> digest) and the proven restore's keys."""
+    step and folder; None: the losses alone prove it), or the ledger route's digests
+    (folder -> digest) and the proven restore's keys."""
 
     at_most: int | None
     excluded: dict[str, int]
     against: tuple[int, str] | None = None
     why: str | None = None  # why no proof was planned
-    against_tier: str = "disk"
     ledger: dict[str, str] = field(default_factory=dict)
     proven: list[str] | None = None
 
@@ -53,12 +48,10 @@ def route(
     held: list[int],
     budget: int,
     memory_every: int = 0,
-    comparable: dict[int, str] | None = None,
 ) -> Plan:
     """Rank 0's route for a restore (see the module's description). ``held``: the steps
-    this node's memory tier holds; ``comparable``: the snapshot steps every rank holds
-    its own copy of (-> rank 0's folder); ``budget``: the most steps a proof may re-do
-    that a newer checkpoint held. A state route needs the loop to save or snapshot
+    this node's memory tier holds; ``budget``: the most steps a proof may re-do that a
+    newer checkpoint held. A state route needs the loop to save or snapshot
     again at the compared step: a save of its cadence (not an emergency one, nor a
     stop's save off the cadence: each manifest says how many steps it came after the
     loop's previous save), or a step of its snapshots'."""
@@ -93,19 +86,6 @@ def route(
         if again and not manifest.get("sharded"):
             return Plan(newest - 1, excluded, (newest, str(disk[-1][1])))
     fit = [s for s in steps if limit is not None and s <= limit]
-    # the newest snapshot every rank holds its own copy of (a rank killed while writing
-    # the newest has none of it: the step before it is the newest the tier restores)
-    snaps = [s for s in (comparable or {}) if s > excluded.get("memory", -1)]
-    mem = max(snaps, default=None)
-    if mem is not None and memory_every > 0 and mem % memory_every == 0 and not on_disk:
-        earlier = [s for s in steps if s < mem]
-        if (
-            earlier
-            and mem - earlier[-1] <= budget
-            and (not disk or disk[-1][0] < mem)
-            and (not fit or earlier[-1] >= fit[-1])
-        ):  # the snapshot before it restored, the state at its step compared with it
-            return Plan(mem - 1, excluded, (mem, (comparable or {})[mem]), against_tier="memory")
     if fit and newest - fit[-1] <= budget:
         return Plan(limit, excluded)
     if fit or (manifest is not None and older and newest - older[-1] > budget):

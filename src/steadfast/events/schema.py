@@ -188,8 +188,7 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "ledger (no step re-done: the checkpoint's digest is the one logged at its save, "
         "and an earlier restore of the run was proven by replay with the same keys)",
         "steps": "the re-done steps whose losses were compared",
-        "against": "the newer checkpoint the re-done state equals (a disk checkpoint, or "
-        "rank 0's own memory snapshot: each rank compares with its own)",
+        "against": "the newer checkpoint the re-done state equals",
         "ranks": "how many ranks compared",
         "proof_steps": "steps re-done only for the proof (a newer checkpoint held them)",
         "exact": "whether everything compared was equal bit for bit",
