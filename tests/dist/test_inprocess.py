@@ -74,7 +74,9 @@ def _params(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _reference(rank: int, workdir: Path, schedule: list[tuple[int, int, dict[int, int]]]) -> Any:
+def _reference(
+    rank: int, workdir: Path, schedule: list[tuple[int, int, dict[int, int]]], tag: str = ""
+) -> Any:
     """Fault-free run: for each ``(world, until_step, {initial rank: rank})`` phase, the
     ranks in the map train with a plain gloo group of that world size."""
     model, start = _model(), 0
@@ -82,7 +84,7 @@ def _reference(rank: int, workdir: Path, schedule: list[tuple[int, int, dict[int
         if rank in ranks:
             dist.init_process_group(
                 "gloo",
-                init_method=f"file://{workdir}/ref_store_{phase}",
+                init_method=f"file://{workdir}/ref_store{tag}_{phase}",
                 rank=ranks[rank],
                 world_size=world,
                 timeout=PG_TIMEOUT,
@@ -121,8 +123,14 @@ def _strike(fault: InjectedFault | None, plan: dict[str, Any], rank: int, step: 
 def inproc_train(
     rank: int, world: int, workdir: Path, plan: dict[str, Any], schedule: Any
 ) -> dict[str, Any]:
-    """One rank: the fault-free reference, then the run under the Wrapper with ``plan``."""
-    reference = _reference(rank, workdir, schedule) if schedule else None
+    """One rank: the fault-free reference, then the run under the Wrapper with ``plan``.
+    ``schedule``: the reference's phases, or {the step the restarted ranks agree to
+    start from: its phases}, one reference each (the world changes at that step)."""
+    schedules = schedule if isinstance(schedule, dict) else {None: schedule}
+    references = {
+        start: _reference(rank, workdir, phases, f"_{start}" if start is not None else "")
+        for start, phases in (schedules.items() if schedule else [])
+    }
     kwargs: dict[str, Any] = dict(
         soft_timeout=_td(plan.get("soft", 20)),
         hard_timeout=_td(plan.get("hard", 30)),
@@ -197,9 +205,10 @@ def inproc_train(
         error = None
     except RestartAbort as exc:
         params, error = None, "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+    restarted_at = seen["starts"][-1] if len(seen["starts"]) > 1 else None
     return {
         "params": params,
-        "reference": reference,
+        "reference": references.get(restarted_at, references.get(None)),
         "error": error,
         "seen": seen,
         "threads": [t.name for t in threading.enumerate() if t is not threading.main_thread()],
@@ -426,8 +435,13 @@ def test_the_memory_tier_restores_the_last_completed_step_after_an_in_process_re
 def test_sigkilled_rank_survivors_restart_with_shifted_ranks(
     tmp_path: Path, event_log: Path
 ) -> None:
-    # rank 1 dies at step 3: ranks 0 and 2 go on as ranks 0 and 1 of a world of 2
-    schedule = [(3, FAULT_STEP, {0: 0, 1: 1, 2: 2}), (2, STEPS, {0: 0, 2: 1})]
+    # rank 1 dies at step 3: ranks 0 and 2 go on as ranks 0 and 1 of a world of 2, from
+    # step 3; or from step 2, where the interruption landed on a survivor between its step
+    # 2's all-reduce and its snapshot (_agree_on_the_step): step 2 is then the new world's
+    schedule = {
+        at: [(3, at, {0: 0, 1: 1, 2: 2}), (2, STEPS, {0: 0, 2: 1})]
+        for at in (FAULT_STEP, FAULT_STEP - 1)
+    }
     _, codes = _run(tmp_path, 3, {"kind": "rank_killed", "rank": 1}, schedule)
     assert codes[1] == -signal.SIGKILL and codes[0] == codes[2] == 0
     evs = _events(event_log)
@@ -442,6 +456,7 @@ def test_sigkilled_rank_survivors_restart_with_shifted_ranks(
     for r in (0, 2):
         res = _result(tmp_path, r)
         assert res["seen"]["ranks"] == [(r, 3), ({0: 0, 2: 1}[r], 2)]
+        assert res["seen"]["starts"][-1] in (FAULT_STEP - 1, FAULT_STEP)
         _assert_bit_exact(res)
         _assert_clean(res)
     # the dead rank's monitor process reported and went away too
