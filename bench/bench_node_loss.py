@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -129,7 +130,13 @@ def run(launcher: str, silent: bool, backend: str = "c10d", spare: bool = True) 
             for proc in procs:
                 proc.wait(300)
             if procs[0].returncode != 0 or (spare and procs[2].returncode != 0):
-                raise SystemExit(f"{launcher}: the run did not recover")
+                kept = Path(tempfile.gettempdir()) / f"bench_node_loss_{launcher}_{backend}.jsonl"
+                shutil.copy(log, kept)  # the bed's folder goes with it
+                codes = [p.returncode for p in procs]
+                raise SystemExit(
+                    f"{launcher}: the run did not recover (launchers' exits {codes}); "
+                    f"its events: {kept}"
+                )
             after = [e for e in events(log) if e["time"] > killed]
 
             def first(kind: str) -> float | None:
