@@ -383,9 +383,13 @@ def main() -> None:
     if "kill" not in skip:
         print("killed rank, steadfast and torchrun ...", flush=True)
         rows += killed(args.repeats)
+    failed = None  # a job that did not recover: the others' rows are still printed
     if "nodes" not in skip:
         print("lost nodes ...", flush=True)
-        rows += nodes()
+        try:
+            rows += nodes()
+        except SystemExit as exc:
+            failed = f"lost nodes: not measured, {exc}"
     print()
     print(table(rows))
     for r in rows:
@@ -400,6 +404,8 @@ def main() -> None:
         )
     args.out.write_text(json.dumps(costs(rows), indent=1) + "\n")
     print(f"written: {args.out} (bench/bench_goodput_projection.py --costs {args.out})")
+    if failed:
+        raise SystemExit(failed)
 
 
 if __name__ == "__main__":
