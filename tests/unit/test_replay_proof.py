@@ -1,6 +1,8 @@
 """The replay proof of a restore (steadfast.checkpoint.proof) in one process: a loop that
 logs its losses and saves every 2 steps, stopped, then started again by a fresh
-CheckpointManager, as a restarted worker would be."""
+CheckpointManager, as a restarted worker would be. And the ledger route: after a restore
+the run proved by replay, a disk checkpoint proven by the digest logged at its save,
+with no step re-done; one that is not the checkpoint saved under its name refuted."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from steadfast.checkpoint.proof import (
     logged_losses,
     read_excluded,
 )
+from steadfast.checkpoint.proof_log import digest, read_log
 from steadfast.rerun import RerunStateMachine
 from steadfast.rerun.machine import destroy_rerun_state_machine, initialize_rerun_state_machine
 
@@ -191,3 +194,98 @@ def test_max_proof_steps_zero_turns_the_proofs_off(tmp_path, event_log):
     assert [e["step"] for e in _kinds(event_log, "checkpoint_saved")] == [2, 4, 6, 8]
     with pytest.raises(ConfigError, match="max_proof_steps"):
         CheckpointManager(tmp_path / "ck", max_proof_steps=-1)
+
+
+def _swap(first: Path, second: Path) -> None:
+    """Swap two checkpoints' folders, each whole and consistent in itself (its
+    manifest's step set to its new name's)."""
+    aside = first.with_name(".swap")
+    first.rename(aside)
+    second.rename(first)
+    aside.rename(second)
+    for folder in (first, second):
+        manifest = folder / "manifest.json"
+        data = json.loads(manifest.read_text())
+        data["step"] = int(folder.name.split("_")[1])
+        manifest.write_text(json.dumps(data))
+
+
+def _proven_once(folder: Path) -> None:
+    """A run that saves 2, 4, 6; a restart proven by replay (step 4 against 6) that
+    goes on to save 6 and 8: the run's log then holds a restore proven by replay."""
+    with CheckpointManager(folder) as mgr:
+        _train(mgr, _objects(), 0, 7, every=2)
+    with CheckpointManager(folder) as mgr:
+        objects = _objects()
+        assert mgr.restore(objects)[0] == 4
+        _train(mgr, objects, 4, 9, every=2)
+
+
+def test_after_a_restore_proven_by_replay_the_ledger_proves_the_next_with_none_redone(
+    tmp_path, event_log
+):
+    _proven_once(tmp_path / "ck")
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        objects = _objects()
+        assert mgr.restore(objects)[0] == 8  # the newest: no step re-done
+        _train(mgr, objects, 8, 10, every=2)
+    first, second = _kinds(event_log, "restore_verified")
+    assert first["route"] == "state" and first["keys"] == ["model", "optim", "rng"]
+    assert (second["step"], second["route"], second["proof_steps"]) == (8, "ledger", 0)
+    saved = {e["path"]: e["digest"] for e in _kinds(event_log, "checkpoint_saved")}
+    assert second["digest"] == saved[str(tmp_path / "ck" / "step_8")]
+    assert second["keys"] == first["keys"]
+    # nothing held back: the save of step 10 is the next one
+    assert [e["step"] for e in _kinds(event_log, "checkpoint_saved")][-1] == 10
+
+
+def test_a_checkpoint_swapped_after_its_save_fails_the_ledger(tmp_path, event_log):
+    _proven_once(tmp_path / "ck")
+    _swap(tmp_path / "ck" / "step_8", tmp_path / "ck" / "step_6")
+    swapped = r"restore of step 8 .* digest .* swapped"
+    with CheckpointManager(tmp_path / "ck") as mgr, pytest.raises(RestoreMismatch, match=swapped):
+        mgr.restore(_objects())
+    [mismatch] = _kinds(event_log, "restore_mismatch")
+    assert (
+        mismatch["step"] == 8
+        and mismatch["differs"][0]["logged"] != (mismatch["differs"][0]["digest"])
+    )
+    assert read_excluded(tmp_path / "ck") == {"disk": 8}
+
+
+def test_the_ledger_does_not_prove_a_state_with_other_keys(tmp_path, event_log):
+    """The earlier proof showed the checkpoints hold every state the loop depends on
+    for the keys it had; a restore of other keys is not proven by it."""
+    _proven_once(tmp_path / "ck")
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        objects = _objects()
+        mgr.save(10, {"model": objects["model"]})  # the optimizer left out
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        assert mgr.restore({"model": _objects()["model"]})[0] == 10
+    [unverified] = _kinds(event_log, "restore_unverified")
+    assert unverified["step"] == 10 and "keys (model, rng)" in unverified["reason"]
+
+
+def test_the_log_names_the_last_replay_proof_that_nothing_refuted_and_the_ledger(tmp_path):
+    log = tmp_path / "events.jsonl"
+    now = time.time()
+
+    def line(kind: str, at: float, **fields) -> str:
+        return json.dumps({"kind": kind, "time": at, **fields})
+
+    lines = [
+        line("checkpoint_saved", now - 9, path="ck/step_2", digest="aa"),
+        line("restore_verified", now - 8, route="state", keys=["model", "rng"]),
+        line("checkpoint_saved", now - 7, path="ck/step_2", digest="bb"),  # saved again
+        line("restore_verified", now - 6, route="ledger", keys=["other"]),  # not a replay
+        line("checkpoint_saved", now - 5, path="ck/step_4"),  # a log from before digests
+    ]
+    log.write_text("\n".join(lines) + "\n")
+    logged = read_log(str(log), now)
+    assert logged.proven == ["model", "rng"] and logged.saved == {"ck/step_2": "bb"}
+    log.write_text("\n".join([*lines, line("restore_mismatch", now - 4, step=2)]) + "\n")
+    assert read_log(str(log), now).proven is None  # refuted since
+    assert read_log(str(log), now - 8.5).proven is None  # not yet logged then
+    assert digest({"b": {"bytes": 1, "crc32": 2}, "a": {"bytes": 3, "crc32": 4}}) != digest(
+        {"b": {"bytes": 1, "crc32": 2}, "a": {"bytes": 3, "crc32": 5}}
+    )
