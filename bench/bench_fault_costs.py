@@ -131,8 +131,8 @@ def _restart_rows(evs: list[ev.Event], system: str, source: str) -> list[Row]:
                 seen = f.time + (detect or 0.0)
                 before = [e.step for e in evs if e.kind == ev.Kind.STEP_DONE and e.rank == 0
                           and e.step is not None and e.time <= seen]  # fmt: skip
-                if before:
-                    redo = max(before) + 1 - pr["step"]
+                if before:  # a graceful stop saves steps after the signal: none re-done
+                    redo = max(0, max(before) + 1 - pr["step"])
         rows.append(Row(f.fault, system, detect, restart, phases, redo, proof, step_s, source))
     return rows
 
