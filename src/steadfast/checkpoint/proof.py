@@ -241,7 +241,10 @@ class Proof:
             if self.enabled:
                 logged = read_log(writer.current_path(), time.time())
                 self._losses = logged.losses
-                mine = route(self.folder, excluded, logged, held(), self.budget, self.memory_every)
+                mine = route(
+                    self.folder, excluded, logged, held(), self.budget, self.memory_every,
+                    self.coord.world,
+                )  # fmt: skip
         got: Plan = self.coord.from_rank0(mine)
         self._plan = got
         return got

@@ -48,19 +48,28 @@ def route(
     held: list[int],
     budget: int,
     memory_every: int = 0,
+    world: int | None = None,
 ) -> Plan:
     """Rank 0's route for a restore (see the module's description). ``held``: the steps
     this node's memory tier holds; ``budget``: the most steps a proof may re-do that a
-    newer checkpoint held. A state route needs the loop to save or snapshot
-    again at the compared step: a save of its cadence (not an emergency one, nor a
-    stop's save off the cadence: each manifest says how many steps it came after the
-    loop's previous save), or a step of its snapshots'."""
+    newer checkpoint held; ``world``: the ranks restoring (None: not known). A state
+    route needs the loop to save or snapshot again at the compared step: a save of its
+    cadence (not an emergency one, nor a stop's save off the cadence: each manifest says
+    how many steps it came after the loop's previous save), or a step of its snapshots'.
+    No proof across a change of the world size (an elastic round): the re-done steps
+    split the batch another way, and their losses and state differ by design."""
     if budget <= 0:
         return Plan(None, excluded, why="replay proofs are off (max_proof_steps=0)")
     limit = ceiling(logged.losses)
     disk = [(s, p) for s, p in step_dirs(folder) if s > excluded.get("disk", -1)]
     held = [s for s in held if s > excluded.get("memory", -1)]
     steps = sorted({s for s, _ in disk} | set(held))
+    saved_by = read_manifest(disk[-1][1])[0] if disk else None
+    size = saved_by.get("world_size") if saved_by is not None else None
+    if world is not None and isinstance(size, int) and size != world:
+        return Plan(None, excluded, why=f"the world size changed since the newest checkpoint "
+                    f"({size} -> {world} ranks, an elastic round): the re-done steps cannot "
+                    "give what they gave")  # fmt: skip
     if not steps or (limit is not None and limit >= steps[-1]):
         return Plan(limit, excluded)  # the newest, proven by the losses (or nothing)
     newest = steps[-1]
