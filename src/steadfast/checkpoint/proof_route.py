@@ -64,8 +64,8 @@ def route(
     disk = [(s, p) for s, p in step_dirs(folder) if s > excluded.get("disk", -1)]
     held = [s for s in held if s > excluded.get("memory", -1)]
     steps = sorted({s for s, _ in disk} | set(held))
-    saved_by = read_manifest(disk[-1][1])[0] if disk else None
-    size = saved_by.get("world_size") if saved_by is not None else None
+    newest_disk = read_manifest(disk[-1][1])[0] if disk else None  # its manifest
+    size = newest_disk.get("world_size") if newest_disk is not None else None
     if world is not None and isinstance(size, int) and size != world:
         return Plan(None, excluded, why=f"the world size changed since the newest checkpoint "
                     f"({size} -> {world} ranks, an elastic round): the re-done steps cannot "
@@ -74,13 +74,14 @@ def route(
         return Plan(limit, excluded)  # the newest, proven by the losses (or nothing)
     newest = steps[-1]
     older = [s for s in steps if s < newest]
-    on_disk = disk[-1][0] == newest if disk else False
-    manifest = read_manifest(disk[-1][1])[0] if on_disk else None
+    manifest = newest_disk if disk and disk[-1][0] == newest else None
     if manifest is not None and manifest.get("exact"):
         return Plan(None, excluded, why="the re-run state machine's checkpoint (exit 16): "
                     "resumed from exactly, its re-run is its check")  # fmt: skip
     if manifest is not None and logged.proven is not None and newest not in held:
-        ledger = {os.path.abspath(p): d for p, d in logged.saved.items()}
+        # the digests of the checkpoints still in the folder (the log names every save)
+        saved = {os.path.abspath(p): d for p, d in logged.saved.items()}
+        ledger = {a: saved[a] for _, p in disk if (a := os.path.abspath(p)) in saved}
         if os.path.abspath(disk[-1][1]) in ledger and not manifest.get("sharded"):
             return Plan(None, excluded, ledger=ledger, proven=logged.proven)
     if manifest is not None and older and newest - older[-1] <= budget:
