@@ -87,7 +87,8 @@ def _children(pid: int, depth: int = 2) -> list[int]:
 
 def sample(pid: int) -> ProcSample:
     """A read of worker ``pid`` (state ``?`` where it is gone)."""
-    main = _stat(f"/proc/{pid}/task/{pid}/stat")
+    task = f"/proc/{pid}/task/{pid}"  # its main thread
+    main = _stat(f"{task}/stat")
     if main is None:
         return ProcSample("?", 0.0, 0, 0.0)
     children = 0.0
@@ -101,7 +102,6 @@ def sample(pid: int) -> ProcSample:
             wchan = fh.read().strip()
     except OSError:
         pass
-    task = f"/proc/{pid}/task/{pid}"
     return ProcSample(
         main[0], main[1], _io(f"{task}/io"), children, wchan, _waited(f"{task}/schedstat")
     )
