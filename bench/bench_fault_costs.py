@@ -38,6 +38,10 @@ model (process start, imports, the process group, the script's setup); ``restore
 checkpoint load; ``step`` the first iteration (its batches and compile too); ``restart``
 the detection to the first step, the sum of the phases; ``redo`` the steps done again
 (from the last state kept to the fault), of which ``proof`` were done only for the proof.
+A row's cost is ``detect + restart + redo x step``: a NaN streak's restart ends when its
+rollback does (the streak's steps are in its detection and restart, the steps after the
+rollback are kept), and a graceful stop's ``stop`` leaves out the steps done after the
+signal, which the checkpoint it saves keeps.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class Row:
     proof: int | None = None
     step_s: float | None = None  # the run's median step, to turn redo into seconds
     source: str = ""
+    kept: int = 0  # steps done after the detection and kept (a graceful stop's)
 
     def column(self, name: str) -> float | None:
         parts = [self.phases[p] for p in COLUMNS[name] if p in self.phases]
@@ -111,14 +116,21 @@ def _restart_rows(evs: list[ev.Event], system: str, source: str) -> list[Row]:
         near = [r for r in report.restarts_phases if abs(r["fault_time"] - f.time) < 1.0]
         r = near[0] if near else None
         detect = f.detection_latency
+        kept = 0
         if r is None:  # recovered in the processes (a NaN streak's rollback), or none
             restart = f.recovery_time
             phases: dict[str, float] = {}
             redo = proof = None
             back = [e for e in evs if e.kind == ev.Kind.ROLLBACK and e.rank == 0
                     and e.time >= f.time and e.step is not None]  # fmt: skip
-            if back and isinstance(back[0].get("to_step"), int):
-                redo = back[0].step - back[0].get("to_step")
+            if back and isinstance(back[0].get("to_step"), int) and detect is not None:
+                # the detection to the rollback's end (the streak's other steps, the
+                # restore): the step after it is kept, so not the recovery time, which
+                # ends with it. Re-done: the steps from the state rolled back to until
+                # the fault; those of the streak are the detection's and the restart's
+                restart = back[0].time - (f.time + detect)
+                if f.step is not None:
+                    redo = max(0, f.step - back[0].get("to_step"))
         else:
             phases = {k: v for k, v in r["phases"].items() if k != "detection"}
             restart = sum(phases.values()) if r["seconds"] is not None else None
@@ -131,9 +143,20 @@ def _restart_rows(evs: list[ev.Event], system: str, source: str) -> list[Row]:
                 seen = f.time + (detect or 0.0)
                 before = [e.step for e in evs if e.kind == ev.Kind.STEP_DONE and e.rank == 0
                           and e.step is not None and e.time <= seen]  # fmt: skip
-                if before:  # a graceful stop saves steps after the signal: none re-done
+                if before:
                     redo = max(0, max(before) + 1 - pr["step"])
-        rows.append(Row(f.fault, system, detect, restart, phases, redo, proof, step_s, source))
+                    kept = max(0, pr["step"] - max(before) - 1)
+                if kept and "stopping" in phases:
+                    # a graceful stop: the steps done after the signal are kept, so their
+                    # time is training, not the stop's; what is left is the save and exit
+                    kept_done = [e.time for e in evs if e.kind == ev.Kind.STEP_DONE
+                                 and e.rank == 0 and e.step == pr["step"] - 1]  # fmt: skip
+                    last = max(kept_done, default=seen)
+                    phases["stopping"] = max(0.0, phases["stopping"] - (last - seen))
+                    restart = sum(phases.values())
+        rows.append(
+            Row(f.fault, system, detect, restart, phases, redo, proof, step_s, source, kept)
+        )
     return rows
 
 
@@ -149,13 +172,17 @@ def demo(work: Path) -> tuple[list[Row], dict[str, Any]]:
     evs, _ = load_events(out / "run" / "events.jsonl")
     report = compute_report(evs)
     rows = _restart_rows(evs, "steadfast", "steadfast demo")
-    steps = [e.time for e in evs if e.kind == ev.Kind.STEP_DONE and e.rank == 0]
+    first = min((e for e in evs if e.kind == ev.Kind.STEP_DONE and e.rank == 0),
+                key=lambda e: e.time)  # fmt: skip
     return rows, {
         "wall": report.wall_time,
         "productive": report.productive_time,
         "goodput": report.goodput,
         "badput": report.badput,
-        "cold_start": min(steps) - min(e.time for e in evs),  # the first launch's
+        # the first launch's: the run's start (the report's) to its first step's start
+        "cold_start": first.time
+        - float(first.get("seconds") or 0.0)
+        - (max(e.time for e in evs) - report.wall_time),
     }
 
 
@@ -394,7 +421,9 @@ def main() -> None:
     print(table(rows))
     for r in rows:
         print(f"  {r.fault} / {r.system}: {r.source}; phases "
-              + ", ".join(f"{k} {v:.3f}" for k, v in r.phases.items() if v >= 0.0005))  # fmt: skip
+              + ", ".join(f"{k} {v:.3f}" for k, v in r.phases.items() if v >= 0.0005)
+              + (f"; {r.kept} steps done after the signal, kept (not in its stop)"
+                 if r.kept else ""))  # fmt: skip
     if parts is not None:
         print(
             f"\nthe demo: goodput measured {100 * parts['goodput']:.1f} %, predicted from its "
