@@ -8,7 +8,8 @@ The faults and loads a test asks for are the script's own doing, never steadfast
 
 - ``--hang sleep:R:S``: rank R sleeps for an hour inside step S (after its forward;
   the others wait in DDP's all-reduce); ``--hang loader:R:S``: rank R's DataLoader
-  worker never returns batch S. Once per run (a marker beside the snapshot).
+  worker never returns batch S; ``--hang kill:R:S``: rank R kills itself (SIGKILL) in
+  step S, a crash. Once per run (a marker beside the snapshot).
 - ``--eval-every K --eval-seconds E``: every K steps every rank computes for E seconds
   (an evaluation that does not call the model).
 - ``--save-at S --save-seconds E``: at step S rank 0 writes a file for E seconds (a
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 
 import torch
@@ -128,9 +130,11 @@ def main() -> None:
                 trace.flush()
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(net(x), y)
-            if hangs and kind == "sleep" and step == int(hang_step):
+            if hangs and kind in ("sleep", "kill") and step == int(hang_step):
                 trace.write(f"hang {time.time()}\n")
                 trace.flush()
+                if kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(3600)
             loss.backward()
             step_fn()
