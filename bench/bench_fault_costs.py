@@ -292,6 +292,17 @@ def killed(repeats: int) -> list[Row]:
     ]
 
 
+def import_torch(repeats: int = 3) -> float:
+    """A bare ``python -c "import torch"``, the median of ``repeats``: the requeue's
+    baseline (everything of a requeue beyond it is the launcher's and the library's)."""
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=300)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
 def nodes() -> list[Row]:
     """A lost node with a spare and without one, on the network-namespace bed."""
     check = subprocess.run(["bash", str(bench_node_loss.SCRIPT), "check"], capture_output=True)
@@ -410,6 +421,8 @@ def main() -> None:
     if "kill" not in skip:
         print("killed rank, steadfast and torchrun ...", flush=True)
         rows += killed(args.repeats)
+    print("a bare import torch ...", flush=True)
+    bare_import = import_torch()
     failed = None  # a job that did not recover: the others' rows are still printed
     if "nodes" not in skip:
         print("lost nodes ...", flush=True)
@@ -431,7 +444,15 @@ def main() -> None:
             + ", ".join(f"{k} {v:.2f} s" for k, v in parts["badput"].items())
             + ")"
         )
-    args.out.write_text(json.dumps(costs(rows), indent=1) + "\n")
+    requeue = [r for r in rows if r.fault == "sigterm" and r.restart is not None]
+    print(f"\na bare `python -c 'import torch'`: {bare_import:.2f} s (median of 3)")
+    if requeue:
+        back = requeue[0].restart or 0.0
+        print(f"the requeue, the signal to the first step less the steps kept: {back:.2f} s, "
+              f"{back / bare_import:.2f}x the bare import (goal: 1.5x)")  # fmt: skip
+    out = costs(rows)
+    out["import_torch"] = round(bare_import, 3)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"written: {args.out} (bench/bench_goodput_projection.py --costs {args.out})")
     if failed:
         raise SystemExit(failed)

@@ -1,17 +1,28 @@
-"""What the library's per-step calls cost a healthy step: the agreed shutdown check.
+"""What the library's per-step calls cost a healthy step, each alone and all together as
+``steadfast demo``'s training loop (``examples/train.py``) makes them.
 
 Two gloo ranks run the same loop of ``--steps`` steps of ``--step-ms`` each (a sleep: the
 host waits for the GPU, as it does in a real step) plus a jitter of up to ``--jitter-ms``
-that differs by rank and step, as real steps do. Each mode adds one call after each step:
+that differs by rank and step, as real steps do. The model is the demo's (DDP over a
+32-64-1 MLP, AdamW); each step runs its forward, backward and optimizer step. Each mode
+adds its calls after each step:
 
 - ``bare``: none (the baseline, measured in the same run);
-- ``blocking``: the agreement as it was, one all-reduce read at once (``count_true``):
-  every step waits for the slowest rank's;
+- ``blocking``: the agreed shutdown as it was, one all-reduce read at once
+  (``count_true``): every step waits for the slowest rank's;
 - ``agree``: ``ShutdownHandler(agree=True).should_shutdown(step)``, whose count runs in
-  the background from one step to the next.
+  the background from one step to the next;
+- ``nan``: ``NaNDetector.check_loss`` (its all-reduce decides this step's update: a
+  DDP step's own all-reduce has the ranks in step already);
+- ``straggler``: the demo's ``StragglerDetectionManager`` (its forward timed by
+  ``wrap_train_step``, ``check(step)`` with a report every second);
+- ``snapshot``: ``CheckpointManager(memory_every=1).snapshot``, the memory tier's copy
+  of the model, the optimizer and the RNG streams every step;
+- ``demo``: all of the library's calls of the demo's loop (``nan``, ``straggler``,
+  ``agree``, ``snapshot``), ``agree``'s handler at its place.
 
-It prints, per mode, the time spent in the call per step (mean over ranks and steps) and
-the loop's time per step, and their share of the step.
+It prints, per mode, the time spent in the calls per step (mean over ranks and steps)
+and the loop's time per step, and their share of the step.
 
     .venv/bin/python bench/bench_step_calls.py [--steps 60] [--step-ms 100] [--jitter-ms 10]
 """
@@ -23,35 +34,72 @@ import os
 import random
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODES = ("bare", "blocking", "agree")
+MODES = ("bare", "blocking", "agree", "nan", "straggler", "snapshot", "demo")
 
 
 def _rank(rank: int, world: int, store: str, args: Any, out: Any) -> None:
-    from steadfast import ShutdownHandler
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from steadfast import CheckpointManager, NaNDetector, ShutdownHandler
     from steadfast.dist import count_true
+    from steadfast.straggler import NVRxStragglerDetectionConfig, StragglerDetectionManager
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     rng = random.Random(rank)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    model = DDP(net, find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 32), torch.randn(16, 1)
     for mode in MODES:
+        calls = {"demo": {"nan", "straggler", "agree", "snapshot"}}.get(mode, {mode})
         handler = ShutdownHandler(timeout_sec=0, agree=True)
         handler.should_shutdown(-1)  # its first call makes what it needs, once
+        detector = NaNDetector(action="skip", max_consecutive=3)
+        stragglers = StragglerDetectionManager(
+            NVRxStragglerDetectionConfig(
+                enabled="straggler" in calls, report_time_interval=1.0, enable_logging=False
+            )
+        )
+        ckpt = CheckpointManager(Path(store).parent / f"ckpt-{mode}", memory_every=1)
+        state = {"model": net, "optim": opt}
+
+        def forward(batch: torch.Tensor) -> torch.Tensor:
+            time.sleep((args.step_ms + rng.uniform(0, args.jitter_ms)) / 1000)
+            return model(batch)  # type: ignore[no-any-return]
+
+        timed = stragglers.wrap_train_step(forward) if "straggler" in calls else forward
         dist.barrier()
         in_call, start = 0.0, time.perf_counter()
         for step in range(args.steps):
-            time.sleep((args.step_ms + rng.uniform(0, args.jitter_ms)) / 1000)
+            loss = torch.nn.functional.mse_loss(timed(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            t0 = time.perf_counter()
+            ok = detector.check_loss(loss, step) if "nan" in calls else True
+            in_call += time.perf_counter() - t0
+            if ok:
+                opt.step()
             t0 = time.perf_counter()
             if mode == "blocking":
                 count_true(False)
-            elif mode == "agree":
+            if "straggler" in calls:
+                stragglers.check(step)
+            if "agree" in calls:
                 handler.should_shutdown(step)
+            if "snapshot" in calls:
+                ckpt.snapshot(step + 1, state)
             in_call += time.perf_counter() - t0
         loop = time.perf_counter() - start
         handler.unregister()
+        ckpt.close()
         out.put((mode, rank, in_call / args.steps, loop / args.steps))
     dist.barrier()
     dist.destroy_process_group()
