@@ -28,8 +28,12 @@ last rank's):
   steadfast and torchrun.
 
 NVRx 0.4.1 runs where it is installed (``--nvrx PYTHON``, the environment
-``scripts/nvrx-env.sh`` makes): its rows are left out otherwise, and the projection keeps
-its assumed costs (their source says so).
+``NVRX_WHEEL=0.4.1 scripts/nvrx-env.sh .nvrx-0.4.1`` makes: its released wheel): the
+killed rank under its ``ft_launcher`` (its in-job restart: a new interpreter per worker,
+as torchrun's), which the projection then takes for NVRx's crash; without it that row is
+left out, and the projection keeps its assumed costs (their source says so). Its other
+kinds are not measured here: a lost node ends an NVRx 0.4.1 job without a spare, and its
+hang detection needs its client in the script.
 
 Columns (seconds): ``detect`` the fault to its detection; ``stop`` the old workers' exit;
 ``requeue`` the old launcher's end to the new one's (Slurm's shape); ``rdzv`` the health
@@ -273,13 +277,16 @@ def proof(work: Path) -> list[Row]:
     return [row]
 
 
-def killed(repeats: int) -> list[Row]:
-    """The same killed rank under steadfast launch and torchrun, median of ``repeats``."""
+def killed(repeats: int, nvrx: str = "") -> list[Row]:
+    """The same killed rank under steadfast launch, torchrun and (``nvrx``: its
+    environment's python) NVRx's ``ft_launcher``, median of ``repeats``."""
     launchers = {
         "steadfast": [sys.executable, "-m", "steadfast.cli", "launch",
                       "--ft-param-rank_section_timeouts=step:5"],
         "torchrun": [sys.executable, "-m", "torch.distributed.run"],
     }  # fmt: skip
+    if nvrx:
+        launchers["nvrx"] = [nvrx, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher"]
     got: dict[str, list[float]] = {name: [] for name in launchers}
     for _ in range(repeats):  # interleaved
         for name, cmd in launchers.items():
@@ -401,7 +408,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("fault_costs.json"))
     ap.add_argument("--skip", default="", help="comma-separated jobs to leave out")
-    ap.add_argument("--repeats", type=int, default=3, help="of the killed-rank pair")
+    ap.add_argument("--repeats", type=int, default=3, help="of the killed-rank runs")
+    ap.add_argument("--nvrx", default="", help="NVRx's python (NVRX_WHEEL=0.4.1 "
+                    "scripts/nvrx-env.sh .nvrx-0.4.1 makes it): its killed-rank row")  # fmt: skip
     args = ap.parse_args()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     rows: list[Row] = []
@@ -420,7 +429,7 @@ def main() -> None:
             rows += proof(work)
     if "kill" not in skip:
         print("killed rank, steadfast and torchrun ...", flush=True)
-        rows += killed(args.repeats)
+        rows += killed(args.repeats, args.nvrx)
     print("a bare import torch ...", flush=True)
     bare_import = import_torch()
     failed = None  # a job that did not recover: the others' rows are still printed

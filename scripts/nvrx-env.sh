@@ -5,6 +5,10 @@
 # torch's and steadfast's (issue 28). The PyPI wheels for x86_64 stop at 0.4.1.
 #
 #   scripts/nvrx-env.sh [DIR]        default DIR: .nvrx at the repository root
+#   NVRX_WHEEL=0.4.1 scripts/nvrx-env.sh .nvrx-0.4.1
+#                                    NVRx's released wheel instead (x86_64's newest:
+#                                    0.4.1), with its own dependencies, for the
+#                                    fault-cost bench's NVRx rows
 #
 # What it does (each step a no-op when done):
 #   - clones NVRx (NVRX_REPO, default its GitHub repository) at NVRX_COMMIT into DIR/src;
@@ -25,6 +29,16 @@ torch_version=${TORCH:-2.13.0}
 python=${PYTHON:-python3}
 
 mkdir -p "$dir"
+if [ -n "${NVRX_WHEEL:-}" ]; then
+    if [ ! -x "$dir/venv/bin/python" ]; then
+        "$python" -m venv "$dir/venv"
+    fi
+    py=$dir/venv/bin/python
+    "$py" -m pip install --quiet "torch==$torch_version" "nvidia-resiliency-ext==$NVRX_WHEEL"
+    "$py" -c 'import nvidia_resiliency_ext.fault_tolerance.launcher' >/dev/null
+    echo "$py"
+    exit 0
+fi
 if [ ! -d "$dir/src/.git" ]; then
     git clone --quiet "$repo" "$dir/src"
 fi
