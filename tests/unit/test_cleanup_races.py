@@ -14,7 +14,6 @@ from steadfast.checkpoint.memory import MemoryDir
 from steadfast.config import FaultToleranceConfig
 from steadfast.launcher.agent import FTAgent
 from steadfast.launcher.compile_cache import CompileCache
-from steadfast.launcher.heir import Templates
 from steadfast.launcher.job_end import hung_in_teardown
 from steadfast.launcher.nodes import NodeRoster, store_calls
 from steadfast.launcher.nodes.health import GpuCheck
@@ -71,7 +70,7 @@ def test_the_agent_removes_its_shared_memory_whatever_an_earlier_step_raises(tmp
     agent.memory_dir = MemoryDir()
     agent.compile_cache = CompileCache("job", None)
     agent._gpus = GpuCheck(0)
-    agent.templates = Templates(None)
+    agent.template = None
     agent.watcher = Watcher(agent.table, ft)
     agent.watcher.start()
     roster = NodeRoster(ft, host="127.0.0.1")

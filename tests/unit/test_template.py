@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from steadfast import seam
-from steadfast.launcher.heir import Templates
 from steadfast.launcher.preload import uncollected
 from steadfast.launcher.template import Template, parse_python_argv
 
@@ -107,43 +106,30 @@ print(*(name in sys.modules for name in ("torch._dynamo", "torch._inductor.compi
 
 
 @pytest.mark.skipif(seam.cuda_built(), reason="a CUDA build probes each preload first")
-def test_the_compiler_comes_with_an_heir_and_no_worker_waits_for_its_import(tmp_path: Path):
+def test_the_compiler_is_preloaded_only_once_the_launcher_asks_and_later_workers_have_it(
+    template: Template, tmp_path: Path
+):
     """Without CUDA the template imports dynamo (every optimizer needs it) before it
-    serves, and Inductor's compiler never: a job that never compiles neither waits for
-    it nor pays its import and its teardown in every worker. Once the job compiled, an
-    heir imports it in a process of its own; the serving template forks workers all the
-    while (never waiting for that import), and the first generation after the heir is
-    ready is forked from it and has it; the old template is gone then."""
+    serves, and Inductor's compiler only once the launcher asks for it (a worker of the
+    job compiled): a job that never compiles neither waits for it nor pays its import
+    and its teardown in every worker; later workers have it."""
     script = tmp_path / "which.py"
     script.write_text(WHICH_PRELOADS)
-    templates = Templates(Template())
 
     def spawned() -> str:
-        template = templates.for_generation()
-        assert template is not None
         out = tmp_path / "which.txt"
         proc = template.spawn([str(script)], dict(os.environ), stdout=str(out), stderr=str(out))
         assert proc.wait(60) == 0, out.read_text()
         return out.read_text().strip()
 
-    try:
-        first = templates.current
-        assert first is not None
-        assert spawned() == "True False"
-        templates.want(seam.COMPILER)
-        heir = templates._heir
-        assert heir is not None and heir.preloads == (seam.COMPILER,)
-        # while the heir imports (seconds), the first template serves at once
-        assert spawned() == "True False" and not heir.ready(0) and templates.current is first
-        assert heir.ready(120)
-        assert spawned() == "True True"
-        assert templates.current is heir and templates._heir is None
-        assert first.gone()
-        templates.want(seam.COMPILER)  # wanted before: no second heir
-        assert templates._heir is None
-    finally:
-        templates.close()
-    assert heir.gone()
+    assert spawned() == "True False"
+    time.sleep(1.0)  # idle: it would have imported it by now
+    assert spawned() == "True False"
+    template.preload(seam.COMPILER)
+    deadline = time.monotonic() + 120
+    while (seen := spawned()) != "True True" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert seen == "True True"
 
 
 PRELOADS = """

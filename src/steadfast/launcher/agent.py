@@ -73,7 +73,6 @@ from .failures import (
     stopped_failures,
 )
 from .generations import Generations
-from .heir import Templates
 from .job_end import exit_barrier, hung_at_end, hung_in_teardown
 from .nodes import GpuCheck, Loss, NodeRoster, health_check
 from .rendezvous import Rendezvous
@@ -163,10 +162,9 @@ class FTAgent(LocalElasticAgent):
         carried = carried_no_progress(os.environ.get("SLURM_JOB_ID"), restart_count)
         self.progress_guard = ProgressGuard(ft.max_no_progress_restarts, carried)
         self.generations = Generations()  # workers_started / workers_exited, once each
-        # importing torch, in parallel with the rendezvous
-        self.templates = Templates(
-            (take_prestarted() or Template()) if ft.worker_template else None
-        )
+        self.template: Template | None = None
+        if ft.worker_template:  # importing torch, in parallel with the rendezvous
+            self.template = take_prestarted() or Template()
 
     def close(self) -> None:
         """Stop the watcher and the node roster, and remove the heartbeat table and the
@@ -177,7 +175,7 @@ class FTAgent(LocalElasticAgent):
             for name in (HB_TABLE_ENV, FT_CONFIG_ENV, MEMORY_DIR_ENV, PROGRESS_ENV, *own_cache):
                 steps.callback(os.environ.pop, name, None)
             closers = [self.memory_dir.remove, self.table.close]
-            closers += [part.close for part in (self.templates, self.roster) if part is not None]
+            closers += [part.close for part in (self.template, self.roster) if part is not None]
             for close in [*closers, self.compile_cache.close, self._gpus.close, self.watcher.stop]:
                 steps.callback(close)
 
@@ -336,8 +334,7 @@ class FTAgent(LocalElasticAgent):
         self.generations.spawning()
         # for this call, torch's agent starts script workers from the template (or as
         # plain processes with the progress hooks' boot)
-        template = self.templates.for_generation()  # an heir, once ready
-        starter = template_start_processes(template, self.watcher.teardown.exit_code)
+        starter = template_start_processes(self.template, self.watcher.teardown.exit_code)
         with seam.start_processes_from(starter):
             ids = super()._start_workers(worker_group)
         pcontext = seam.agent_pcontext(self)
@@ -371,15 +368,14 @@ class FTAgent(LocalElasticAgent):
         self._preload_compiler()
 
     def _preload_compiler(self) -> None:
-        """Once a worker of this node spent time in torch.compile, an heir of the
-        template imports Inductor's compiler for the workers of the generations after it
-        is ready (:mod:`.heir`; never for a job that does not compile: seconds of a core
-        beside its training, ~0.3 s more at each exit)."""
+        """Once a worker of this node spent time in torch.compile, the template imports
+        Inductor's compiler for the workers it forks next (never for a job that does not
+        compile: seconds of a core beside its training, ~0.3 s more at each exit)."""
         compiled = any(
             self.table.progress_area(r)[0][PH_COMPILE] > 0 for r in range(self.table.rows)
         )
-        if compiled:
-            self.templates.want(seam.COMPILER)
+        if compiled and self.template is not None:
+            self.template.preload(seam.COMPILER)
 
     def _keep_learned(self) -> None:
         """A generation ended: take in what its ranks learned (and, for a hang caught by

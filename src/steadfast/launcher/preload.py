@@ -2,16 +2,14 @@
 
 On a torch without CUDA, what every worker needs (:data:`steadfast.seam.PRELOADED_BY_ALL`:
 dynamo, which any optimizer imports) before the template serves (:meth:`Preloader.eager`,
-beside the launcher's own start). The rest (Inductor's compiler) only once the job
-showed it needs it (a worker compiled), and then not in this template: a second one, the
-heir (:mod:`.heir`), imports it before it serves (:meth:`Preloader.finish`), while this
-one keeps serving. Imported before serving, the compiler held every cold start (a first
-launch, a requeue) ~2 s on 2 cores for a script that may never compile; imported for
-every job, it took a core for seconds beside the training and added ~0.3 s to every
-worker's exit (its interpreter frees ~250 more modules), for scripts that never compile;
-imported by the serving template while workers ran, a fault in those seconds found its
-restart waiting for the import. On a CUDA build one module at a time, each probed first,
-while no worker is asked for:
+beside the launcher's own start). The rest (Inductor's compiler) only once the launcher
+asks for it (:meth:`Preloader.want`: a worker of the job compiled), then while workers
+run. Imported before serving, the compiler held every cold start (a first launch, a
+requeue) ~2 s on 2 cores for a script that may never compile; imported for every job, it
+took a core for seconds beside the training and added ~0.3 s to every worker's exit
+(its interpreter frees ~250 more modules), for scripts that never compile; imported once
+idle (no worker), it lands right after a worker ended: in a restart's way. On a CUDA
+build one module at a time, each probed first, while no worker is asked for:
 
 On a torch built with CUDA an import may ask for the GPUs (``device_count``, which
 initialises CUDA's driver): every process forked after that fails at its first CUDA call
@@ -32,7 +30,6 @@ import gc
 import logging
 import os
 import signal
-import time
 from collections.abc import Iterable, Iterator
 
 from .. import seam
@@ -75,17 +72,6 @@ class Preloader:
 
         if name in seam.PRELOADED and name not in sys.modules and name not in self._names:
             self._names.append(name)
-
-    def finish(self, names: Iterable[str]) -> None:
-        """Import ``names`` (of :data:`steadfast.seam.PRELOADED`) and whatever else is
-        pending now, each probed first on a CUDA build: for a template that does not
-        serve yet (an heir, :mod:`.heir`), which nothing waits for."""
-        for name in names:
-            self.want(name)
-        while self.pending():
-            self.poll(True)
-            if self._probe is not None:
-                time.sleep(0.02)
 
     def idle(self, quiet: bool, running: bool, served: bool) -> bool:
         """Whether the template may probe or import now (``quiet``: no worker asked for

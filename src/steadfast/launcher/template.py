@@ -144,13 +144,11 @@ IGNORED_SIGNALS = frozenset(
 )  # fmt: skip
 
 
-def serve(fd: int, preload: tuple[str, ...] = ()) -> dict[str, Any] | None:
-    """The template's main loop (``python -u -m steadfast.launcher.template FD
-    [MODULE...]``): None when the launcher is gone; in a forked child, the request it is
-    to run, returned to the template's top level (:func:`become_worker`), so that the
-    script's end is the interpreter's own. ``preload``: modules of
-    :data:`steadfast.seam.PRELOADED` imported before it serves (an heir's,
-    :mod:`.heir`)."""
+def serve(fd: int) -> dict[str, Any] | None:
+    """The template's main loop (``python -u -m steadfast.launcher.template FD``): None
+    when the launcher is gone; in a forked child, the request it is to run, returned to
+    the template's top level (:func:`become_worker`), so that the script's end is the
+    interpreter's own."""
     import importlib
 
     from .. import seam
@@ -168,10 +166,8 @@ def serve(fd: int, preload: tuple[str, ...] = ()) -> dict[str, Any] | None:
     # what workers import later (dynamo, Inductor's compiler: ~2 s each on 2 cores), so
     # that each restart's workers start without it (see .preload for when); never while
     # forking (the main thread is the only one: no import lock is held at a fork)
-    preloader = Preloader(seam.PRELOADED_BY_ALL, seam.PRELOADED_BY_ALL)
+    preloader = Preloader(seam.PRELOADED_BY_ALL, seam.PRELOADED_BY_ALL)  # the rest: want()
     preloader.eager()
-    if preload:  # an heir: the rest too, before it serves (probed first on a CUDA build)
-        preloader.finish(preload)
 
     # From here on the signals are blocked and read with sigtimedwait (an ignored one is
     # discarded before anyone can see who sent it): a worker's is passed to the launcher
@@ -218,6 +214,9 @@ def serve(fd: int, preload: tuple[str, ...] = ()) -> dict[str, Any] | None:
                 request = _recv(sock)
                 if request is None:  # the launcher is gone
                     return None
+                if "preload" in request:  # the job needs it (Template.preload)
+                    preloader.want(str(request["preload"]))
+                    continue
                 asked, served = time.monotonic(), True
                 synced_r, synced_w = os.pipe()
                 # what the template holds (torch, dynamo: ~290,000 objects) goes to the
@@ -360,23 +359,14 @@ class TemplateProc:
 class Template:
     """The launcher's handle on the template process."""
 
-    def __init__(self, env: dict[str, str] | None = None, preload: tuple[str, ...] = ()) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         parent, child = socket.socketpair()
         self._sock = parent
         #: the environment the template imported torch with (OpenMP reads it then)
         self.env = dict(os.environ if env is None else env)
-        #: what it imports before it serves, beyond what every template does
-        self.preloads = tuple(preload)
         self._proc = subprocess.Popen(
             # -u: the stdio every worker of torchrun's has (it starts them `python -u`)
-            [
-                sys.executable,
-                "-u",
-                "-m",
-                "steadfast.launcher.template",
-                str(child.fileno()),
-                *self.preloads,
-            ],
+            [sys.executable, "-u", "-m", "steadfast.launcher.template", str(child.fileno())],
             pass_fds=(child.fileno(),),
             start_new_session=True,
             env=self.env,
@@ -459,15 +449,16 @@ class Template:
             pid = self._spawned.pop(request_id)
         return TemplateProc(self, pid)
 
+    def preload(self, name: str) -> None:
+        """Have the template import ``name`` (one of :data:`steadfast.seam.PRELOADED`)
+        for the workers it forks from now on, when it is idle; not waited for."""
+        with self._lock, contextlib.suppress(OSError):
+            _send(self._sock, {"preload": name})
+
     def ready(self, timeout: float) -> bool:
         """Whether the template has imported torch and serves requests (waits up to
         ``timeout`` seconds)."""
         return self._ready.wait(timeout) and not self._closed
-
-    def gone(self) -> bool:
-        """Whether the template process ended (or closed its end of the socket)."""
-        with self._cond:
-            return self._closed
 
     def exit_code(self, pid: int) -> int | None:
         """The worker's exit code, or None while it runs."""
@@ -543,7 +534,7 @@ def discard_prestarted() -> None:
 
 
 if __name__ == "__main__":
-    _request = serve(int(sys.argv[1]), tuple(sys.argv[2:]))
+    _request = serve(int(sys.argv[1]))
     if _request is None:
         # nothing of the template needs finalising (its workers are reaped): skip the
         # interpreter's teardown of torch (~0.4 s the launcher would wait for at its end)
