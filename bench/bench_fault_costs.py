@@ -328,10 +328,11 @@ def nodes() -> list[Row]:
         rec = bench_node_loss.run(launcher, False, backend, spare=spare)
         phases = {k: v for k, v in (rec.phases or {}).items() if k != "detection"}
         detect = rec.detected
-        restart = rec.first_step - detect if detect is not None else None
+        # torchrun's detection is not told apart: its restart is the kill to the first step
+        restart = rec.first_step - (detect or 0.0)
         system = f"{launcher}/{backend}" if launcher == "steadfast" else launcher
         if detect is None:
-            source += f"; kill -> first step {rec.first_step:.2f} s"
+            source += "; restart: the kill to the first step"
         rows.append(Row(fault, system, detect, restart, phases, source=source))
     return rows
 
