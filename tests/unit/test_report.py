@@ -76,6 +76,28 @@ def test_goodput_arithmetic(tmp_path: Path):
     assert "every injected fault (1) was detected and recovered" in text
 
 
+def test_a_killed_ranks_detection_is_its_exit_not_the_stop_of_the_others(tmp_path: Path):
+    """torch's agent writes ``rank_failed`` only once it stopped the other workers (the
+    survivor here took 0.4 s to exit): the kill was detected when the launcher's watcher
+    saw the rank end (``workers_exited``'s exit time, 9.1), and the stop is the
+    restart's. The goodput is the same; detection and restart are split where they
+    happened."""
+    log = [line for line in LOG if '"rank_failed"' not in line]
+    at = log.index(next(line for line in log if '"restart"' in line))
+    exits = [{"rank": 1, "exit_code": -9, "time": 9.1}, {"rank": 0, "exit_code": 1, "time": 9.45}]
+    log[at:at] = [
+        _line(9.5, "rank_failed", rank=1, pid=50, exit_code=-9),
+        _line(9.5, "workers_exited", rank=None, pid=50, exits=exits),
+    ]
+    report = compute_report(load_events(_write(tmp_path, log))[0])
+    assert report.badput["detection"] == pytest.approx(0.1)  # 9.0 -> 9.1
+    assert report.badput["restart"] == pytest.approx(0.9)  # 9.1 -> B's start at 10
+    assert report.goodput == pytest.approx(8.0 / 17.5)
+    (fault,) = report.faults
+    assert fault.detection_latency == pytest.approx(0.1)
+    assert fault.recovery_time == pytest.approx(3.4)  # 9.1 -> B's first step at 12.5
+
+
 def test_the_launchers_own_start_is_start_up_not_other(tmp_path: Path):
     """Before the first worker process exists, the launcher starts and spawns it: that
     is the run's start-up (it was left to "other"), as a requeue's is its restart."""

@@ -42,6 +42,7 @@ from typing import Any
 from .. import events as ev
 from ..faults import FaultKind
 from .launchers import LauncherView, launcher_view
+from .restarts import _exit_time, _launcher
 from .restarts import restarts as restart_phases
 from .steps import seen_steps
 
@@ -276,7 +277,7 @@ def compute_report(
         # the launcher's own verdicts first: a survivor's shutdown_requested can come
         # a moment earlier, when the agent stops the others
         primary = [e for e in window if e.kind in (ev.Kind.RANK_HUNG, ev.Kind.RANK_FAILED)]
-        det = (primary or window)[0].time if window else None
+        det = _seen_at((primary or window)[0], evs) if window else None
         if det is None:  # a planned stop (preemption), a requeue: all of it is restart
             badput["restart"] += max(0.0, next_start - prev_end)
             continue
@@ -409,14 +410,30 @@ def _faults(evs: list[ev.Event], steps: list[ev.Event]) -> list[FaultRecord]:
         det = next((e for e in evs if e.kind in wanted and e.time >= inj.time), None)
         if det is not None:
             rec.detected_by = det.kind
-            rec.detection_latency = det.time - inj.time
+            seen = max(inj.time, _seen_at(det, evs))
+            rec.detection_latency = seen - inj.time
             recovery = kind.recovery if kind is not None else "in_place"  # any next step
             if recovery == "reported":  # the slowdown itself is the straggler's
                 rec.recovered = True
             else:
-                rec.recovery_time, rec.recovered = _recovery(recovery, det, evs, steps)
+                back, rec.recovered = _recovery(recovery, det, evs, steps)
+                rec.recovery_time = back + det.time - seen if back is not None else None
         out.append(rec)
     return out
+
+
+def _seen_at(det: ev.Event, evs: list[ev.Event]) -> float:
+    """When the fault ``det`` reports was detected: the event's time, but a
+    ``rank_failed``'s is the failed rank's end as its launcher's watcher saw it (a pidfd,
+    in the ``workers_exited`` that follows): the event itself comes only after torch's
+    agent stopped the other workers, whose stopping is the restart's, not detection."""
+    if det.kind != ev.Kind.RANK_FAILED:
+        return det.time
+    launcher = _launcher(det)
+    exited = next((e for e in evs if e.kind == ev.Kind.WORKERS_EXITED and e.time >= det.time
+                   and _launcher(e) == launcher), None)  # fmt: skip
+    seen = _exit_time(exited, det.rank) if exited is not None else None
+    return min(seen, det.time) if seen is not None else det.time
 
 
 def _recovery(
