@@ -448,7 +448,10 @@ def read_events(path: Path) -> list[dict[str, Any]]:
 
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # a log being written: its last line may be a write still under way (one os.write
+    # of a line across a page boundary is seen in two parts), which the next read has
+    lines = path.read_text().split("\n")[:-1]
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 if __name__ == "__main__":

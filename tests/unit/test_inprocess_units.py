@@ -294,3 +294,26 @@ def test_an_exception_after_another_rank_ended_the_iteration_is_not_a_fault_of_i
     assert [(e["kind"], e["iteration"], e["fault_rank"], e["first"]) for e in evs] == [
         ("inprocess_interrupted", 1, 0, True)
     ]
+
+
+def test_an_aborted_ranks_hard_timeout_counts_from_the_abort_while_its_thread_lives() -> None:
+    """A rank interrupted and aborted by its monitor thread waits in a call the abort
+    should release (a collective with a frozen peer, released when the peer is
+    terminated): its hard timeout counts from the abort while the thread marks itself,
+    also when a busy machine left the thread unscheduled for longer than its intervals
+    (0.8 s here: the rank was once terminated 20 ms before its frozen peer with a 0.3 s
+    window); a process frozen after the abort (its thread silent for more than a soft
+    timeout) counts from its last progress again, as one never aborted does."""
+    from steadfast.inprocess.monitor import MonitorProcessConfig, hard_age
+
+    cfg = MonitorProcessConfig(
+        initial_rank=0, world_size=2, rank_pid=1, store_factory=object,  # type: ignore[arg-type]
+        store_kwargs={}, serve_store=False, coordinate=False, interval=0.1,
+        thread_interval=0.1, soft_timeout=1.0, hard_timeout=2.5, heartbeat_timeout=5.0,
+        termination_grace_time=0.5, linger=0.0, logfile=None,
+    )  # fmt: skip
+    progress, aborted = 100.0, 101.0
+    assert hard_age(cfg, 103.0, progress, 0.0, 0.0) == pytest.approx(3.0)  # never aborted
+    assert hard_age(cfg, 103.0, progress, aborted, 102.95) == pytest.approx(2.0)
+    assert hard_age(cfg, 103.0, progress, aborted, 102.2) == pytest.approx(2.0)  # 0.8 s late
+    assert hard_age(cfg, 103.0, progress, aborted, 101.5) == pytest.approx(3.0)  # frozen

@@ -175,6 +175,26 @@ class MonitorProcessConfig:
     heartbeat_interval: float = 1.0  #: how often it beats into the store
 
 
+def hard_age(
+    cfg: MonitorProcessConfig, now: float, progress: float, aborted: float, alive: float
+) -> float:
+    """How long the rank has gone without progress, as its hard timeout counts it.
+
+    Interrupted and aborted by a live monitor thread, the main thread waits in a call the
+    abort should release (a gloo collective with a frozen peer, released when that peer
+    is terminated): it gets a full hard timeout from the abort before it is terminated
+    itself. The thread is taken for alive while it marked itself within a soft timeout
+    (at least two process and one thread interval): it marks itself every thread
+    interval, but a machine busy with other work can leave it unscheduled for longer
+    (seen: a survivor terminated 20 ms before its frozen peer, whose end would have
+    released it, when the window was 0.3 s), while a frozen process never marks itself
+    again and is terminated a soft timeout later at most."""
+    window = max(2 * cfg.interval + cfg.thread_interval, cfg.soft_timeout)
+    if aborted and now - alive < window:
+        return now - max(progress, aborted)
+    return now - progress
+
+
 def _set_process_name(name: str) -> None:
     try:
         libc = ctypes.CDLL(None)
@@ -339,13 +359,7 @@ class _Monitor:
                         f"no progress for {age:.2f}s (soft_timeout {cfg.soft_timeout:g}s): {where}"
                     )
                     self._report(iteration, self.rank, "soft_timeout", detail)
-                aborted, alive = self.shared.abort_state()
-                if aborted and now - alive < 2 * cfg.interval + cfg.thread_interval:
-                    # Interrupted and aborted by a live monitor thread: the main thread
-                    # waits in a call the abort should release (e.g. a gloo collective
-                    # with a frozen peer, released when that peer is terminated). It gets
-                    # a full hard_timeout from the abort before it is terminated itself.
-                    age = now - max(progress, aborted)
+                age = hard_age(cfg, now, progress, *self.shared.abort_state())
                 if age > cfg.hard_timeout:
                     detail = f"no progress for {age:.2f}s (hard_timeout {cfg.hard_timeout:g}s)"
                     self._rank_gone(iteration, "hard_timeout", detail, pidfd)
