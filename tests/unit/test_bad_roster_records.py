@@ -40,7 +40,14 @@ from steadfast.launcher.nodes.records import (
     parse_round,
     parse_verdict,
 )
-from steadfast.launcher.nodes.round import Peer, PeerBook, Round, RoundKeys, round_token
+from steadfast.launcher.nodes.round import (
+    Peer,
+    PeerBook,
+    Round,
+    RoundKeys,
+    own_connection,
+    round_token,
+)
 from steadfast.records import MalformedRecord
 from steadfast.rendezvous.signed import SignedStore
 
@@ -158,7 +165,9 @@ def _client(server):
 
 
 def _round(client, rank: int, token: str, keys: RoundKeys) -> Round:
-    return Round(client, client, rank, 3, PeerBook(client, keys, {}), token, keys)
+    return Round(
+        client, client, rank, 3, PeerBook(client, keys, {}), token, keys, own_connection(client)
+    )
 
 
 def _records(keys: RoundKeys) -> dict[str, str]:

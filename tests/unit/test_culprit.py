@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from steadfast.launcher.nodes.culprit import Claim, agree, node_claim
-from steadfast.launcher.nodes.round import PeerBook, Round, RoundKeys
+from steadfast.launcher.nodes.round import PeerBook, Round, RoundKeys, own_connection
 
 
 class _Server:
@@ -22,14 +22,32 @@ class _Server:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
         self.rounds: list[Round] = []
 
-    def round(self, rank: int, nodes: int) -> Round:
-        client = dist.TCPStore(
-            "127.0.0.1", self.store.port, is_master=False, timeout=timedelta(seconds=10)
+    def round(self, rank: int, nodes: int, wrap=lambda client: client) -> Round:
+        client = wrap(
+            dist.TCPStore(
+                "127.0.0.1", self.store.port, is_master=False, timeout=timedelta(seconds=10)
+            )
         )
         keys = RoundKeys("job")
-        made = Round(client, client, rank, nodes, PeerBook(client, keys, {}), "tok", keys)
+        peers = PeerBook(client, keys, {})
+        made = Round(client, client, rank, nodes, peers, "tok", keys, own_connection(client))
         self.rounds.append(made)
         return made
+
+
+class _NoNewConnection:
+    """A round's store that fails a new connection once the round has formed."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.formed = False
+
+    def clone(self):
+        assert not self.formed, "a new connection to the store at fault time"
+        return self.client.clone()
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
 
 
 @pytest.fixture
@@ -87,6 +105,25 @@ def test_among_claims_of_one_weight_the_earliest_fault_wins(server):
     claims = [_claim(f"node{r + 1}", 2 * r, 50.0 - r * 0.1, 0) for r in range(4)]
     verdicts = _run_all(rounds, claims)
     assert {(v.culprit.node, v.culprit.rank) for v in verdicts} == {("node4", 6)}
+
+
+def test_the_agreement_opens_no_connection_at_fault_time(server):
+    """The connection an agreement blocks on was made when the round formed: a new one
+    costs a reverse DNS lookup on the store's one server thread, which a slow resolver
+    makes 5 s for every node's request (seen as node4's claim missing the others'
+    window, and the verdict sealed without it)."""
+    stores: list[_NoNewConnection] = []
+
+    def wrap(client):
+        stores.append(_NoNewConnection(client))
+        return stores[-1]
+
+    rounds = [server.round(r, 3, wrap) for r in range(3)]
+    for store in stores:
+        store.formed = True
+    claims = [_claim(f"node{r + 1}", r, 50.0 - r * 0.1, 0) for r in range(3)]
+    verdicts = _run_all(rounds, claims)
+    assert {(v.culprit.node, v.culprit.rank) for v in verdicts} == {("node3", 2)}
 
 
 def test_a_lost_node_beats_the_ranks_it_took_down(server):

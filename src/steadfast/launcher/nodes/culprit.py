@@ -215,10 +215,7 @@ def agree(current: Round, mine: Claim | None, expected: int, window: float) -> V
     compare-and-set cannot replace a value that does not open, so no node acts on it
     and each reports its own view."""
     keys = current.keys
-    try:
-        store = current.store.clone()  # the wait below must not hold the roster's client
-    except (RuntimeError, NotImplementedError, AttributeError):
-        store = current.store  # etcd's: each call is a request of its own already
+    store = current.waits  # the wait below must not hold the roster's client
     if mine is not None:
         with contextlib.suppress(RecordRefused):
             _offer(store, keys.fault_claim, mine, current.peers.refused)

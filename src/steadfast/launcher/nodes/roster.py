@@ -41,6 +41,7 @@ from .round import (
     Round,
     RoundKeys,
     every_peer,
+    own_connection,
     previous_hosts,
     round_token,
 )
@@ -178,8 +179,9 @@ class NodeRoster:
         else:
             token = round_token(store, keys, refused, self.timeout)
         peers = PeerBook(store, keys, known, refused)
+        waits = own_connection(store)
         with self._lock:
-            self._round = Round(store, job_store, rank, nodes, peers, token, keys)
+            self._round = Round(store, job_store, rank, nodes, peers, token, keys, waits)
             self._state, self._why = RosterState.WATCHING, None
             self._losses = {}
             self._pending = set()
@@ -267,10 +269,7 @@ class NodeRoster:
 
     def _await_exits(self, current: Round, timeout: float) -> tuple[list[str], list[str]]:
         """The store's side of :meth:`exit_barrier`."""
-        try:
-            store = current.store.clone()  # a connection of its own
-        except (RuntimeError, NotImplementedError, AttributeError):
-            store = current.store  # etcd's: each call is a request of its own already
+        store = current.waits  # a connection of its own
         keys = current.keys
         store.set(keys.exit(current.rank), b"1")
         if int(store.add(keys.exit_count, 1)) >= current.nodes:

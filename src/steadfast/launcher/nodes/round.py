@@ -20,6 +20,7 @@ __all__ = [
     "Round",
     "RoundKeys",
     "every_peer",
+    "own_connection",
     "previous_hosts",
     "round_token",
 ]
@@ -181,6 +182,7 @@ class Round:
     peers: PeerBook
     token: str
     keys: RoundKeys
+    waits: Any  # a connection of its own, for the calls that block (see own_connection)
 
     def job_token(self) -> str:
         """The token of the job's current round (a live read of the job's store): this
@@ -188,6 +190,22 @@ class Round:
         wrote (refused, said once) tells of no newer round: this round's token."""
         token = read(self.job_store, self.keys.record, self.peers.refused, parse_round)
         return self.token if token is None else token
+
+
+def own_connection(store: Any) -> Any:
+    """A connection of its own to ``store`` (a TCPStore's ``clone``), made when the round
+    forms, for the calls that block on the store (the fault's verdict, the exit barrier)
+    without holding the roster's client. Never made at fault time: torch's store writes
+    a new connection's peer address by a reverse DNS lookup, on the server's one event
+    thread, so a slow resolver (a nameserver that drops a query: glibc retries it after
+    5 s) holds every node's request to the store for as long, and a node's claim then
+    came after the others' claim window (they sealed the verdict without it). The
+    store's own client where it has no ``clone`` (etcd's: each call is a request of its
+    own already)."""
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return store
 
 
 def every_peer(store: Any, keys: RoundKeys, nodes: int, refused: Refusals) -> dict[int, Peer]:
