@@ -192,8 +192,12 @@ def inproc_train(
             with cw.atomic():  # never half a snapshot
                 memory["prev"] = (memory["step"], memory["params"])
                 memory["step"], memory["params"] = step + 1, _params(model)
-            if tier is not None:
+            if tier is not None:  # where the interruption may land: before, in or after
+                if cw.iteration == 0:
+                    seen["snapshot_called"] = step + 1
                 tier.snapshot(step + 1, {"model": model})
+                if cw.iteration == 0:
+                    seen["snapshot_returned"] = step + 1
         if tier is not None:
             tier.close()
         dist.destroy_process_group()
@@ -419,10 +423,15 @@ def test_the_memory_tier_restores_the_last_completed_step_after_an_in_process_re
     faults = [e for e in _kinds(evs, "inprocess_interrupted") if e["cause"] == "exception"]
     assert [(e["fault_rank"], e["iteration"]) for e in faults] == [(1, 0)]
     loaded = _kinds(evs, "checkpoint_loaded")
-    assert sorted((e["rank"], e["step"], e["tier"]) for e in loaded) == [
-        (0, FAULT_STEP, "memory"),
-        (1, FAULT_STEP, "memory"),
-    ]
+    assert sorted((e["rank"], e["tier"]) for e in loaded) == [(0, "memory"), (1, "memory")]
+    # every rank restores the newest step every rank holds: a snapshot whose call returned
+    # before the interruption is held (its write may still be on its thread), one whose
+    # call the interruption cut short may be (the interruption landed on rank 0 between
+    # step 2's all-reduce and its snapshot's start, once, on a busy machine)
+    seen = [_result(tmp_path, rank)["seen"] for rank in (0, 1)]
+    held = min(s["snapshot_returned"] for s in seen), min(s["snapshot_called"] for s in seen)
+    assert len({e["step"] for e in loaded}) == 1
+    assert FAULT_STEP - 1 <= held[0] <= loaded[0]["step"] <= held[1], (loaded, seen)
     for rank in (0, 1):
         res = _result(tmp_path, rank)
         assert res["seen"]["iterations"] == [0, 1]
