@@ -90,6 +90,34 @@ def test_a_snapshot_still_being_written_when_the_loop_restarts_in_process_is_res
     abandoned.close()
 
 
+def test_snapshots_share_one_writer_thread_and_an_abandoned_tiers_ends_with_the_next_tier(
+    tmp_path, memory
+):
+    """No thread is started per snapshot (its start was most of a snapshot's stall): a
+    tier's writes run on one thread. A tier abandoned unclosed (an in-process restart's)
+    does not keep it: the next tier of its folder retires it."""
+    import threading
+
+    def writers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "steadfast-memory-writer"]
+
+    net = torch.nn.Linear(3, 2)
+    abandoned = CheckpointManager(tmp_path / "ck", memory_every=1)
+    seen = set()
+    for step in (1, 2, 3):
+        abandoned.snapshot(step, {"model": net})
+        seen.update(writers())
+    assert len(seen) == 1
+    (thread,) = seen
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as again:
+        thread.join(10)  # retired by the new tier: its last write done, it ends
+        assert not thread.is_alive()
+        again.snapshot(4, {"model": net})
+        assert len(writers()) == 1
+    assert writers() == []
+    abandoned.close()
+
+
 def test_a_snapshot_of_another_job_is_never_restored(tmp_path, memory, monkeypatch):
     with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
         mgr.snapshot(5, {"w": torch.ones(2)})

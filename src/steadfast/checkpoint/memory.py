@@ -59,6 +59,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,7 @@ from .layout import (
 from .proof_log import NEEDED
 from .snapshot_io import RANK, STATE, pack, unpack
 from .staging import Stager
+from .worker import Worker
 
 __all__ = [
     "MEMORY_DIR_ENV",
@@ -110,6 +112,8 @@ _RING_TIMEOUT = timedelta(seconds=120)
 WRITE_WAIT = 30.0
 #: the snapshot writes in flight in this process, by the folder each writes to
 _writing: dict[str, threading.Event] = {}
+#: the writer of the newest tier of each folder in this process
+_writers: dict[str, Worker] = {}
 _writing_lock = threading.Lock()
 
 
@@ -232,12 +236,14 @@ class MemoryTier:
         self.source = (rank - local_world) % world
         self._stager = Stager()
         self._local_stager = Stager()
-        self._thread: threading.Thread | None = None
+        # one thread for the tier's writes, kept between snapshots (daemon: a snapshot is
+        # for the next restart and never holds an exit); an abandoned tier's, retired
+        self._writer = Worker("steadfast-memory-writer")
         self._error: BaseException | None = None
         self._checked = False
         #: the newest step every rank's snapshot is held for, as the last restore saw
         self.newest_whole = -1
-        _await_write(self.own)  # an in-process restart's: the step is done, keep it
+        _await_write(self.own, self._writer)  # an in-process restart's: the step is done
         # what a kill mid-write or mid-prune left in this rank's folders
         for folder in (self.own, self.base / "replica" / f"rank_{self.source}"):
             if folder.is_dir():
@@ -270,13 +276,7 @@ class MemoryTier:
         written = threading.Event()
         with _writing_lock:
             _writing[str(self.own)] = written
-        self._thread = threading.Thread(
-            target=self._background,
-            args=(step, payload, own, stall, sharded, written),
-            name="steadfast-memory-writer",
-            daemon=True,  # the snapshot is for the next restart: never hold an exit
-        )
-        self._thread.start()
+        self._writer.submit(partial(self._background, step, payload, own, stall, sharded, written))
         if failed is not None:
             raise failed
         return stall
@@ -440,9 +440,7 @@ class MemoryTier:
     # ------------------------------------------------------------------ lifetime
     def wait(self) -> None:
         """Wait for the snapshot in flight; raise its error if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._writer.wait()
         error, self._error = self._error, None
         if error is not None:
             raise CheckpointError(f"memory snapshot failed: {error}") from error
@@ -453,6 +451,10 @@ class MemoryTier:
         try:
             self.wait()
         finally:
+            self._writer.close()
+            with _writing_lock:
+                if _writers.get(str(self.own)) is self._writer:
+                    del _writers[str(self.own)]
             self._stager.clear()
             self._local_stager.clear()
             if self._owned:
@@ -460,15 +462,20 @@ class MemoryTier:
 
 
 # ---------------------------------------------------------------------- helpers
-def _await_write(folder: Path) -> None:
+def _await_write(folder: Path, writer: Worker) -> None:
     """Wait, at most :data:`WRITE_WAIT`, for a snapshot this process is still writing to
-    ``folder``. An in-process restart abandons the tier of the loop that raised (its
-    snapshot of the last step done may still be on its thread: under load, seen to
-    take longer than the restart); without the wait the new tier's clean-up removes
-    that write's temporary folder, and the restore goes back one step more than it
-    must. Only the local write is waited for: the replica exchange needs the peers."""
+    ``folder``, retire the writer of the tier that wrote it (its last job still runs) and
+    make ``writer`` the folder's. An in-process restart abandons the tier of the loop
+    that raised (its snapshot of the last step done may still be on its thread: under
+    load, seen to take longer than the restart); without the wait the new tier's
+    clean-up removes that write's temporary folder, and the restore goes back one step
+    more than it must. Only the local write is waited for: the replica exchange needs
+    the peers."""
     with _writing_lock:
         pending = _writing.get(str(folder))
+        previous, _writers[str(folder)] = _writers.get(str(folder)), writer
+    if previous is not None:
+        previous.retire()
     if pending is not None and not pending.wait(WRITE_WAIT):
         logger.warning(
             "a snapshot to %s still being written after %.0f s: not waited for", folder, WRITE_WAIT

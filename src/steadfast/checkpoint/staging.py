@@ -55,6 +55,8 @@ def any_tensor(value: Any, pred: Callable[[torch.Tensor], bool]) -> bool:
 
 
 def has_dtensor(value: Any) -> bool:
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist: no walk
+        return False
     return any_tensor(value, is_dtensor)
 
 
@@ -122,7 +124,7 @@ class Stager:
         if isinstance(value, Mapping):
             return {k: self._walk(v, f"{key}/{k}") for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            if all(type(v) in _SCALARS for v in value):  # Python's RNG state: 625 ints
+            if _SCALARS.issuperset(map(type, value)):  # Python's RNG state: 625 ints
                 return list(value) if isinstance(value, list) else value
             items = (self._walk(v, f"{key}/{i}") for i, v in enumerate(value))
             return list(items) if isinstance(value, list) else tuple(items)
