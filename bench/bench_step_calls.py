@@ -8,6 +8,9 @@ that differs by rank and step, as real steps do. The model is the demo's (DDP ov
 adds its calls after each step:
 
 - ``bare``: none (the baseline, measured in the same run);
+- ``allreduce``: one bare all-reduce of one value on the default group, read at once:
+  the floor of any check the ranks agree on before the step's update (at ``nan``'s
+  place);
 - ``blocking``: the agreed shutdown as it was, one all-reduce read at once
   (``count_true``): every step waits for the slowest rank's;
 - ``agree``: ``ShutdownHandler(agree=True).should_shutdown(step)``, whose count runs in
@@ -22,7 +25,9 @@ adds its calls after each step:
   ``agree``, ``snapshot``), ``agree``'s handler at its place.
 
 It prints, per mode, the time spent in the calls per step (mean over ranks and steps)
-and the loop's time per step, and their share of the step.
+and the loop's time per step, and their share of the step; then the demo's calls less
+the floor (``allreduce``): what the library adds to the one collective its agreed NaN
+check must make.
 
     .venv/bin/python bench/bench_step_calls.py [--steps 60] [--step-ms 100] [--jitter-ms 10]
 """
@@ -40,7 +45,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODES = ("bare", "blocking", "agree", "nan", "straggler", "snapshot", "demo")
+MODES = ("bare", "allreduce", "blocking", "agree", "nan", "straggler", "snapshot", "demo")
 
 
 def _rank(rank: int, world: int, store: str, args: Any, out: Any) -> None:
@@ -84,6 +89,8 @@ def _rank(rank: int, world: int, store: str, args: Any, out: Any) -> None:
             loss.backward()
             t0 = time.perf_counter()
             ok = detector.check_loss(loss, step) if "nan" in calls else True
+            if mode == "allreduce":  # where the NaN check's all-reduce is
+                dist.all_reduce(torch.zeros(1))
             in_call += time.perf_counter() - t0
             if ok:
                 opt.step()
@@ -139,6 +146,12 @@ def main() -> None:
         bare = loop if mode == "bare" else bare
         print(f"{mode:<10} {call * 1000:>16.3f} {100 * call / step:>9.2f}% {loop * 1000:>13.2f}")
     assert bare is not None
+    per = {m: sum(r[2] for r in rows if r[0] == m) / args.world for m in MODES}
+    beyond = per["demo"] - per["allreduce"]
+    print(
+        f"demo less the floor (one bare all-reduce): {beyond * 1000:.3f} ms/step, "
+        f"{100 * beyond / step:.2f}% of the step"
+    )
     for mode in MODES[1:]:
         loop = max(r[3] for r in rows if r[0] == mode)
         print(f"loop time of {mode} / bare: {loop / bare:.4f}")
