@@ -128,6 +128,100 @@ def test_a_state_that_differs_is_a_mismatch_then_nothing_is_left_to_trust(
     assert stop.value.code == 17 and "disk up to step 6" in str(stop.value)
 
 
+def _snapshot_every_step(mgr: CheckpointManager, objects: dict, start: int, stop: int) -> None:
+    """Steps ``start`` to ``stop - 1`` with a LambdaLR: each logs its loss, snapshots
+    the model and the optimizer (not the scheduler, which a test may leave out of the
+    restore) every step, and saves to disk every 4."""
+    sched = objects["sched"]
+    state = {"model": objects["model"], "optim": objects["optim"]}
+    if "forget" not in objects:
+        state["sched"] = sched
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+        objects["optim"].zero_grad()
+        loss = torch.nn.functional.mse_loss(objects["model"](x), y)
+        loss.backward()
+        objects["optim"].step()
+        sched.step()
+        events.emit("step_done", step=step, seconds=0.001, loss=loss.item())
+        mgr.snapshot(step + 1, state)
+        if (step + 1) % 4 == 0:
+            mgr.save(step + 1, state)
+
+
+def _with_scheduler(forget: bool = False) -> dict:
+    objects = _objects()
+    objects["sched"] = torch.optim.lr_scheduler.LambdaLR(objects["optim"], lambda n: 1 / (n + 1))
+    if forget:
+        objects["forget"] = True
+    return objects
+
+
+@pytest.fixture
+def memory_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    monkeypatch.setenv("STEADFAST_MEMORY_DIR", str(mem))
+    return mem
+
+
+def test_with_a_snapshot_every_step_one_step_is_re_done_and_compared_with_the_newest(
+    tmp_path, event_log, memory_dir
+):
+    """Snapshots 1-7 (disk 4), losses of steps 0-6 logged: a proof by the losses would
+    go back to step 4 (three logged steps after it). The memory route restores snapshot
+    6 and compares the state the loop reaches at step 7 with snapshot 7: one step
+    re-done, proven bit for bit."""
+    with CheckpointManager(tmp_path / "ref", memory_every=1, max_proof_steps=0) as mgr:
+        reference = _with_scheduler()
+        _snapshot_every_step(mgr, reference, 0, 9)  # the fault-free run
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
+        _snapshot_every_step(mgr, _with_scheduler(), 0, 7)
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
+        again = _with_scheduler()
+        state = {k: again[k] for k in ("model", "optim", "sched")}
+        assert mgr.restore(state)[0] == 6
+        _snapshot_every_step(mgr, again, 6, 9)
+    [verified] = _kinds(event_log, "restore_verified")
+    assert (verified["step"], verified["tier"], verified["route"]) == (6, "memory", "state")
+    assert verified["proof_steps"] == 1 and verified["steps"] == [6] and verified["exact"]
+    restored = Path(verified["path"])  # <memory dir>/<key>/own/rank_0/step_6
+    assert restored.is_relative_to(memory_dir) and restored.name == "step_6"
+    assert verified["against"] == str(restored.with_name("step_7"))
+    # the proof read snapshot 7 without announcing a restore
+    assert [(e["step"], e["tier"]) for e in _kinds(event_log, "checkpoint_loaded")] == [
+        (6, "memory")
+    ]
+    # snapshot 7 was kept for the comparison, then written again once proven
+    assert sorted(p.name for p in restored.parent.glob("step_*")) == [
+        f"step_{n}" for n in range(5, 10)
+    ]
+    for key, value in again["model"].state_dict().items():  # bit for bit
+        assert torch.equal(value, reference["model"].state_dict()[key]), key
+
+
+def test_a_state_the_snapshots_lack_is_caught_one_step_after_the_restore(
+    tmp_path, event_log, memory_dir
+):
+    """The loop snapshots no LR scheduler: after the restore of snapshot 6 the fresh
+    scheduler sets another rate at step 7, and the optimizer's state there differs
+    from snapshot 7's (a proof by the losses would have seen it at the third)."""
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
+        _snapshot_every_step(mgr, _with_scheduler(forget=True), 0, 7)
+    with CheckpointManager(tmp_path / "ck", memory_every=1) as mgr:
+        again = _with_scheduler(forget=True)
+        assert mgr.restore({"model": again["model"], "optim": again["optim"]})[0] == 6
+        said = r"restore of step 6 .* differs from the memory tier's snapshot of step 7 in optim"
+        with pytest.raises(RestoreMismatch, match=said):
+            _snapshot_every_step(mgr, again, 6, 9)
+    [mismatch] = _kinds(event_log, "restore_mismatch")
+    assert (mismatch["step"], mismatch["tier"]) == (6, "memory")
+    assert mismatch["differs"] == [{"rank": 0, "step": 7, "objects": ["optim"]}]
+    # the restored snapshot or the compared one: either may be wrong, both distrusted
+    assert read_excluded(tmp_path / "ck") == {"memory": 7}
+
+
 def test_a_loop_that_logs_no_loss_is_restored_unverified(tmp_path, event_log):
     with CheckpointManager(tmp_path / "ck") as mgr:
         objects = _objects()

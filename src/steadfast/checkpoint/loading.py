@@ -142,6 +142,21 @@ class Loader:
             raise CheckpointError(f"{ckpt}: cannot be read")
         return loaded[1]
 
+    def read_held(self, step: int) -> tuple[dict[str, Any], str]:
+        """The memory tier's snapshot of ``step`` as this rank took it, verified
+        (collective), and the folder read: what a replay proof compares the re-done
+        state with. No ``checkpoint_loaded``: nothing is restored."""
+        if self.memory is None:
+            raise CheckpointError("no memory tier: no snapshot to compare with")
+        newest = self.memory.newest_whole
+        got, why = memory_restore.restore(
+            self.memory, self.coord, -1, None, at_most=step, after=step - 1, announce=False
+        )
+        self.memory.newest_whole = newest  # what the restore saw, not this read
+        if got is None:
+            raise CheckpointError(f"the memory tier's snapshot of step {step}: {why}")
+        return got[1], str(got[2])
+
     def _check_mine(self, ckpt: Path) -> tuple[dict[str, Any] | None, list[str]]:
         """Verify ``ckpt`` as far as this rank needs: every file's size, and the
         checksums of the files this rank reads plus its share of the rest."""

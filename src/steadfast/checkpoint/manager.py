@@ -26,6 +26,7 @@ from typing import Any
 from ..config import ConfigError, require_number
 from ..dist import group_rank
 from ..progress.phases import loading
+from . import memory_restore
 from .collectives import Coordinator
 from .compare import DEFAULT_TOLERANCE
 from .fencing import CheckpointFenced
@@ -181,6 +182,7 @@ class CheckpointManager:
             self.max_proof_steps,
             self.memory_every,
             self.proof_tolerance,
+            self._loader.read_held,
         )
 
     # ------------------------------------------------------------------ public API
@@ -352,9 +354,12 @@ class CheckpointManager:
             RNGState().load_state_dict(state[RNG_KEY])
         return step, state
 
-    def _held(self) -> list[int]:
-        """The steps this node's memory tier holds (for a replay proof's plan)."""
-        return [s.step for s in self._memory.holdings()] if self._memory is not None else []
+    def _held(self) -> tuple[list[int], int | None]:
+        """The steps this node's memory tier holds, and the newest every rank's snapshot
+        is held for (collective; for a replay proof's plan)."""
+        if self._memory is None:
+            return [], None
+        return memory_restore.held_whole(self._memory, self._coord)
 
     def _mine(
         self, state: Mapping[str, Any], rank_state: Mapping[str, Any] | None

@@ -35,7 +35,7 @@ from .snapshot_io import (
 from .staging import fill_in_place, to_state_dicts
 from .upload import Uploader, gpu_job
 
-__all__ = ["Plan", "Source", "plan", "quiet_wait", "restore"]
+__all__ = ["Plan", "Source", "held_whole", "plan", "quiet_wait", "restore"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ def restore(
     objects: Mapping[str, Any] | None = None,
     at_most: int | None = None,
     after: int = -1,
+    announce: bool = True,
 ) -> tuple[tuple[int, dict[str, Any], Path] | None, str]:
     """The restore from the memory tier: the newest step (not older than the newest
     disk checkpoint) that the job's nodes hold whole, each rank's pieces read from its
@@ -75,7 +76,8 @@ def restore(
     and the plan made again. Sharded snapshots are restored only into ``objects`` (the
     live objects, whose DTensors get their saved shards in place). Returns ``(the step,
     the state, the snapshot read)``, or None and why not (the caller reads the disk).
-    ``at_most``, ``after``: the steps a replay proof allows (see :mod:`.proof`)."""
+    ``at_most``, ``after``: the steps a replay proof allows (see :mod:`.proof`);
+    ``announce``: a restore (``checkpoint_loaded``), not a proof's read of the state."""
     me = coord.rank
     sharded_ok = objects is not None
     quiet_wait(memory)
@@ -121,15 +123,26 @@ def restore(
         if faults or state is None:
             bad.update(faults)
             continue
-        events.emit(
-            "checkpoint_loaded",
-            step=planned.step,
-            path=mine.path,
-            seconds=time.monotonic() - start,
-            tier=mine.tier,
-            from_rank=planned.own[me].holder,
-        )
+        if announce:
+            events.emit(
+                "checkpoint_loaded",
+                step=planned.step,
+                path=mine.path,
+                seconds=time.monotonic() - start,
+                tier=mine.tier,
+                from_rank=planned.own[me].holder,
+            )
         return (planned.step, state, Path(mine.path)), ""
+
+
+def held_whole(memory: MemoryTier, coord: Coordinator) -> tuple[list[int], int | None]:
+    """The steps this node's tier holds, and the newest step for which the job's nodes
+    hold every rank's snapshot, when it is not sharded (None: none, or sharded: a
+    replay proof cannot compare its shards). Collective."""
+    quiet_wait(memory)
+    mine = memory.holdings()
+    whole = plan(coord.all_gather(mine), coord.world, -1, set())
+    return [s.step for s in mine], whole.step if whole is not None and not whole.sharded else None
 
 
 def _read(got: tuple[Path | None, dict[str, memoryview]], name: str) -> dict[str, Any]:

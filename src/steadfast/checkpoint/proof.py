@@ -17,8 +17,11 @@ How (no line of the loop changes):
   cannot match it); the one before the newest when the newest is a disk checkpoint the
   loop saves again (or snapshots at its step), whose state the state it reaches there
   is compared with, object by object, byte for byte (RNG streams included), with the
-  losses logged on the way (**state**); else the newest that leaves ``NEEDED`` logged
-  steps (a snapshot every step: two or three steps back).
+  losses logged on the way (**state**); the one before the newest memory snapshot
+  every rank's is held for, when the loop logs losses, whose state at the newest one's
+  step is compared with the snapshot the tier kept of it (**state**, from memory: one
+  step re-done where the losses would re-do two or three); else the newest that
+  leaves ``NEEDED`` logged steps.
 
   The steps a newer checkpoint held are re-done only for the proof: the
   ``restore_verified`` event says how many (``proof_steps``), the report their time.
@@ -75,7 +78,7 @@ from .collectives import Coordinator
 from .compare import DEFAULT_TOLERANCE, difference
 from .layout import CheckpointError, read_manifest
 from .proof_log import NEEDED, ceiling, digest, logged_losses, read_log
-from .proof_route import Plan, route
+from .proof_route import MEMORY, Plan, route
 
 __all__ = [
     "EXCLUDED_FILE",
@@ -197,6 +200,12 @@ class _Pending:
     against: tuple[int, str] | None  # the checkpoint the state is compared with
     seen: dict[int, Any] = field(default_factory=dict)
     state_differs: list[str] | None = None  # None: not compared (yet)
+    compared: str | None = None  # the folder the state was compared with (memory's)
+
+    @property
+    def against_tier(self) -> str:
+        """The tier of the checkpoint the state is compared with."""
+        return "memory" if self.against is not None and self.against[1] == MEMORY else "disk"
 
     @property
     def until(self) -> int:
@@ -209,7 +218,9 @@ class _Pending:
 
 class Proof:
     """The replay proofs of one manager's restores (see the module's description).
-    ``read``: a disk checkpoint's state as this rank saved it (to compare with)."""
+    ``read``: a disk checkpoint's state as this rank saved it (to compare with);
+    ``read_held``: the memory tier's snapshot of a step as this rank took it, and the
+    folder read (collective)."""
 
     def __init__(
         self,
@@ -219,8 +230,10 @@ class Proof:
         budget: int = 10,
         memory_every: int = 0,
         tolerance: float = DEFAULT_TOLERANCE,
+        read_held: Callable[[int], tuple[dict[str, Any], str]] | None = None,
     ) -> None:
         self.folder, self.coord, self.read, self.budget = folder, coord, read, budget
+        self.read_held = read_held
         self.tolerance = tolerance  # the relative difference taken for rounding (compare.py)
         self.memory_every = memory_every  # the loop snapshots every this many steps
         self.rank = coord.rank  # as the event log numbers it, once a restore is armed
@@ -230,11 +243,13 @@ class Proof:
         self._keys: list[str] = []  # the restored state's keys (rank 0's)
         self.pending: _Pending | None = None
 
-    def plan(self, held: Callable[[], list[int]]) -> Plan:
-        """Before a restore (collective; ``held``: the steps this node's memory tier
-        holds, asked on rank 0 only). Rank 0 reads the log and the exclusions, and picks
-        the route (:mod:`.proof_route`)."""
+    def plan(self, held: Callable[[], tuple[list[int], int | None]]) -> Plan:
+        """Before a restore (collective; ``held``, asked on every rank: the steps this
+        node's memory tier holds, and the newest step whose every rank's snapshot the
+        job's nodes hold, unsharded: collective). Rank 0 reads the log and the
+        exclusions, and picks the route (:mod:`.proof_route`)."""
         mine: Plan | None = None
+        steps, whole = held() if self.enabled else ([], None)
         if self.coord.rank == 0:
             excluded = read_excluded(self.folder)
             mine = Plan(None, excluded)
@@ -242,8 +257,8 @@ class Proof:
                 logged = read_log(writer.current_path(), time.time())
                 self._losses = logged.losses
                 mine = route(
-                    self.folder, excluded, logged, held(), self.budget, self.memory_every,
-                    self.coord.world,
+                    self.folder, excluded, logged, steps, self.budget, self.memory_every,
+                    self.coord.world, whole,
                 )  # fmt: skip
         got: Plan = self.coord.from_rank0(mine)
         self._plan = got
@@ -328,7 +343,7 @@ class Proof:
         drift = 0.0  # the largest relative difference within the tolerance
         if pending.against is not None and done == pending.against[0]:
             try:
-                stored, now = self.read(Path(pending.against[1])), state()
+                stored, now = self._stored(pending), state()
                 gaps = {key: difference(now[key], stored[key]) for key in stored if key in now}
                 pending.state_differs = sorted(k for k, g in gaps.items() if g > self.tolerance)
                 drift = max((g for g in gaps.values() if g <= self.tolerance), default=0.0)
@@ -378,7 +393,9 @@ class Proof:
             path=pending.path,
             route="both" if losses and states else "losses" if losses else "state",
             steps=sorted({s for share in shares for s in share[1]}) or None,
-            against=pending.against[1] if states and pending.against else None,
+            against=(pending.compared or pending.against[1])
+            if states and pending.against
+            else None,
             ranks=sum(1 for share in shares if share[1] or share[2]),
             proof_steps=max(0, pending.newest - pending.step),
             exact=drift == 0.0,
@@ -394,6 +411,20 @@ class Proof:
                 "restarts", pending.step, drift,
             )  # fmt: skip
 
+    def _stored(self, pending: _Pending) -> dict[str, Any]:
+        """The state the re-done one is compared with (collective): a disk checkpoint's,
+        or the memory tier's snapshot of the step (each rank its own; the event names
+        the folder rank 0 read)."""
+        assert pending.against is not None
+        step, where = pending.against
+        if where != MEMORY:
+            return self.read(Path(where))
+        if self.read_held is None:
+            raise CheckpointError("no memory tier to compare the re-done state with")
+        stored, folder = self.read_held(step)
+        pending.compared = folder
+        return stored
+
     def _mismatch(self, pending: _Pending, differs: list[dict[str, Any]]) -> None:
         tier = tier_of(pending.tier)
         first = differs[0]
@@ -404,10 +435,12 @@ class Proof:
                 "not the checkpoint saved under that name"
             )
         elif "objects" in first:
+            other = pending.against[1] if pending.against else "the checkpoint"
+            if pending.against_tier == "memory" and pending.against:
+                other = f"the memory tier's snapshot of step {pending.against[0]}"
             what = (
                 f"rank {first['rank']}'s state at step {first['step']} differs from "
-                f"{pending.against[1] if pending.against else 'the checkpoint'} in "
-                f"{', '.join(first['objects'])}"
+                f"{other} in {', '.join(first['objects'])}"
             )
         else:
             what = (
@@ -430,9 +463,11 @@ class Proof:
             )
             _exclude(self.folder, tier, pending.step)
             if pending.against is not None:  # which of the two is wrong: both distrusted
-                _exclude(self.folder, "disk", pending.against[0])
+                _exclude(self.folder, pending.against_tier, pending.against[0])
         excluded = f"the {tier} tier's checkpoints up to step {pending.step}" + (
-            f" and the disk's up to step {pending.against[0]}" if pending.against else ""
+            f" and the {pending.against_tier} tier's up to step {pending.against[0]}"
+            if pending.against
+            else ""
         )
         for listener in list(_BAD_RESTORE_LISTENERS):  # the re-run state machine's
             listener(pending.step, pending.tier, text)

@@ -11,6 +11,11 @@ restore; :mod:`.proof` carries the proof out). The routes, cheapest proof first:
   cadence, or at a step it snapshots) and an older one exists: the one before it is
   restored, and the state the loop reaches at the newest one's step is compared with
   it, object by object (with the losses logged on the way);
+- **state** (memory): the newest is a memory snapshot every rank's is held for (not
+  sharded), newer than the disk's, and the loop logs losses (a proof by them would
+  re-do two or three steps): the one before it is restored, one step re-done, and the
+  state the loop reaches at the newest one's step compared with the snapshot the tier
+  kept of it;
 - else the newest checkpoint that leaves ``NEEDED`` logged steps.
 """
 
@@ -23,15 +28,19 @@ from pathlib import Path
 from .layout import read_manifest, step_dirs
 from .proof_log import NEEDED, Logged, ceiling
 
-__all__ = ["Plan", "route"]
+__all__ = ["MEMORY", "Plan", "route"]
+
+#: ``Plan.against``'s place for the memory tier's snapshot of the step (its folders are
+#: per rank and per node: each rank reads its own)
+MEMORY = "memory"
 
 
 @dataclass(frozen=True)
 class Plan:
     """What rank 0 decided before a restore: the newest step it may take (None: any),
     the excluded checkpoints, the checkpoint to compare the re-done state with (its
-    step and folder; None: the losses alone prove it), or the ledger route's digests
-    (folder -> digest) and the proven restore's keys."""
+    step and folder, or :data:`MEMORY`; None: the losses alone prove it), or the
+    ledger route's digests (folder -> digest) and the proven restore's keys."""
 
     at_most: int | None
     excluded: dict[str, int]
@@ -49,6 +58,7 @@ def route(
     budget: int,
     memory_every: int = 0,
     world: int | None = None,
+    whole: int | None = None,
 ) -> Plan:
     """Rank 0's route for a restore (see the module's description). ``held``: the steps
     this node's memory tier holds; ``budget``: the most steps a proof may re-do that a
@@ -56,8 +66,10 @@ def route(
     route needs the loop to save or snapshot again at the compared step: a save of its
     cadence (not an emergency one, nor a stop's save off the cadence: each manifest says
     how many steps it came after the loop's previous save), or a step of its snapshots'.
-    No proof across a change of the world size (an elastic round): the re-done steps
-    split the batch another way, and their losses and state differ by design."""
+    ``whole``: the newest step the memory tier holds every rank's (unsharded) snapshot
+    of, anywhere in the job. No proof across a change of the world size (an elastic
+    round): the re-done steps split the batch another way, and their losses and state
+    differ by design."""
     if budget <= 0:
         return Plan(None, excluded, why="replay proofs are off (max_proof_steps=0)")
     limit = ceiling(logged.losses)
@@ -95,6 +107,11 @@ def route(
         )
         if again and not manifest.get("sharded"):
             return Plan(newest - 1, excluded, (newest, str(disk[-1][1])))
+    if limit is not None and whole is not None and whole > max((s for s, _ in disk), default=-1):
+        # newer held steps are torn (a rank died writing them): none can be restored
+        below = [s for s in steps if s < whole]
+        if below and whole - below[-1] <= budget and whole % max(memory_every, 1) == 0:
+            return Plan(whole - 1, excluded, (whole, MEMORY))
     fit = [s for s in steps if limit is not None and s <= limit]
     if fit and newest - fit[-1] <= budget:
         return Plan(limit, excluded)
