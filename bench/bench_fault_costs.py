@@ -22,6 +22,10 @@ last rank's):
   checksums): the mismatch, then the disk tier, proven.
 - ``kill``: the same killed rank (``bench/_restart_worker.py``) under ``steadfast launch``
   and under torchrun, the baseline of the row.
+- ``hang``: the same hung rank (``bench/_hang_worker.py``: NVRx's documented heartbeat
+  pattern, its timeouts calculated from the steps seen) under ``steadfast launch`` and
+  NVRx's ``ft_launcher``, each at its defaults (torchrun has no hang detection of its
+  own: NCCL's watchdog, 10 minutes, ends the job).
 - ``nodes`` (root; ``scripts/nodes-localhost.sh``): a node killed while a spare waits,
   under steadfast's rendezvous, torch's c10d under ``steadfast launch``, and torchrun;
   and a node killed without a spare (``--nnodes 1:2``: the survivor goes on alone),
@@ -29,11 +33,12 @@ last rank's):
 
 NVRx 0.4.1 runs where it is installed (``--nvrx PYTHON``, the environment
 ``NVRX_WHEEL=0.4.1 scripts/nvrx-env.sh .nvrx-0.4.1`` makes: its released wheel): the
-killed rank under its ``ft_launcher`` (its in-job restart: a new interpreter per worker,
-as torchrun's), which the projection then takes for NVRx's crash; without it that row is
-left out, and the projection keeps its assumed costs (their source says so). Its other
-kinds are not measured here: a lost node ends an NVRx 0.4.1 job without a spare, and its
-hang detection needs its client in the script.
+killed rank and the hung rank under its ``ft_launcher`` (its in-job restart: a new
+interpreter per worker, as torchrun's), which the projection then takes for NVRx's crash
+and its hang's restart (its detection stays the model's, which scales with the step);
+without it those rows are left out, and the projection keeps its assumed costs (their
+source says so). Its lost node is not measured here: a lost node ends an NVRx 0.4.1 job
+without a spare.
 
 Columns (seconds): ``detect`` the fault to its detection; ``stop`` the old workers' exit;
 ``requeue`` the old launcher's end to the new one's (Slurm's shape); ``rdzv`` the health
@@ -299,6 +304,44 @@ def killed(repeats: int, nvrx: str = "") -> list[Row]:
     ]
 
 
+HANG_WORKER = Path(__file__).with_name("_hang_worker.py")
+
+
+def hung(repeats: int, nvrx: str = "") -> list[Row]:
+    """The same hung rank (``_hang_worker.py``: NVRx's heartbeat pattern, timeouts
+    calculated from the steps seen) under steadfast launch and (``nvrx``) NVRx's
+    ``ft_launcher``, each at its defaults; median of ``repeats``. ``detect``: the hang to
+    the hung rank's end (the launcher's detection and its stop), ``restart``: that to
+    the first step after the restart."""
+    launchers = {"steadfast": [sys.executable, "-m", "steadfast.cli", "launch"]}
+    if nvrx:
+        launchers["nvrx"] = [nvrx, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher"]
+    got: dict[str, list[tuple[float, float]]] = {name: [] for name in launchers}
+    for _ in range(repeats):  # interleaved
+        for name, cmd in launchers.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "steps")
+                env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                           STEADFAST_EVENTS="off")  # fmt: skip
+                subprocess.run(
+                    [*cmd, "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1",
+                     str(HANG_WORKER), out],
+                    env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    timeout=600,
+                )  # fmt: skip
+                lines = [ln.split() for r in ("rank0", "rank1", "dead")
+                         for ln in Path(f"{out}.{r}").read_text().splitlines()]  # fmt: skip
+                hang = min(float(t) for g, _, t in lines if g == "hang")
+                dead = min(float(t) for g, _, t in lines if g == "dead")
+                back = min(float(t) for g, _, t in lines if g == "1")
+                got[name].append((dead - hang, back - dead))
+    return [
+        Row("rank_hung", name, statistics.median(d for d, _ in v),
+            statistics.median(r for _, r in v), source=f"_hang_worker.py x{repeats}")
+        for name, v in got.items()
+    ]  # fmt: skip
+
+
 def import_torch(repeats: int = 3) -> float:
     """A bare ``python -c "import torch"``, the median of ``repeats``: the requeue's
     baseline (everything of a requeue beyond it is the launcher's and the library's)."""
@@ -431,6 +474,9 @@ def main() -> None:
     if "kill" not in skip:
         print("killed rank, steadfast and torchrun ...", flush=True)
         rows += killed(args.repeats, args.nvrx)
+    if "hang" not in skip:
+        print("hung rank, steadfast and NVRx ...", flush=True)
+        rows += hung(args.repeats, args.nvrx)
     print("a bare import torch ...", flush=True)
     bare_import = import_torch()
     failed = None  # a job that did not recover: the others' rows are still printed
