@@ -42,6 +42,9 @@ Touch points and why each is needed:
 - :func:`foreach_inf_norms`: ``torch._foreach_norm``, the infinity norms of many tensors
   in one fused kernel: the NaN check of every gradient costs one kernel per (device,
   dtype) group, not one per parameter.
+- :func:`foreach_copy`: ``torch._foreach_copy_``, many tensors copied in one call: a
+  snapshot's staging of a model's ~1,000 state tensors paid ~2.4 us of Python and
+  dispatch per tensor copied one by one.
 - :func:`preload` (:data:`PRELOADED`): the worker template imports
   ``torch._dynamo`` (torch's optimizers import it on their first construction, ~1.6 s
   per worker) and Inductor's compiler (``torch._inductor.compile_fx``: ``torch.compile``
@@ -337,6 +340,24 @@ def foreach_inf_norms(tensors: list[Any]) -> list[Any]:
     if foreach_norm is None:  # pragma: no cover - every supported torch has it
         return [torch.linalg.vector_norm(t, math.inf) for t in tensors]
     return list(foreach_norm(tensors, math.inf))
+
+
+def foreach_copy(dsts: list[Any], srcs: list[Any], non_blocking: bool = False) -> None:
+    """Copy each of ``srcs`` into the ``dsts`` tensor at its place (same shapes and
+    dtypes; any devices), in one call; one copy per tensor if this torch has no
+    ``_foreach_copy_``. Autograd must not record it (the caller's ``no_grad``). No
+    tensors: nothing (torch's call refuses an empty list)."""
+    import torch
+
+    if not dsts:
+        return
+
+    foreach_copy_ = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy_ is None:  # pragma: no cover - every supported torch has it
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src, non_blocking=non_blocking)
+        return
+    foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
 #: What the worker template imports for its workers (steadfast.launcher.preload): torch's

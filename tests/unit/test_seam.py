@@ -462,6 +462,30 @@ def test_foreach_inf_norms_is_one_fused_kernel_that_propagates_nan() -> None:
     assert float(norms[3]) == 0.0
 
 
+def test_foreach_copy_copies_every_tensor_in_one_call_without_autograd() -> None:
+    """foreach_copy uses torch._foreach_copy_ (present in every supported torch): each
+    source lands in its destination, bit for bit, across dtypes, shapes, a 0-d tensor
+    and a non-contiguous view; under no_grad a parameter's copy is not in any graph."""
+    import torch
+
+    assert callable(getattr(torch, "_foreach_copy_", None))
+    param = torch.nn.Parameter(torch.randn(3, 4))
+    srcs = [
+        param,
+        torch.arange(6, dtype=torch.int64).reshape(2, 3).t(),  # non-contiguous
+        torch.tensor(7.5, dtype=torch.float64),  # 0-d, as an optimizer's step
+        torch.randn(5).to(torch.bfloat16),
+        torch.empty(0),
+    ]
+    dsts = [torch.empty(s.shape, dtype=s.dtype) for s in srcs]
+    with torch.no_grad():
+        seam.foreach_copy(dsts, srcs)
+    for dst, src in zip(dsts, srcs, strict=True):
+        assert torch.equal(dst, src.detach()) and dst.dtype == src.dtype
+    assert not dsts[0].requires_grad and dsts[0].grad_fn is None
+    seam.foreach_copy([], [])  # a state with no tensor: nothing to copy, no error
+
+
 def test_preload_imports_what_the_template_preloads() -> None:
     """preload imports each module of PRELOADED (what the worker template does for the
     workers) and says whether it could."""

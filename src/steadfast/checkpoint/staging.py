@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
+from ..seam import foreach_copy
 from .layout import CheckpointError
 
 __all__ = [
@@ -76,14 +77,23 @@ class Stager:
         self._used: dict[str, torch.Tensor] = {}
         self._memo: dict[int, torch.Tensor] = {}
         self._devices: set[torch.device] = set()
+        self._dsts: list[torch.Tensor] = []  # the copies of a stage, made at its end
+        self._srcs: list[torch.Tensor] = []
 
     def stage(self, value: Any, shards: bool = False) -> Any:
         """``value`` copied into host buffers; ``shards``: each DTensor as its local
         shard alone (a plain tensor: what a rank keeps of sharded state), else as a
-        DTensor over the staged shard."""
+        DTensor over the staged shard. The walk collects the copies and makes them in
+        one call (:func:`steadfast.seam.foreach_copy`)."""
         self._used, self._memo, self._devices = {}, {}, set()
+        self._dsts, self._srcs = [], []
         self._shards = shards
-        staged = self._walk(value, "")
+        try:
+            staged = self._walk(value, "")
+            with torch.no_grad():  # a copy of a parameter is not part of any graph
+                foreach_copy(self._dsts, self._srcs, non_blocking=bool(self._devices))
+        finally:
+            self._dsts, self._srcs = [], []  # the sources are not kept alive
         for device in self._devices:  # the non-blocking copies must land before writing
             torch.cuda.synchronize(device)
         self._buffers = self._used  # buffers for keys that went away are released
@@ -99,7 +109,8 @@ class Stager:
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             pin = t.is_cuda and torch.cuda.is_available()
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-        buf.copy_(t.detach(), non_blocking=t.is_cuda)
+        self._dsts.append(buf)
+        self._srcs.append(t)
         if t.is_cuda:
             self._devices.add(t.device)
         self._used[key] = buf
