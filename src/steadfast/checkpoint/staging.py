@@ -83,15 +83,15 @@ class Stager:
     def stage(self, value: Any, shards: bool = False) -> Any:
         """``value`` copied into host buffers; ``shards``: each DTensor as its local
         shard alone (a plain tensor: what a rank keeps of sharded state), else as a
-        DTensor over the staged shard. The walk collects the copies and makes them in
-        one call (:func:`steadfast.seam.foreach_copy`)."""
+        DTensor over the staged shard. The walk collects the host tensors' copies and
+        makes them in one call (:func:`steadfast.seam.foreach_copy`)."""
         self._used, self._memo, self._devices = {}, {}, set()
         self._dsts, self._srcs = [], []
         self._shards = shards
         try:
             staged = self._walk(value, "")
             with torch.no_grad():  # a copy of a parameter is not part of any graph
-                foreach_copy(self._dsts, self._srcs, non_blocking=bool(self._devices))
+                foreach_copy(self._dsts, self._srcs)
         finally:
             self._dsts, self._srcs = [], []  # the sources are not kept alive
         for device in self._devices:  # the non-blocking copies must land before writing
@@ -109,10 +109,13 @@ class Stager:
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             pin = t.is_cuda and torch.cuda.is_available()
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-        self._dsts.append(buf)
-        self._srcs.append(t)
-        if t.is_cuda:
+        if t.is_cuda:  # device to host one by one, as before: the fused copy is
+            # proven on host tensors only (no GPU was lent to run it on)
+            buf.copy_(t.detach(), non_blocking=True)
             self._devices.add(t.device)
+        else:
+            self._dsts.append(buf)
+            self._srcs.append(t)
         self._used[key] = buf
         if memo:  # t is alive for the whole walk: its id cannot be reused meanwhile
             self._memo[id(t)] = buf
