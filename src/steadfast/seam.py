@@ -342,9 +342,9 @@ def foreach_inf_norms(tensors: list[Any]) -> list[Any]:
     return list(foreach_norm(tensors, math.inf))
 
 
-def foreach_copy(dsts: list[Any], srcs: list[Any], non_blocking: bool = False) -> None:
+def foreach_copy(dsts: list[Any], srcs: list[Any]) -> None:
     """Copy each of ``srcs`` into the ``dsts`` tensor at its place (same shapes and
-    dtypes; any devices), in one call; one copy per tensor if this torch has no
+    dtypes), in one call; one copy per tensor if this torch has no
     ``_foreach_copy_``. Autograd must not record it (the caller's ``no_grad``). No
     tensors: nothing (torch's call refuses an empty list)."""
     import torch
@@ -355,9 +355,9 @@ def foreach_copy(dsts: list[Any], srcs: list[Any], non_blocking: bool = False) -
     foreach_copy_ = getattr(torch, "_foreach_copy_", None)
     if foreach_copy_ is None:  # pragma: no cover - every supported torch has it
         for dst, src in zip(dsts, srcs, strict=True):
-            dst.copy_(src, non_blocking=non_blocking)
+            dst.copy_(src)
         return
-    foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+    foreach_copy_(dsts, srcs)
 
 
 #: What the worker template imports for its workers (steadfast.launcher.preload): torch's

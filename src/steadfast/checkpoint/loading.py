@@ -148,11 +148,9 @@ class Loader:
         state with. No ``checkpoint_loaded``: nothing is restored."""
         if self.memory is None:
             raise CheckpointError("no memory tier: no snapshot to compare with")
-        newest = self.memory.newest_whole
         got, why = memory_restore.restore(
             self.memory, self.coord, -1, None, at_most=step, after=step - 1, announce=False
         )
-        self.memory.newest_whole = newest  # what the restore saw, not this read
         if got is None:
             raise CheckpointError(f"the memory tier's snapshot of step {step}: {why}")
         return got[1], str(got[2])

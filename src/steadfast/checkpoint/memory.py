@@ -108,7 +108,7 @@ KEEP = NEEDED + 2
 BUDGET_SLOTS = 2 * (KEEP + 1)
 _RING_TIMEOUT = timedelta(seconds=120)
 #: how long a new tier waits for this process's snapshot still being written to its
-#: folder (:func:`_await_write`)
+#: folder (:func:`_take_over`)
 WRITE_WAIT = 30.0
 #: the snapshot writes in flight in this process, by the folder each writes to
 _writing: dict[str, threading.Event] = {}
@@ -243,7 +243,7 @@ class MemoryTier:
         self._checked = False
         #: the newest step every rank's snapshot is held for, as the last restore saw
         self.newest_whole = -1
-        _await_write(self.own, self._writer)  # an in-process restart's: the step is done
+        _take_over(self.own, self._writer)  # an in-process restart's tier: its step is done
         # what a kill mid-write or mid-prune left in this rank's folders
         for folder in (self.own, self.base / "replica" / f"rank_{self.source}"):
             if folder.is_dir():
@@ -462,7 +462,7 @@ class MemoryTier:
 
 
 # ---------------------------------------------------------------------- helpers
-def _await_write(folder: Path, writer: Worker) -> None:
+def _take_over(folder: Path, writer: Worker) -> None:
     """Wait, at most :data:`WRITE_WAIT`, for a snapshot this process is still writing to
     ``folder``, retire the writer of the tier that wrote it (its last job still runs) and
     make ``writer`` the folder's. An in-process restart abandons the tier of the loop

@@ -77,13 +77,15 @@ def restore(
     live objects, whose DTensors get their saved shards in place). Returns ``(the step,
     the state, the snapshot read)``, or None and why not (the caller reads the disk).
     ``at_most``, ``after``: the steps a replay proof allows (see :mod:`.proof`);
-    ``announce``: a restore (``checkpoint_loaded``), not a proof's read of the state."""
+    ``announce``: a restore (``checkpoint_loaded``, and the tier's ``newest_whole``), not
+    a proof's read of the state."""
     me = coord.rank
     sharded_ok = objects is not None
     quiet_wait(memory)
     offers = coord.all_gather(memory.holdings())
     whole = plan(offers, coord.world, -1, set(), sharded_ok, None, after)
-    memory.newest_whole = whole.step if whole is not None else -1
+    if announce:  # a proof's read leaves what the restore saw
+        memory.newest_whole = whole.step if whole is not None else -1
     bad: set[str] = set()  # the snapshots (their folders) found faulty
     while True:
         planned = plan(offers, coord.world, newest_disk, bad, sharded_ok, at_most, after)
