@@ -339,14 +339,16 @@ class CallWrapper:
     def _on_interrupt(self, first: bool) -> None:
         """The monitor thread raised the interruption in the main thread (under its lock):
         the first time, run the abort hook (it releases a blocked collective)."""
+        if not first:
+            return
+        if self.shared is not None:  # before the hook, which may take a while
+            self.shared.mark_aborted()
         abort = self.wrapper.abort
-        if first and abort is not None:
+        if abort is not None:
             try:
                 abort(self.state)
             except Exception as exc:
                 logger.error("abort hook failed: %s", exc)
-        if self.shared is not None:
-            self.shared.mark_aborting(first)
 
     # -- between iterations -------------------------------------------------------------
     def _restart(self, state: State) -> State:

@@ -56,7 +56,7 @@ __all__ = [
 logger = logging.getLogger("steadfast.inprocess")
 
 IDLE, RUNNING, RESTARTING, SPARE, EXITED = 0, 1, 2, 3, 4
-_LAYOUT = struct.Struct("<ddqqdd")  # since, manual, phase, iteration, aborted, thread_alive
+_LAYOUT = struct.Struct("<ddqqd")  # since, manual, phase, iteration, aborted
 _SEM_OFFSET = 64  # a process-shared POSIX semaphore: the progress counter
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -80,7 +80,7 @@ class SharedProgress:
 
     def __init__(self) -> None:
         self._mem = mmap.mmap(-1, mmap.PAGESIZE)  # anonymous + MAP_SHARED: no /dev/shm file
-        _LAYOUT.pack_into(self._mem, 0, time.monotonic(), 0.0, IDLE, 0, 0.0, 0.0)
+        _LAYOUT.pack_into(self._mem, 0, time.monotonic(), 0.0, IDLE, 0, 0.0)
         self._sem = ctypes.c_char.from_buffer(self._mem, _SEM_OFFSET)
         self.sem_address = ctypes.addressof(self._sem)
         if _libc.sem_init(ctypes.c_void_p(self.sem_address), 1, 0) != 0:
@@ -88,22 +88,18 @@ class SharedProgress:
 
     def read(self) -> tuple[float, float, int, int]:
         """``(phase_since, manual_ping, phase, iteration)``."""
-        since, manual, phase, iteration, _, _ = _LAYOUT.unpack_from(self._mem, 0)
+        since, manual, phase, iteration, _ = _LAYOUT.unpack_from(self._mem, 0)
         return since, manual, phase, iteration
 
-    def abort_state(self) -> tuple[float, float]:
-        """``(aborted_at, monitor_thread_alive_at)`` for this phase (0.0: not yet)."""
-        _, _, _, _, aborted, alive = _LAYOUT.unpack_from(self._mem, 0)
-        return aborted, alive
+    def aborted_at(self) -> float:
+        """When the monitor thread began to interrupt and abort this phase (0.0: not)."""
+        return _LAYOUT.unpack_from(self._mem, 0)[4]  # type: ignore[no-any-return]
 
-    def mark_aborting(self, first: bool) -> None:
-        """The monitor thread interrupted (``first``: and aborted) the main thread, and is
-        alive: the process is not frozen, its main thread is blocked in a call that the
-        abort should release."""
-        now = time.monotonic()
-        if first:
-            struct.pack_into("<d", self._mem, 32, now)
-        struct.pack_into("<d", self._mem, 40, now)
+    def mark_aborted(self) -> None:
+        """The monitor thread interrupts the main thread and runs the abort hook: the
+        main thread may be blocked in a call that only the abort, or a peer's end,
+        releases."""
+        struct.pack_into("<d", self._mem, 32, time.monotonic())
 
     def ticks(self) -> int:
         """How many times the main thread's interpreter ran the progress pending call."""
@@ -113,7 +109,7 @@ class SharedProgress:
 
     def set_phase(self, phase: int, iteration: int) -> None:
         """Enter ``phase``; progress restarts from now and the manual ping is off."""
-        _LAYOUT.pack_into(self._mem, 0, time.monotonic(), 0.0, phase, iteration, 0.0, 0.0)
+        _LAYOUT.pack_into(self._mem, 0, time.monotonic(), 0.0, phase, iteration, 0.0)
 
     def ping(self) -> None:
         struct.pack_into("<d", self._mem, 8, time.monotonic())
@@ -175,23 +171,22 @@ class MonitorProcessConfig:
     heartbeat_interval: float = 1.0  #: how often it beats into the store
 
 
-def hard_age(
-    cfg: MonitorProcessConfig, now: float, progress: float, aborted: float, alive: float
-) -> float:
+def hard_age(cfg: MonitorProcessConfig, now: float, progress: float, aborted: float) -> float:
     """How long the rank has gone without progress, as its hard timeout counts it.
 
-    Interrupted and aborted by a live monitor thread, the main thread waits in a call the
-    abort should release (a gloo collective with a frozen peer, released when that peer
-    is terminated): it gets a full hard timeout from the abort before it is terminated
-    itself. The thread is taken for alive while it marked itself within a soft timeout
-    (at least two process and one thread interval): it marks itself every thread
-    interval, but a machine busy with other work can leave it unscheduled for longer
-    (seen: a survivor terminated 20 ms before its frozen peer, whose end would have
-    released it, when the window was 0.3 s), while a frozen process never marks itself
-    again and is terminated a soft timeout later at most."""
-    window = max(2 * cfg.interval + cfg.thread_interval, cfg.soft_timeout)
-    if aborted and now - alive < window:
-        return now - max(progress, aborted)
+    Interrupted and aborted by its monitor thread, the main thread may wait in a call the
+    abort does not release: a gloo collective with a frozen peer, released only when that
+    peer is terminated, a hard timeout and a termination grace after the peer's last
+    progress. The aborted rank's hard timeout therefore counts from its abort plus the
+    grace: it outlasts the peer's, whose soft timeout came no later than the abort.
+
+    Once judged by whether the monitor thread still marked itself alive (a frozen process
+    stops marking), a survivor was terminated 4-20 ms before its frozen peer, whose end
+    would have released it, twice with the window at 0.3 s and at 1 s, on a machine that
+    left the thread unscheduled. Without it, a process that freezes after its abort is
+    terminated a hard timeout and a grace after the abort instead: later, never not."""
+    if aborted:
+        return now - max(progress, aborted + cfg.termination_grace_time)
     return now - progress
 
 
@@ -359,9 +354,12 @@ class _Monitor:
                         f"no progress for {age:.2f}s (soft_timeout {cfg.soft_timeout:g}s): {where}"
                     )
                     self._report(iteration, self.rank, "soft_timeout", detail)
-                age = hard_age(cfg, now, progress, *self.shared.abort_state())
+                aborted = self.shared.aborted_at()
+                age = hard_age(cfg, now, progress, aborted)
                 if age > cfg.hard_timeout:
                     detail = f"no progress for {age:.2f}s (hard_timeout {cfg.hard_timeout:g}s)"
+                    if aborted:
+                        detail += f", counted from its abort {now - aborted:.2f}s ago"
                     self._rank_gone(iteration, "hard_timeout", detail, pidfd)
                     break
             if cfg.coordinate:
