@@ -24,10 +24,11 @@ adds its calls after each step:
 - ``demo``: all of the library's calls of the demo's loop (``nan``, ``straggler``,
   ``agree``, ``snapshot``), ``agree``'s handler at its place.
 
-It prints, per mode, the time spent in the calls per step (mean over ranks and steps)
-and the loop's time per step, and their share of the step; then the demo's calls less
-the floor (``allreduce``): what the library adds to the one collective its agreed NaN
-check must make.
+It prints, per mode, the time spent in the calls per step (mean over ranks and steps,
+and the median step: the mean less the machine's scheduling outliers, which a 2-core
+machine gives any collective) and the loop's time per step, and their share of the
+step; then the demo's calls less the floor (``allreduce``): what the library adds to the
+one collective its agreed NaN check must make.
 
     .venv/bin/python bench/bench_step_calls.py [--steps 60] [--step-ms 100] [--jitter-ms 10]
 """
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -82,7 +84,8 @@ def _rank(rank: int, world: int, store: str, args: Any, out: Any) -> None:
 
         timed = stragglers.wrap_train_step(forward) if "straggler" in calls else forward
         dist.barrier()
-        in_call, start = 0.0, time.perf_counter()
+        per_step: list[float] = []
+        start = time.perf_counter()
         for step in range(args.steps):
             loss = torch.nn.functional.mse_loss(timed(x), y)
             opt.zero_grad(set_to_none=True)
@@ -91,7 +94,7 @@ def _rank(rank: int, world: int, store: str, args: Any, out: Any) -> None:
             ok = detector.check_loss(loss, step) if "nan" in calls else True
             if mode == "allreduce":  # where the NaN check's all-reduce is
                 dist.all_reduce(torch.zeros(1))
-            in_call += time.perf_counter() - t0
+            in_call = time.perf_counter() - t0
             if ok:
                 opt.step()
             t0 = time.perf_counter()
@@ -103,11 +106,11 @@ def _rank(rank: int, world: int, store: str, args: Any, out: Any) -> None:
                 handler.should_shutdown(step)
             if "snapshot" in calls:
                 ckpt.snapshot(step + 1, state)
-            in_call += time.perf_counter() - t0
+            per_step.append(in_call + time.perf_counter() - t0)
         loop = time.perf_counter() - start
         handler.unregister()
         ckpt.close()
-        out.put((mode, rank, in_call / args.steps, loop / args.steps))
+        out.put((mode, rank, sum(per_step) / args.steps, loop / args.steps, per_step))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -137,14 +140,21 @@ def main() -> None:
         f"{args.world} gloo ranks, {args.steps} steps of {args.step_ms:g} ms "
         f"+ up to {args.jitter_ms:g} ms of jitter"
     )
-    print(f"{'mode':<10} {'in call ms/step':>16} {'% of step':>10} {'loop ms/step':>13}")
+    print(
+        f"{'mode':<10} {'in call ms/step':>16} {'% of step':>10} {'median ms':>10}"
+        f" {'loop ms/step':>13}"
+    )
     bare = None
     for mode in MODES:
         mine = [r for r in rows if r[0] == mode]
         call = sum(r[2] for r in mine) / len(mine)
         loop = max(r[3] for r in mine)
         bare = loop if mode == "bare" else bare
-        print(f"{mode:<10} {call * 1000:>16.3f} {100 * call / step:>9.2f}% {loop * 1000:>13.2f}")
+        median = statistics.median(t for r in mine for t in r[4])
+        print(
+            f"{mode:<10} {call * 1000:>16.3f} {100 * call / step:>9.2f}% {median * 1000:>10.3f}"
+            f" {loop * 1000:>13.2f}"
+        )
     assert bare is not None
     per = {m: sum(r[2] for r in rows if r[0] == m) / args.world for m in MODES}
     beyond = per["demo"] - per["allreduce"]

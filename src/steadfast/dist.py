@@ -39,6 +39,7 @@ __all__ = [
     "is_distributed",
     "member_index",
     "PendingCount",
+    "PendingGather",
     "world_info",
 ]
 
@@ -163,6 +164,49 @@ class PendingCount:
             self._work.wait()
             self._work = None
         return int(self._count.item())
+
+
+class PendingGather:
+    """:func:`all_gather_object` of small objects started now (``async_op``) and read
+    later: one all-gather of fixed slots (``slot`` bytes and a length each) instead of
+    torch's two blocking collectives (the sizes, then the bytes). Every rank of ``group``
+    must start one at the same point. An object larger than its slot is gathered again,
+    blocking, at :meth:`read` (every rank sees every length, so all take that path)."""
+
+    def __init__(self, obj: Any, group: ProcessGroup | None = None, slot: int = 4096) -> None:
+        import pickle
+
+        import torch
+        import torch.distributed as dist
+
+        self._obj, self._group = obj, group
+        self._work: Any = None
+        if not is_distributed():
+            return
+        data = pickle.dumps(obj)
+        mine = torch.zeros(8 + slot, dtype=torch.uint8)
+        mine[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+        if len(data) <= slot:
+            mine[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        device = backend_device(group)
+        mine = mine.to(device)
+        self._slots = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        self._work = dist.all_gather(self._slots, mine, group=group, async_op=True)
+
+    def read(self) -> list[Any]:
+        """Every rank's object, in rank order of ``group`` (waits if still gathering)."""
+        import pickle
+
+        if self._work is None:
+            return [self._obj]
+        self._work.wait()
+        self._work = None
+        slots = [s.cpu() for s in self._slots]
+        sizes = [int.from_bytes(bytes(s[:8].tolist()), "little") for s in slots]
+        pairs = list(zip(sizes, slots, strict=True))
+        if any(n > s.numel() - 8 for n, s in pairs):
+            return all_gather_object(self._obj, self._group)
+        return [pickle.loads(bytes(s[8 : 8 + n].tolist())) for n, s in pairs]
 
 
 def agree_any(flag: bool | torch.Tensor, group: ProcessGroup | None = None) -> bool:

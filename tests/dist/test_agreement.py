@@ -165,6 +165,28 @@ def test_the_agreement_makes_no_step_wait_and_stops_both_one_step_later(
     assert agreed == [(0, 3, 1)]
 
 
+# ----------------------------------------------------------------- a gather read later
+def _gather_later(rank: int, world: int, workdir: Path) -> dict:
+    import torch.distributed as dist
+
+    from steadfast.dist import PendingGather
+
+    small = PendingGather({"rank": rank, "name": f"node{rank}"})
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x)  # the loop's own collectives go on while it gathers
+    big = PendingGather("x" * (100 if rank == 0 else 10_000), slot=1024)  # rank 1's too big
+    dist.all_reduce(x)
+    return {"small": small.read(), "big": [len(v) for v in big.read()], "x": x.item()}
+
+
+def test_a_gather_started_at_one_step_is_read_at_the_next(tmp_path: Path):
+    r0, r1 = run_ranks(_gather_later, tmp_path)
+    assert r0 == r1
+    assert r0["small"] == [{"rank": 0, "name": "node0"}, {"rank": 1, "name": "node1"}]
+    assert r0["big"] == [100, 10_000]  # one rank past its slot: every rank gathered again
+    assert r0["x"] == 6.0
+
+
 # ----------------------------------------------------------------- collective health
 def _health(rank: int, world: int, workdir: Path, join: bool) -> dict:
     from steadfast import check_nccl_health

@@ -92,7 +92,9 @@ def test_a_rank_slowed_2x_is_reported_at_the_windows_bound(tmp_path: Path, event
     assert WINDOW_SAMPLES * WINDOW_STEP > WINDOW_SECONDS
     # a report at every step: the verdict is the first report whose window of 3 has a
     # majority of slow samples, the one at the end of the 2nd slow step; none before
-    # (one slow sample is not a verdict), none later
+    # (one slow sample is not a verdict), none later. Each report is started at its step
+    # and finished (scored, acted on) at the next: the loop sees it one step later, its
+    # event names the step it scored.
     bound = WINDOW_SLOW_FROM + 1
     steps = bound + 3
     results = run_ranks(
@@ -101,20 +103,20 @@ def test_a_rank_slowed_2x_is_reported_at_the_windows_bound(tmp_path: Path, event
     )  # fmt: skip
     verdicts = []
     for reports, _ in results:  # every rank computes the same verdicts
-        assert [step for *_, step in reports] == list(range(FIRST_REPORT_CALLS - 1, steps))
+        assert [step for *_, step in reports] == list(range(FIRST_REPORT_CALLS, steps))
         flagged = [(step, found, rel, ind) for rel, ind, found, step in reports
                    if found["relative"] or found["individual"]]  # fmt: skip
         step, found, rel, ind = flagged[0]
-        assert step == bound, flagged
+        assert step == bound + 1, flagged
         assert found == {"relative": [1], "individual": [1]}, (rel, ind)
         assert rel[0] == 1.0 and rel[1] < 0.7 and ind[1] < 0.7
         assert all(f[1] == found for f in flagged)  # then on every report while slow
         verdicts.append([f[0] for f in flagged])
-    assert verdicts[0] == verdicts[1] == list(range(bound, steps))
+    assert verdicts[0] == verdicts[1] == list(range(bound + 1, steps))
     events = [json.loads(x) for x in event_log.read_text().splitlines()]
     detected = [e for e in events if e["kind"] == "straggler_detected"]
     assert detected[0]["ranks"] == [1] and detected[0]["rank"] == 0
-    assert detected[0]["step"] == bound
+    assert [e["step"] for e in detected] == list(range(bound, steps - 1))
     (fault,) = [e for e in events if e["kind"] == "fault_injected"]
     assert fault["fault"] == "slow_rank" and fault["step"] == WINDOW_SLOW_FROM
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from .. import events
 from ..config import ConfigError, require_number
 from ..dist import group_rank
-from .detector import Detector
+from .detector import Detector, PendingReport
 from .reporting import Report
 
 __all__ = [
@@ -83,6 +83,7 @@ class StragglerDetectionManager:
         )
         self.last_report: Report | None = None
         self.stragglers: dict[str, list[int]] = {}
+        self._pending: tuple[PendingReport, int | None] | None = None
 
     def wrap_train_step(self, fn: F) -> F:
         """``fn`` timed as the ``train_step`` section (when enabled)."""
@@ -92,13 +93,28 @@ class StragglerDetectionManager:
         return wrapped
 
     def check(self, step: int | None = None) -> bool:
-        """Make the report if one is due; True when training should stop (collective)."""
+        """Call once per step on every rank; True (on every rank at once) when training
+        should stop. A due report is started here and finished at the next call, so the
+        step never waits for its collective: its verdict comes one step later, and its
+        events name the step it scored."""
         if not self.config.enabled:
             return False
-        report = self.detector.generate_report_if_interval_elapsed()
-        if report is None:
-            return False
-        return self._act(report, step)
+        stop = False
+        if self._pending is not None:
+            pending, scored = self._pending
+            self._pending = None
+            report = self.detector.finish_report(pending)
+            if report is not None:
+                stop = self._act(report, scored)
+        if self.detector.report_due():
+            self._pending = (self.detector.start_report(), step)
+        return stop
+
+    def close(self) -> None:
+        """Wait for a report still gathering (every rank started it), unscored."""
+        if self._pending is not None:
+            self._pending[0].gather.read()
+            self._pending = None
 
     def _act(self, report: Report, step: int | None) -> bool:
         cfg = self.config
@@ -212,6 +228,7 @@ class NVRxStragglerDetectionManager(StragglerDetectionManager):
 
     def shutdown(self) -> None:
         """Stop detecting."""
+        self.close()
         self.initialized = False
         self.wrapped_function = None
 
