@@ -612,3 +612,26 @@ def test_inductor_header_dir_is_inductors_own() -> None:
         """
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_weights_only_loads_reads_a_plain_pickle_and_refuses_code() -> None:
+    """weights_only_loads unpickles with torch._weights_only_unpickler: the flat
+    snapshot header's types come back; a global it does not allow is refused, as
+    torch.load(weights_only=True) refuses it."""
+    import os
+    import pickle
+
+    import pytest
+    import torch
+
+    from steadfast import seam
+
+    header = (
+        {"a": [1, 2.5, "x", None, True, b"raw"], 3: ("\x00slot", 7)},
+        [(torch.float32, (2, 3), 0), (torch.bfloat16, (), 64)],
+        torch.Size([4, 5]),
+        torch.device("cpu"),
+    )
+    assert seam.weights_only_loads(pickle.dumps(header, protocol=2)) == header
+    with pytest.raises(pickle.UnpicklingError):
+        seam.weights_only_loads(pickle.dumps(os.system, protocol=2))

@@ -22,7 +22,9 @@ the rank keeps the state, ``state.pt``:
   disk tier, which DCP reshards (``"shards": true`` in the manifest says a snapshot
   holds shards).
 
-How a snapshot's files travel, are verified and loaded: :mod:`.snapshot_io`.
+The files are in the flat layout of :mod:`.flat` (the tensors' bytes after a small
+header: a model of ~1,000 tensors is written in a few plain writes, not pickled tensor by
+tensor). How a snapshot's files travel, are verified and loaded: :mod:`.snapshot_io`.
 
 Files are written into a hidden
 temporary folder and renamed into place: a process killed mid-copy leaves the previous
@@ -69,7 +71,8 @@ import torch.distributed as dist
 from .. import events
 from ..config import ConfigError
 from ..shm import shm_name
-from .files import describe, save_file
+from .files import describe
+from .flat import save_flat
 from .layout import (
     TMP_PREFIX,
     CheckpointError,
@@ -319,9 +322,9 @@ class MemoryTier:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            files = {RANK: save_file(tmp / RANK, local)}
+            files = {RANK: save_flat(tmp / RANK, local)}
             if payload is not None:
-                files[STATE] = save_file(tmp / STATE, payload)
+                files[STATE] = save_flat(tmp / STATE, payload)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"memory snapshot to {tmp}: {describe(exc, tmp)}") from exc

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .files import crc32_mapped, crc32_parallel
+from .flat import load_flat
 from .layout import MANIFEST, TMP_PREFIX, CheckpointError, check_files, publish, read_manifest
 
 __all__ = [
@@ -128,17 +129,14 @@ def verify_in_place(snapshot: Path) -> list[str]:
 
 def load_in_place(snapshot: str | os.PathLike[str], name: str) -> dict[str, Any]:
     """File ``name`` (``state.pt``, ``rank.pt``) of a (verified) snapshot of this node, its
-    tensors mapped from shared memory (``torch.load(mmap=True)``): no copy until the
-    model takes them."""
-    state = torch.load(Path(snapshot) / name, map_location="cpu", weights_only=True, mmap=True)
-    return dict(state)
+    tensors mapped from shared memory (:func:`~.flat.load_flat`): no copy until the model
+    takes them."""
+    return dict(load_flat(Path(snapshot) / name, str(Path(snapshot) / name)))
 
 
 def load_file(files: Mapping[str, memoryview], name: str) -> dict[str, Any]:
     """File ``name`` of a (verified) snapshot that arrived from another node."""
-    import io
-
-    return dict(torch.load(io.BytesIO(files[name]), map_location="cpu", weights_only=True))
+    return dict(load_flat(files[name], f"{name} of a snapshot from another node"))
 
 
 def _sized(snapshot: Path) -> tuple[dict[str, Any] | None, list[str]]:
