@@ -58,7 +58,22 @@ def any_tensor(value: Any, pred: Callable[[torch.Tensor], bool]) -> bool:
 def has_dtensor(value: Any) -> bool:
     if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist: no walk
         return False
-    return any_tensor(value, is_dtensor)
+    return _has_dtensor(value)
+
+
+def _has_dtensor(value: Any) -> bool:
+    """:func:`any_tensor` with :func:`is_dtensor`, a plain tensor and a sequence of
+    scalars (Python's RNG state) answered without a call each: a model's ~1,000 tensors
+    are walked at every snapshot."""
+    if type(value) is torch.Tensor:
+        return False
+    if isinstance(value, torch.Tensor):
+        return is_dtensor(value)
+    if isinstance(value, Mapping):
+        return any(map(_has_dtensor, value.values()))
+    if isinstance(value, (list, tuple)):
+        return not _SCALARS.issuperset(map(type, value)) and any(map(_has_dtensor, value))
+    return False
 
 
 class Stager:
@@ -73,8 +88,10 @@ class Stager:
 
     def __init__(self) -> None:
         self._shards = False
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._used: dict[str, torch.Tensor] = {}
+        # the buffers by their tensor's place in the walk (a key path cost a string per
+        # value; the shape and dtype are checked before a buffer is used again)
+        self._buffers: list[torch.Tensor] = []
+        self._used: list[torch.Tensor] = []
         self._memo: dict[int, torch.Tensor] = {}
         self._devices: set[torch.device] = set()
         self._dsts: list[torch.Tensor] = []  # the copies of a stage, made at its end
@@ -85,27 +102,28 @@ class Stager:
         shard alone (a plain tensor: what a rank keeps of sharded state), else as a
         DTensor over the staged shard. The walk collects the host tensors' copies and
         makes them in one call (:func:`steadfast.seam.foreach_copy`)."""
-        self._used, self._memo, self._devices = {}, {}, set()
+        self._used, self._memo, self._devices = [], {}, set()
         self._dsts, self._srcs = [], []
         self._shards = shards
         try:
-            staged = self._walk(value, "")
+            staged = self._walk(value)
             with torch.no_grad():  # a copy of a parameter is not part of any graph
                 foreach_copy(self._dsts, self._srcs)
         finally:
             self._dsts, self._srcs = [], []  # the sources are not kept alive
         for device in self._devices:  # the non-blocking copies must land before writing
             torch.cuda.synchronize(device)
-        self._buffers = self._used  # buffers for keys that went away are released
+        self._buffers = self._used  # buffers for tensors that went away are released
         return staged
 
     def clear(self) -> None:
-        self._buffers, self._used, self._memo = {}, {}, {}
+        self._buffers, self._used, self._memo = [], [], {}
 
-    def _copy(self, t: torch.Tensor, key: str, memo: bool = True) -> torch.Tensor:
+    def _copy(self, t: torch.Tensor, memo: bool = True) -> torch.Tensor:
         if memo and id(t) in self._memo:
             return self._memo[id(t)]
-        buf = self._buffers.get(key)
+        place = len(self._used)
+        buf = self._buffers[place] if place < len(self._buffers) else None
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             pin = t.is_cuda and torch.cuda.is_available()
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
@@ -116,14 +134,16 @@ class Stager:
         else:
             self._dsts.append(buf)
             self._srcs.append(t)
-        self._used[key] = buf
+        self._used.append(buf)
         if memo:  # t is alive for the whole walk: its id cannot be reused meanwhile
             self._memo[id(t)] = buf
         return buf
 
-    def _walk(self, value: Any, key: str) -> Any:
+    def _walk(self, value: Any) -> Any:
+        if type(value) is torch.Tensor:  # the common case first: no DTensor test
+            return self._copy(value)
         if is_dtensor(value):
-            local = self._copy(value.to_local(), key, memo=False)  # a temporary: no id()
+            local = self._copy(value.to_local(), memo=False)  # a temporary: no id()
             if self._shards:
                 return local
             return type(value).from_local(
@@ -134,13 +154,13 @@ class Stager:
                 stride=value.stride(),
             )
         if isinstance(value, torch.Tensor):
-            return self._copy(value, key)
+            return self._copy(value)
         if isinstance(value, Mapping):
-            return {k: self._walk(v, f"{key}/{k}") for k, v in value.items()}
+            return {k: self._walk(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             if _SCALARS.issuperset(map(type, value)):  # Python's RNG state: 625 ints
                 return list(value) if isinstance(value, list) else value
-            items = (self._walk(v, f"{key}/{i}") for i, v in enumerate(value))
+            items = (self._walk(v) for v in value)
             return list(items) if isinstance(value, list) else tuple(items)
         return value
 
