@@ -43,8 +43,8 @@ FAULTS = tuple(_KINDS)
 #: turn --duration into a pace.
 _OVERHEAD_S = 22.0
 #: Seconds between straggler reports in the paced run: short, so that a slowed rank is
-#: reported within 2 s; each report is one all_gather of small summaries (2-4 ms for 2
-#: gloo ranks here, bench/bench_straggler_verdict.py), about 1 % of a demo step.
+#: reported within 2 s; each report is one all_gather of small summaries, started at one
+#: step and read at the next (StragglerDetectionManager.check): no step waits for it.
 STRAGGLER_INTERVAL = 0.5
 #: The least calculated step timeout (seconds): NVRx's default factor (5 x the longest
 #: step) is raised for a quick demo's short steps, so that a loaded machine's scheduling
@@ -128,8 +128,9 @@ class _Plan:
         on ``rank`` (the SIGTERM comes from the demo itself, as a scheduler's would)."""
         # the slowed rank's forward (its compute: the pace) takes twice as long; with a
         # straggler report every STRAGGLER_INTERVAL s (every step at the full demo's pace)
-        # it is reported at the end of its 2nd slow step (the scoring window's floor,
-        # steadfast.straggler.detector): 4 x pace after it began. It stays slow for 2
+        # its report at the end of its 2nd slow step (the scoring window's floor,
+        # steadfast.straggler.detector) says so, read at the next step: 5 x pace after
+        # it began. It stays slow for 2
         # steps and 2 report intervals, and at least until the first report of a process
         # (restarted just before the slowdown, say) at its FIRST_REPORT_CALLS-th step
         slow = 2 * self.pace
