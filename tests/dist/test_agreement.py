@@ -187,6 +187,13 @@ def test_a_gather_started_at_one_step_is_read_at_the_next(tmp_path: Path):
     assert r0["x"] == 6.0
 
 
+def test_a_gather_in_one_process_is_its_own_object() -> None:
+    from steadfast.dist import PendingGather
+
+    obj = {"medians": {"train_step": 0.1}}
+    assert PendingGather(obj).read() == [obj]
+
+
 # ----------------------------------------------------------------- collective health
 def _health(rank: int, world: int, workdir: Path, join: bool) -> dict:
     from steadfast import check_nccl_health
