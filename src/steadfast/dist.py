@@ -170,10 +170,13 @@ class PendingGather:
     """:func:`all_gather_object` of small objects started now (``async_op``) and read
     later: one all-gather of fixed slots (``slot`` bytes and a length each) instead of
     torch's two blocking collectives (the sizes, then the bytes). Every rank of ``group``
-    must start one at the same point. An object larger than its slot is gathered again,
-    blocking, at :meth:`read` (every rank sees every length, so all take that path)."""
+    must start one at the same point, with the same ``slot``. An object larger than its
+    slot is gathered again, blocking, at :meth:`read` (every rank sees every length, so
+    all take that path); :attr:`largest` (every rank's same value after :meth:`read`)
+    lets a caller size the next slot. Each rank receives ``world x slot`` bytes: keep the
+    slot near the objects' size on a large job."""
 
-    def __init__(self, obj: Any, group: ProcessGroup | None = None, slot: int = 4096) -> None:
+    def __init__(self, obj: Any, group: ProcessGroup | None = None, slot: int = 512) -> None:
         import pickle
 
         import torch
@@ -181,32 +184,33 @@ class PendingGather:
 
         self._obj, self._group = obj, group
         self._work: Any = None
+        data = pickle.dumps(obj)
+        self.largest = len(data)
         if not is_distributed():
             return
-        data = pickle.dumps(obj)
         mine = torch.zeros(8 + slot, dtype=torch.uint8)
         mine[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
         if len(data) <= slot:
             mine[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        device = backend_device(group)
-        mine = mine.to(device)
+        mine = mine.to(backend_device(group))
         self._slots = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         self._work = dist.all_gather(self._slots, mine, group=group, async_op=True)
 
     def read(self) -> list[Any]:
         """Every rank's object, in rank order of ``group`` (waits if still gathering)."""
+        import ctypes
         import pickle
 
         if self._work is None:
             return [self._obj]
         self._work.wait()
         self._work = None
-        slots = [s.cpu() for s in self._slots]
-        sizes = [int.from_bytes(bytes(s[:8].tolist()), "little") for s in slots]
-        pairs = list(zip(sizes, slots, strict=True))
-        if any(n > s.numel() - 8 for n, s in pairs):
+        raw = [ctypes.string_at(s.data_ptr(), s.numel()) for s in (t.cpu() for t in self._slots)]
+        sizes = [int.from_bytes(r[:8], "little") for r in raw]
+        self.largest = max(sizes)
+        if any(n > len(r) - 8 for n, r in zip(sizes, raw, strict=True)):
             return all_gather_object(self._obj, self._group)
-        return [pickle.loads(bytes(s[8 : 8 + n].tolist())) for n, s in pairs]
+        return [pickle.loads(r[8 : 8 + n]) for n, r in zip(sizes, raw, strict=True)]
 
 
 def agree_any(flag: bool | torch.Tensor, group: ProcessGroup | None = None) -> bool:

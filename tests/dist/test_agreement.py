@@ -176,7 +176,12 @@ def _gather_later(rank: int, world: int, workdir: Path) -> dict:
     dist.all_reduce(x)  # the loop's own collectives go on while it gathers
     big = PendingGather("x" * (100 if rank == 0 else 10_000), slot=1024)  # rank 1's too big
     dist.all_reduce(x)
-    return {"small": small.read(), "big": [len(v) for v in big.read()], "x": x.item()}
+    return {
+        "small": small.read(),
+        "big": [len(v) for v in big.read()],
+        "largest": big.largest,
+        "x": x.item(),
+    }
 
 
 def test_a_gather_started_at_one_step_is_read_at_the_next(tmp_path: Path):
@@ -184,6 +189,7 @@ def test_a_gather_started_at_one_step_is_read_at_the_next(tmp_path: Path):
     assert r0 == r1
     assert r0["small"] == [{"rank": 0, "name": "node0"}, {"rank": 1, "name": "node1"}]
     assert r0["big"] == [100, 10_000]  # one rank past its slot: every rank gathered again
+    assert r0["largest"] > 10_000  # its pickle: the next slot can be sized on every rank
     assert r0["x"] == 6.0
 
 

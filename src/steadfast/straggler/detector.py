@@ -249,6 +249,9 @@ class Detector:
         self._cuda_possible = _cuda_available()
         self._best: dict[str, dict[int, float]] = {}  # section -> rank -> best median
         self._calls = 0  # calls of generate_report_if_interval_elapsed
+        # a report's gather slot: each rank receives world x slot bytes; doubled until
+        # the largest summary fits (every rank sees every length: the same slot)
+        self._summary_slot = 512
         self._next_report = FIRST_REPORT_CALLS
         self._last_report_time = time.monotonic()
         self._last_report_calls = 0
@@ -379,7 +382,7 @@ class Detector:
             / max(1, self._calls - self._last_report_calls),
         }
         self._last_report_time, self._last_report_calls = start, self._calls
-        gather = PendingGather(summary, self.group)
+        gather = PendingGather(summary, self.group, slot=self._summary_slot)
         return PendingReport(gather, self._calls, time.monotonic() - start)
 
     def finish_report(self, pending: PendingReport) -> Report | None:
@@ -387,6 +390,8 @@ class Detector:
         runs) and set the call the next one is due at."""
         start = time.monotonic()
         shares = pending.gather.read()
+        while self._summary_slot < pending.gather.largest:  # the same on every rank
+            self._summary_slot *= 2
         report = self._score(shares)
         slowest = max((s["period"] for s in shares), default=0.0)
         per_interval = max(1, round(self.report_time_interval / slowest)) if slowest > 0 else 1
