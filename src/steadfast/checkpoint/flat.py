@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 from .. import seam
-from .files import crc32
+from .files import crc32, save_file
 from .layout import CheckpointError
+from .staging import SCALARS
 
 __all__ = ["MAGIC", "SLOT", "load_flat", "save_flat"]
 
@@ -44,9 +45,8 @@ MAGIC = b"SFFLAT01"
 SLOT = "\x00steadfast.flat.slot"
 _ALIGN = 64
 _IOV_MAX = 1024  # Linux's limit on one writev's buffers
-_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 #: leaves kept as they are: what torch.load(weights_only=True) reads back
-_LEAVES = _SCALARS | {torch.dtype, torch.device, torch.Size}
+_LEAVES = SCALARS | {torch.dtype, torch.device, torch.Size}
 
 
 class _NotFlat(Exception):
@@ -89,7 +89,7 @@ class _Hollow:
         if kind is dict:
             return {k: self.walk(v) for k, v in value.items()}
         if kind is list or kind is tuple:
-            if _SCALARS.issuperset(map(type, value)):  # Python's RNG state: 625 ints
+            if SCALARS.issuperset(map(type, value)):  # Python's RNG state: 625 ints
                 if kind is tuple and len(value) == 2 and value[0] == SLOT:
                     raise _NotFlat  # the user's value would read back as a tensor
                 return value
@@ -102,8 +102,7 @@ class _Hollow:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The tensor's bytes, without a copy (the tensor must outlive the view)."""
-    n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def save_flat(path: Path, obj: Any) -> dict[str, int]:
@@ -114,14 +113,11 @@ def save_flat(path: Path, obj: Any) -> dict[str, int]:
     try:
         skeleton = hollow.walk(obj)
     except _NotFlat:
-        from .files import save_file
-
         return save_file(path, obj)
     index, at = [], 0
     for t in hollow.tensors:
         index.append((t.dtype, tuple(t.shape), at))
-        n = t.numel() * t.element_size()
-        at += n + _pad(n)
+        at += t.nbytes + _pad(t.nbytes)
     head = pickle.dumps({"skeleton": skeleton, "index": index}, protocol=2)
     prefix = MAGIC + len(head).to_bytes(8, "little")
     zeros = bytes(_ALIGN)
@@ -197,11 +193,7 @@ def _tensor(data: torch.Tensor, start: int, dtype: Any, shape: Any, at: Any) -> 
     # a storage of its own over the tensor's bytes (as torch.load(mmap=True) makes):
     # torch.set_rng_state, for one, reads a tensor's storage from its start
     own: torch.UntypedStorage = data.untyped_storage()[start + at : start + at + n]
-    stride, step = [], 1
-    for d in reversed(shape):
-        stride.append(step)
-        step *= max(d, 1)
-    return torch.empty(0, dtype=dtype).set_(own, 0, tuple(shape), tuple(reversed(stride)))
+    return torch.empty(0, dtype=dtype).set_(own).view(tuple(shape))
 
 
 def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
@@ -211,7 +203,7 @@ def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
     if kind is tuple and len(value) == 2 and value[0] == SLOT and type(value[1]) is int:
         return tensors[value[1]]
     if kind is list or kind is tuple:
-        if _SCALARS.issuperset(map(type, value)):
+        if SCALARS.issuperset(map(type, value)):
             return value
         items = [_fill(v, tensors) for v in value]
         return items if kind is list else tuple(items)

@@ -15,6 +15,7 @@ from ..seam import foreach_copy
 from .layout import CheckpointError
 
 __all__ = [
+    "SCALARS",
     "Stager",
     "any_tensor",
     "dtensor_off_cpu",
@@ -38,6 +39,8 @@ def to_state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def is_dtensor(value: Any) -> bool:
+    if type(value) is torch.Tensor:  # a plain tensor, the common case: no lookup
+        return False
     # a DTensor exists only if its module was imported: importing it here would cost
     # ~0.5 s on the first save of every job that has none
     module = sys.modules.get("torch.distributed.tensor")
@@ -45,35 +48,29 @@ def is_dtensor(value: Any) -> bool:
 
 
 def any_tensor(value: Any, pred: Callable[[torch.Tensor], bool]) -> bool:
-    """Whether any tensor in the nested state ``value`` satisfies ``pred``."""
+    """Whether any tensor in the nested state ``value`` satisfies ``pred``. A sequence
+    of scalars (Python's RNG state: 625 ints) is passed over whole: a model's ~1,000
+    tensors are walked at every snapshot."""
     if isinstance(value, torch.Tensor):
         return pred(value)
     if isinstance(value, Mapping):
-        return any(any_tensor(v, pred) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(any_tensor(v, pred) for v in value)
+        values: Any = value.values()
+    elif isinstance(value, (list, tuple)):
+        if SCALARS.issuperset(map(type, value)):
+            return False
+        values = value
+    else:
+        return False
+    for v in values:  # noqa: SIM110 - any() over a generator: 0.26 ms, not 0.17, a snapshot
+        if any_tensor(v, pred):
+            return True
     return False
 
 
 def has_dtensor(value: Any) -> bool:
     if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist: no walk
         return False
-    return _has_dtensor(value)
-
-
-def _has_dtensor(value: Any) -> bool:
-    """:func:`any_tensor` with :func:`is_dtensor`, a plain tensor and a sequence of
-    scalars (Python's RNG state) answered without a call each: a model's ~1,000 tensors
-    are walked at every snapshot."""
-    if type(value) is torch.Tensor:
-        return False
-    if isinstance(value, torch.Tensor):
-        return is_dtensor(value)
-    if isinstance(value, Mapping):
-        return any(map(_has_dtensor, value.values()))
-    if isinstance(value, (list, tuple)):
-        return not _SCALARS.issuperset(map(type, value)) and any(map(_has_dtensor, value))
-    return False
+    return any_tensor(value, is_dtensor)
 
 
 class Stager:
@@ -158,7 +155,7 @@ class Stager:
         if isinstance(value, Mapping):
             return {k: self._walk(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            if _SCALARS.issuperset(map(type, value)):  # Python's RNG state: 625 ints
+            if SCALARS.issuperset(map(type, value)):  # Python's RNG state: 625 ints
                 return list(value) if isinstance(value, list) else value
             items = (self._walk(v) for v in value)
             return list(items) if isinstance(value, list) else tuple(items)
@@ -168,7 +165,7 @@ class Stager:
 #: Values a walk leaves as they are, in a sequence of nothing else taken whole: the
 #: snapshot of every step walked Python's RNG state (a tuple of 625 ints) one by one,
 #: ~70 % of its staging.
-_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 def fill_in_place(template: Any, saved: Any, copy: Copy | None = None) -> Any:
