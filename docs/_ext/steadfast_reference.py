@@ -256,6 +256,7 @@ API_MODULES = (
     ("steadfast.rerun", "The re-run state machine: result attribution (Megatron)."),
     ("steadfast.events", "The event log: writing and reading it."),
     ("steadfast.dist", "Small distributed helpers."),
+    ("steadfast.riders", "Flags carried by an all-reduce another component makes anyway."),
     ("steadfast.faults", "Planned faults, to rehearse recovery."),
     ("steadfast.signals", "Signals: cooperative shutdown and preemption."),
     ("steadfast.slurm", "The job's Slurm environment."),

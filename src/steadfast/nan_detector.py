@@ -5,7 +5,9 @@ Parity with ``kempnerforge.resilience`` (seed 000): same names, defaults and ret
 values. Beyond the original:
 
 - ``check_loss`` *and* ``check_gradients`` agree across ranks (one tiny all-reduce on the
-  backend's device), so no rank skips an optimizer step that another rank takes.
+  backend's device), so no rank skips an optimizer step that another rank takes. That
+  all-reduce also carries the agreed shutdown's flag (:mod:`steadfast.riders`), so a loop
+  with both makes one collective a step for the two.
 - ``check_gradients`` checks every gradient with one fused reduction per device/dtype
   (an infinity-norm, which never overflows and propagates NaN:
   :func:`steadfast.seam.foreach_inf_norms`) and one host sync in all, instead of a sync
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import events, seam
+from . import events, riders, seam
 from .config import ConfigError, require_number
 from .dist import backend_device, group_rank, is_distributed
 
@@ -107,20 +109,32 @@ class NaNDetector:
         Raises:
             RuntimeError: If action is "raise" and NaN is detected (on every rank).
         """
+        if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+            raise ConfigError(
+                f"NaNDetector.check_loss: loss must be a scalar (one element), "
+                f"got a tensor of shape {tuple(loss.shape)}"
+            )
         device = backend_device(group)
-        if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                raise ConfigError(
-                    f"NaNDetector.check_loss: loss must be a scalar (one element), "
-                    f"got a tensor of shape {tuple(loss.shape)}"
-                )
-            value_t = loss.detach().reshape(1).to(device=device, dtype=torch.float64)
-        else:
-            value_t = torch.tensor([float(loss)], dtype=torch.float64, device=device)
-        bad_t = (~torch.isfinite(value_t)).to(torch.float64)
-        if is_distributed():
-            dist.all_reduce(bad_t, op=dist.ReduceOp.SUM, group=group)
-        ranks_bad, value = torch.cat([bad_t, value_t]).tolist()  # the one host sync
+        carried = riders.carry(group) if is_distributed() else None
+        up = carried.up if carried is not None else 0.0
+        if device.type == "cpu":  # the value first: two torch calls fewer on the step
+            value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+            flags = torch.tensor([0.0 if math.isfinite(value) else 1.0, up], dtype=torch.float64)
+            if carried is not None:
+                dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
+            ranks_bad, riding = flags.tolist()
+        else:  # reduced where the loss is: the one host sync comes after the collective
+            if isinstance(loss, torch.Tensor):
+                value_t = loss.detach().reshape(1).to(device=device, dtype=torch.float64)
+            else:
+                value_t = torch.tensor([float(loss)], dtype=torch.float64, device=device)
+            flags = torch.full((2,), up, dtype=torch.float64, device=device)
+            flags[:1] = ~torch.isfinite(value_t)
+            if carried is not None:
+                dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
+            ranks_bad, riding, value = torch.cat([flags, value_t]).tolist()
+        if carried is not None:
+            carried.deliver(riding)
         local_bad = not math.isfinite(value)
         if ranks_bad == 0:
             self._record_good(value, step)
@@ -147,10 +161,13 @@ class NaNDetector:
             all_finite = torch.isfinite(torch.stack(norms)).all()
             local_bad_t += (~all_finite).to(device=device, dtype=torch.float64)
         local_bad_t.clamp_(max=1.0)
-        total_t = local_bad_t.clone()
-        if is_distributed():
+        carried = riders.carry(group) if is_distributed() else None
+        total_t = torch.cat([local_bad_t, local_bad_t.new_full((1,), carried.up if carried else 0)])
+        if carried is not None:
             dist.all_reduce(total_t, op=dist.ReduceOp.SUM, group=group)
-        ranks_bad, local_bad = torch.cat([total_t, local_bad_t]).tolist()  # the one host sync
+        ranks_bad, riding, local_bad = torch.cat([total_t, local_bad_t]).tolist()  # one sync
+        if carried is not None:
+            carried.deliver(riding)
         if ranks_bad == 0:
             return True
         bad_names = _nonfinite_params(model) if local_bad else []

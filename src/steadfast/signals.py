@@ -11,7 +11,9 @@ Beyond the original:
 - ``agree=True`` makes every rank stop after the *same* step: ``should_shutdown()`` starts
   one small all-reduce and reads the one it started at the step before, so a signal
   delivered to one rank (Slurm often signals one task, or one node first) stops them all
-  together, one step later, and no step waits for the agreement.
+  together, one step later, and no step waits for the agreement. When the loop's NaN check
+  runs over the same ranks between two calls, its all-reduce carries the flag
+  (:mod:`steadfast.riders`) and the agreement makes no collective of its own.
 - Before a forced exit, the Python stacks of all threads are written to stderr (where the
   process was stuck is the first thing one asks) and a ``shutdown_forced`` event is logged.
 - Events ``shutdown_requested``, ``shutdown_agreed``, ``shutdown_forced``, ``shutdown_complete``.
@@ -37,6 +39,7 @@ from typing import Any
 from . import events
 from .config import parse_signal, require_number
 from .dist import PendingCount, cpu_group, gather_flags, group_rank, is_distributed
+from .riders import Rider
 
 __all__ = [
     "FORCED_EXIT_CODE",
@@ -108,6 +111,7 @@ class ShutdownHandler:
         self._shutdown_requested = False
         self._agreed = False
         self._pending: PendingCount | None = None  # the count started at the last step
+        self._rider: Rider | None = None  # the flag the NaN checks' all-reduces carry
         self._cpu_group: Any = None  # where that count runs (dist.cpu_group), made once
         self._cpu_group_made = False  # (None is a made group too: the default one)
         self._signal_received: signal.Signals | None = None
@@ -138,7 +142,11 @@ class ShutdownHandler:
         and all of them get True at the same step. Each call starts counting the ranks
         that have a signal and reads the count the call before started (at once, as it
         ran in the background during the step): a signal stops the ranks one step after
-        the step it reached them in. ``step`` is only used for the event.
+        the step it reached them in. When a :class:`~steadfast.NaNDetector` check over
+        the same group ran since the call before (``check_loss`` in the same loop), its
+        all-reduce carried the flag instead: nothing is started, and a signal that came
+        before that check stops the ranks after this very step. ``step`` is only used
+        for the event.
         """
         if not self._agree or self._agreed:
             return self._shutdown_requested
@@ -147,13 +155,19 @@ class ShutdownHandler:
         else:
             pending, self._pending = self._pending, None
             signalled = pending.read() if pending is not None else 0
-            if signalled == 0:
+            if self._rider is None:
+                self._rider = Rider(lambda: self._shutdown_requested, self._group)
+            carried = self._rider.take()  # the NaN checks since the last call counted it
+            if carried is not None:
+                signalled = max(signalled, carried)
+            elif signalled == 0:
                 if not self._cpu_group_made:
                     self._cpu_group, self._cpu_group_made = cpu_group(self._group), True
                 self._pending = PendingCount(self._shutdown_requested, self._cpu_group)
         if signalled == 0:
             return False
         self._agreed = True
+        self._leave()
         if not self._shutdown_requested:
             self._shutdown_requested = True
             logger.warning("another rank received a shutdown signal; stopping after this step")
@@ -196,6 +210,7 @@ class ShutdownHandler:
             self._watcher.stop()
             self._watcher = None
         self._cancel_timer()
+        self._leave()
         pending, self._pending = self._pending, None
         if pending is not None:  # every rank started it: it ends, and leaves nothing behind
             try:
@@ -218,6 +233,11 @@ class ShutdownHandler:
         logger.info("Graceful shutdown complete")
 
     # ------------------------------------------------------------------ internals
+    def _leave(self) -> None:
+        if self._rider is not None:
+            self._rider.close()
+            self._rider = None
+
     def _handle_signal(self, signum: int, frame: FrameType | None) -> None:
         self._request(signal.Signals(signum))
 

@@ -165,6 +165,58 @@ def test_the_agreement_makes_no_step_wait_and_stops_both_one_step_later(
     assert agreed == [(0, 3, 1)]
 
 
+def _nan_check_carries_the_shutdown(rank: int, world: int, workdir: Path) -> dict:
+    """The loop a user writes: a NaN check, then the agreed shutdown, every step. Rank 1
+    also holds a stale rider (a handler it abandoned), which must change nothing."""
+    import torch.distributed as dist
+
+    from steadfast import NaNDetector, ShutdownHandler
+    from steadfast.riders import Rider
+
+    sizes: list[int] = []
+    real = dist.all_reduce
+
+    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> object:
+        sizes.append(t.numel())
+        return real(t, *args, **kwargs)  # type: ignore[arg-type]
+
+    dist.all_reduce = counted  # type: ignore[assignment]
+    stale = Rider(lambda: False) if rank == 1 else None
+    h = ShutdownHandler(timeout_sec=60, agree=True)
+    h.register()
+    d = NaNDetector(action="skip")
+    said = []
+    for step in range(6):
+        if rank == 1 and step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # before this step's NaN check
+        loss = torch.tensor(float("nan") if (rank == 0 and step == 1) else 1.0 + step)
+        said.append((d.check_loss(loss, step), h.should_shutdown(step)))
+        if said[-1][1]:
+            break
+    h.finish()
+    if stale is not None:
+        stale.close()
+    dist.all_reduce = real  # type: ignore[assignment]
+    return {"said": said, "sizes": sizes}
+
+
+def test_the_nan_checks_all_reduce_carries_the_agreed_shutdown(tmp_path: Path):
+    env = {"STEADFAST_EVENTS": str(tmp_path / "events.jsonl")}
+    r0, r1 = run_ranks(_nan_check_carries_the_shutdown, tmp_path, env=env)
+    # rank 1's signal came before step 2's NaN check: both stop after step 2 itself
+    assert r0["said"] == r1["said"] == [(True, False), (False, False), (True, True)]
+    # the count of its own only at the first call (the rider boards there); after it,
+    # the NaN check's all-reduce (flag, shutdown slot) is the step's one collective
+    assert r0["sizes"] == r1["sizes"] == [2, 1, 2, 2]
+    ev = read_events(tmp_path / "events.jsonl")
+    agreed = [
+        (e["rank"], e["step"], e["ranks_signalled"]) for e in ev if e["kind"] == "shutdown_agreed"
+    ]
+    assert agreed == [(0, 2, 1)]
+    nan = [(e["rank"], e["step"]) for e in ev if e["kind"] == "nan_detected"]
+    assert nan == [(0, 1)]
+
+
 # ----------------------------------------------------------------- a gather read later
 def _gather_later(rank: int, world: int, workdir: Path) -> dict:
     import torch.distributed as dist
