@@ -22,13 +22,15 @@ adds its calls after each step:
 - ``snapshot``: ``CheckpointManager(memory_every=1).snapshot``, the memory tier's copy
   of the model, the optimizer and the RNG streams every step;
 - ``demo``: all of the library's calls of the demo's loop (``nan``, ``straggler``,
-  ``agree``, ``snapshot``), ``agree``'s handler at its place.
+  ``agree``, ``snapshot``), ``agree``'s handler at its place: its flag rides on ``nan``'s
+  all-reduce (``steadfast.riders``), so the loop makes one collective a step.
 
 It prints, per mode, the time spent in the calls per step (mean over ranks and steps,
 and the median step: the mean less the machine's scheduling outliers, which a 2-core
 machine gives any collective) and the loop's time per step, and their share of the
 step; then the demo's calls less the floor (``allreduce``): what the library adds to the
-one collective its agreed NaN check must make.
+one collective its agreed NaN check must make; and the median of each of the demo's
+calls apart.
 
     .venv/bin/python bench/bench_step_calls.py [--steps 60] [--step-ms 100] [--jitter-ms 10]
 """
@@ -36,6 +38,7 @@ one collective its agreed NaN check must make.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import statistics
@@ -85,6 +88,7 @@ def _rank(rank: int, world: int, store: str, args: Any, out: Any) -> None:
         timed = stragglers.wrap_train_step(forward) if "straggler" in calls else forward
         dist.barrier()
         per_step: list[float] = []
+        split: list[list[float]] = []
         start = time.perf_counter()
         for step in range(args.steps):
             loss = torch.nn.functional.mse_loss(timed(x), y)
@@ -100,17 +104,23 @@ def _rank(rank: int, world: int, store: str, args: Any, out: Any) -> None:
             t0 = time.perf_counter()
             if mode == "blocking":
                 count_true(False)
+            marks = [t0]
             if "straggler" in calls:
                 stragglers.check(step)
+                marks.append(time.perf_counter())
             if "agree" in calls:
                 handler.should_shutdown(step)
+                marks.append(time.perf_counter())
             if "snapshot" in calls:
                 ckpt.snapshot(step + 1, state)
+                marks.append(time.perf_counter())
             per_step.append(in_call + time.perf_counter() - t0)
+            if mode == "demo":  # each call apart: nan, straggler, agree, snapshot
+                split.append([in_call, *(b - a for a, b in itertools.pairwise(marks))])
         loop = time.perf_counter() - start
         handler.unregister()
         ckpt.close()
-        out.put((mode, rank, sum(per_step) / args.steps, loop / args.steps, per_step))
+        out.put((mode, rank, sum(per_step) / args.steps, loop / args.steps, per_step, split))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -161,6 +171,14 @@ def main() -> None:
     print(
         f"demo less the floor (one bare all-reduce): {beyond * 1000:.3f} ms/step, "
         f"{100 * beyond / step:.2f}% of the step"
+    )
+    split = [s for r in rows if r[0] == "demo" for s in r[5]]
+    print(
+        "the demo's calls apart, median ms (both ranks' steps): "
+        + ", ".join(
+            f"{name} {statistics.median(s[i] for s in split) * 1000:.3f}"
+            for i, name in enumerate(("nan", "straggler", "agree", "snapshot"))
+        )
     )
     for mode in MODES[1:]:
         loop = max(r[3] for r in rows if r[0] == mode)
