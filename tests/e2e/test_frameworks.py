@@ -151,9 +151,9 @@ def test_a_nan_burst_is_skipped_then_rolled_back_bit_exact(framework, tmp_path, 
 def test_sigterm_stops_every_rank_after_the_same_step_and_the_next_run_resumes(
     framework, tmp_path, reference
 ):
-    """SIGTERM to one rank in step 6: all ranks agree to stop after the same step (the
-    next one: the count started after step 6 is read after step 7), save there and
-    exit 0; the next launch (a requeued job) resumes from that checkpoint and completes
+    """SIGTERM to one rank in step 6: all ranks agree to stop after the same step (that
+    one: the NaN check of step 6's gradients carries the flag, so the ranks agree at its
+    end, at global step 7, with no count of the handler's own), save there and exit 0; the next launch (a requeued job) resumes from that checkpoint and completes
     the run, bit-exact although the stop is mid-epoch: the Trainer skips the batches its
     epoch already trained, and Lightning restores the position of the ``resumable``
     loader (with a plain DataLoader it would replay the epoch's first batches)."""
@@ -162,7 +162,7 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_the_next_run_resumes(
     )
     assert code == 0
     (agreed,) = kinds(evs, "shutdown_agreed")
-    assert agreed["step"] == 8 and agreed["rank"] == 0
+    assert agreed["step"] == 7 and agreed["rank"] == 0
     assert len(kinds(evs, "shutdown_complete")) == 2  # both ranks saved and stopped
     assert not kinds(evs, "restart") and not kinds(evs, "rank_hung")
     assert not (tmp_path / "out.pt").exists()  # the run is not over
@@ -171,16 +171,16 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_the_next_run_resumes(
         step, saved = CheckpointManager(tmp_path / "ck", collective=False).load(
             tmp_path / "ck" / "last.ckpt"
         )
-        assert step == saved["global_step"] == 8
+        assert step == saved["global_step"] == 7
     else:
-        assert (tmp_path / "ck" / "checkpoint-8").is_dir()
+        assert (tmp_path / "ck" / "checkpoint-7").is_dir()
 
     code, evs = launch(framework, tmp_path)
     assert code == 0
     resumed = [e for e in kinds(evs, "job_start") if e["resumed_from"]]
-    assert {e["step"] for e in resumed} == {8}
+    assert {e["step"] for e in resumed} == {7}
     assert {e["step"] for e in kinds(evs, "step_done") if e["time"] > resumed[0]["time"]} == set(
-        range(8, 16)
+        range(7, 16)
     )
     assert_bit_exact(tmp_path / "out.pt", reference)
     verdict = report(tmp_path)
