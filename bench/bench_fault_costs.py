@@ -37,8 +37,10 @@ killed rank and the hung rank under its ``ft_launcher`` (its in-job restart: a n
 interpreter per worker, as torchrun's), which the projection then takes for NVRx's crash
 and its hang's restart (its detection stays the model's, which scales with the step);
 without it those rows are left out, and the projection keeps its assumed costs (their
-source says so). Its lost node is not measured here: a lost node ends an NVRx 0.4.1 job
-without a spare.
+source says so). With it, the ``nodes`` job also runs a lost node with a spare under
+NVRx's ``ft_launcher`` (c10d, as its users type it) and, beside it, torchrun, on
+``tests/e2e/unchanged_train.py`` (NVRx's environment has no steadfast to import; the
+script keeps its own snapshot); without a spare a lost node ends an NVRx 0.4.1 job.
 
 Columns (seconds): ``detect`` the fault to its detection; ``stop`` the old workers' exit;
 ``requeue`` the old launcher's end to the new one's (Slurm's shape); ``rdzv`` the health
@@ -353,8 +355,10 @@ def import_torch(repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def nodes() -> list[Row]:
-    """A lost node with a spare and without one, on the network-namespace bed."""
+def nodes(nvrx: str = "") -> list[Row]:
+    """A lost node with a spare and without one, on the network-namespace bed; with
+    ``nvrx``, also NVRx's ``ft_launcher`` with a spare (and torchrun beside it) on a
+    script that imports nothing of steadfast."""
     check = subprocess.run(["bash", str(bench_node_loss.SCRIPT), "check"], capture_output=True)
     if check.returncode != 0:
         print("  nodes: skipped (no network namespaces here: needs root)")
@@ -377,6 +381,15 @@ def nodes() -> list[Row]:
         if detect is None:
             source += "; restart: the kill to the first step"
         rows.append(Row(fault, system, detect, restart, phases, source=source))
+    if nvrx:  # NVRx's environment has no steadfast: the unchanged script, both launchers
+        unchanged = {
+            "nvrx": [nvrx, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher"],
+            "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+        }
+        for system, cmd in unchanged.items():
+            back = bench_node_loss.run_unchanged(cmd)
+            rows.append(Row("lost_node", system, None, back, source="spare, unchanged_train.py "
+                            "(its own snapshot); restart: the kill to the first step"))  # fmt: skip
     return rows
 
 
@@ -483,7 +496,7 @@ def main() -> None:
     if "nodes" not in skip:
         print("lost nodes ...", flush=True)
         try:
-            rows += nodes()
+            rows += nodes(args.nvrx)
         except SystemExit as exc:
             failed = f"lost nodes: not measured, {exc}"
     print()

@@ -34,10 +34,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "nodes-localhost.sh"
 TRAIN = REPO / "tests" / "e2e" / "ft_train.py"
+#: A torchrun script that imports nothing of steadfast: what runs under NVRx's launcher,
+#: whose environment has no steadfast.
+UNCHANGED = REPO / "tests" / "e2e" / "unchanged_train.py"
 #: Seconds from starting the spare's launcher to killing node2: a spare is a launcher that
 #: has been waiting in the rendezvous, not one still importing torch.
 SPARE_READY = 10.0
@@ -167,6 +171,72 @@ def run(launcher: str, silent: bool, backend: str = "c10d", spare: bool = True) 
                 first_step=max(done.values()) - killed,
             )
         finally:
+            bed("down", str(root))
+
+
+def _trace_steps(path: Path) -> list[tuple[int, float]]:
+    """``unchanged_train.py``'s trace: (steps done, when) for each step line."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(int(w[1]), float(w[2])) for w in (ln.split() for ln in lines) if w[0] == "step"]
+
+
+def run_unchanged(launcher: list[str], env_extra: dict[str, Any] | None = None) -> float:
+    """A launcher that runs scripts importing nothing of steadfast (NVRx's
+    ``ft_launcher``, from its own environment) on a fresh bed: node1 and node2 train
+    ``unchanged_train.py`` (its own snapshot every 2 steps), a spare node3 waits, node2 is
+    killed right after a snapshot. Returns the kill -> the first step of the new round:
+    the spare's first step, which DDP makes together with node1's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "bed"
+        bed("up", str(root), "3")
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            shared = root / "shared"
+            flags = [
+                "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                "--rdzv-endpoint=node1:29500", "--rdzv-id=bench", "--max-restarts=3",
+                "--monitor-interval=0.1",
+            ]  # fmt: skip
+            env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(env_extra or {}))
+
+            def start(node: str) -> subprocess.Popen[bytes]:
+                script = [
+                    str(UNCHANGED), "--out", str(shared / "out.pt"),
+                    "--snapshot", str(shared / "snap.pt"), "--trace", str(shared / node),
+                    "--steps", "240", "--pace", "0.1", "--snapshot-every", "2",
+                ]  # fmt: skip
+                return subprocess.Popen(
+                    ["bash", str(SCRIPT), "run", str(root), node, *launcher, *flags, *script],
+                    env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+
+            procs += [start("node1"), start("node2")]
+            end = time.monotonic() + 120
+            while len(_trace_steps(shared / "node2")) < 4:  # node2 trains
+                if time.monotonic() > end:
+                    raise SystemExit("the unchanged job did not start on the bed")
+                time.sleep(0.05)
+            procs.append(start("node3"))
+            time.sleep(SPARE_READY)  # the spare's launcher waits in the rendezvous
+            seen = len(_trace_steps(shared / "node1"))
+            while True:  # right after a snapshot: the step lines that follow one
+                steps = _trace_steps(shared / "node1")
+                if len(steps) > seen and steps[-1][0] % 2 == 0:
+                    break
+                time.sleep(0.005)
+            killed = time.time()
+            bed("kill", str(root), "node2")
+            for proc in (procs[0], procs[2]):
+                proc.wait(300)
+            codes = [p.returncode for p in procs]
+            spare = _trace_steps(shared / "node3")
+            if codes[0] != 0 or codes[2] != 0 or not spare:
+                raise SystemExit(f"{launcher[0]}: the run did not recover (exits {codes})")
+            return spare[0][1] - killed
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
             bed("down", str(root))
 
 
