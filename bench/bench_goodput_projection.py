@@ -89,7 +89,7 @@ MEASURED: dict[str, dict[str, dict[str, float | str | None]]] = {
     "nvrx": {
         "crash": {"detect": 0.0, "restart": 0.85, "source": "assumed as steadfast's"},
         "hang": {"detect": None, "restart": 0.61, "source": "section timeout 5x step"},
-        "lost_node": {"detect": 0.0, "restart": 2.0, "source": "c10d, bed figure"},
+        "lost_node": {"detect": 0.0, "restart": 14.8, "source": "the bed: spare, c10d keep-alive"},
         "proof_failed": {"detect": None, "restart": None, "source": "not detected"},
     },
 }

@@ -153,8 +153,9 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_the_next_run_resumes(
 ):
     """SIGTERM to one rank in step 6: all ranks agree to stop after the same step (that
     one: the NaN check of step 6's gradients carries the flag, so the ranks agree at its
-    end, at global step 7, with no count of the handler's own), save there and exit 0; the next launch (a requeued job) resumes from that checkpoint and completes
-    the run, bit-exact although the stop is mid-epoch: the Trainer skips the batches its
+    end, at global step 7, with no count of the handler's own), save there and exit 0;
+    the next launch (a requeued job) resumes from that checkpoint and completes the run,
+    bit-exact although the stop is mid-epoch: the Trainer skips the batches its
     epoch already trained, and Lightning restores the position of the ``resumable``
     loader (with a plain DataLoader it would replay the epoch's first batches)."""
     code, evs = launch(
