@@ -32,9 +32,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "nodes-localhost.sh"
@@ -180,7 +180,7 @@ def _trace_steps(path: Path) -> list[tuple[int, float]]:
     return [(int(w[1]), float(w[2])) for w in (ln.split() for ln in lines) if w[0] == "step"]
 
 
-def run_unchanged(launcher: list[str], env_extra: dict[str, Any] | None = None) -> float:
+def run_unchanged(launcher: list[str]) -> float:
     """A launcher that runs scripts importing nothing of steadfast (NVRx's
     ``ft_launcher``, from its own environment) on a fresh bed: node1 and node2 train
     ``unchanged_train.py`` (its own snapshot every 2 steps), a spare node3 waits, node2 is
@@ -197,7 +197,7 @@ def run_unchanged(launcher: list[str], env_extra: dict[str, Any] | None = None) 
                 "--rdzv-endpoint=node1:29500", "--rdzv-id=bench", "--max-restarts=3",
                 "--monitor-interval=0.1",
             ]  # fmt: skip
-            env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(env_extra or {}))
+            env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
             def start(node: str) -> subprocess.Popen[bytes]:
                 script = [
@@ -210,20 +210,24 @@ def run_unchanged(launcher: list[str], env_extra: dict[str, Any] | None = None) 
                     env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip
 
+            def until(ready: Callable[[], bool], what: str, pause: float) -> None:
+                end = time.monotonic() + 120
+                while not ready():
+                    if time.monotonic() > end:
+                        raise SystemExit(f"the unchanged job on the bed: no {what} in 120 s")
+                    time.sleep(pause)
+
             procs += [start("node1"), start("node2")]
-            end = time.monotonic() + 120
-            while len(_trace_steps(shared / "node2")) < 4:  # node2 trains
-                if time.monotonic() > end:
-                    raise SystemExit("the unchanged job did not start on the bed")
-                time.sleep(0.05)
+            until(lambda: len(_trace_steps(shared / "node2")) >= 4, "step on node2", 0.05)
             procs.append(start("node3"))
             time.sleep(SPARE_READY)  # the spare's launcher waits in the rendezvous
             seen = len(_trace_steps(shared / "node1"))
-            while True:  # right after a snapshot: the step lines that follow one
+
+            def after_a_snapshot() -> bool:  # the step lines that follow one
                 steps = _trace_steps(shared / "node1")
-                if len(steps) > seen and steps[-1][0] % 2 == 0:
-                    break
-                time.sleep(0.005)
+                return len(steps) > seen and steps[-1][0] % 2 == 0
+
+            until(after_a_snapshot, "snapshot after the spare's start", 0.005)
             killed = time.time()
             bed("kill", str(root), "node2")
             for proc in (procs[0], procs[2]):

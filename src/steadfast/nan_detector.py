@@ -115,12 +115,14 @@ class NaNDetector:
                 f"got a tensor of shape {tuple(loss.shape)}"
             )
         device = backend_device(group)
-        carried = riders.carry(group) if is_distributed() else None
-        up = carried.up if carried is not None else 0.0
+        distributed = is_distributed()
+        carried = riders.carry(group)
         if device.type == "cpu":  # the value first: two torch calls fewer on the step
             value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-            flags = torch.tensor([0.0 if math.isfinite(value) else 1.0, up], dtype=torch.float64)
-            if carried is not None:
+            flags = torch.tensor(
+                [0.0 if math.isfinite(value) else 1.0, carried.up], dtype=torch.float64
+            )
+            if distributed:
                 dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
             ranks_bad, riding = flags.tolist()
         else:  # reduced where the loss is: the one host sync comes after the collective
@@ -128,13 +130,12 @@ class NaNDetector:
                 value_t = loss.detach().reshape(1).to(device=device, dtype=torch.float64)
             else:
                 value_t = torch.tensor([float(loss)], dtype=torch.float64, device=device)
-            flags = torch.full((2,), up, dtype=torch.float64, device=device)
+            flags = torch.full((2,), carried.up, dtype=torch.float64, device=device)
             flags[:1] = ~torch.isfinite(value_t)
-            if carried is not None:
+            if distributed:
                 dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
             ranks_bad, riding, value = torch.cat([flags, value_t]).tolist()
-        if carried is not None:
-            carried.deliver(riding)
+        carried.deliver(riding)
         local_bad = not math.isfinite(value)
         if ranks_bad == 0:
             self._record_good(value, step)
@@ -161,13 +162,12 @@ class NaNDetector:
             all_finite = torch.isfinite(torch.stack(norms)).all()
             local_bad_t += (~all_finite).to(device=device, dtype=torch.float64)
         local_bad_t.clamp_(max=1.0)
-        carried = riders.carry(group) if is_distributed() else None
-        total_t = torch.cat([local_bad_t, local_bad_t.new_full((1,), carried.up if carried else 0)])
-        if carried is not None:
+        carried = riders.carry(group)
+        total_t = torch.cat([local_bad_t, local_bad_t.new_full((1,), carried.up)])
+        if is_distributed():
             dist.all_reduce(total_t, op=dist.ReduceOp.SUM, group=group)
         ranks_bad, riding, local_bad = torch.cat([total_t, local_bad_t]).tolist()  # one sync
-        if carried is not None:
-            carried.deliver(riding)
+        carried.deliver(riding)
         if ranks_bad == 0:
             return True
         bad_names = _nonfinite_params(model) if local_bad else []

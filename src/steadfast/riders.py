@@ -78,13 +78,13 @@ def _same_group(a: Any, b: Any) -> bool:
         return True
     import torch.distributed as dist
 
-    world = dist.group.WORLD
+    world = dist.group.WORLD  # None before init_process_group
     return (a is None or a is world) and (b is None or b is world)
 
 
 def carry(group: Any = None) -> Carried:
     """The riders aboard over ``group``, for an all-reduce over it that is about to start
-    on every rank of it (call only when ``torch.distributed`` is initialised)."""
+    on every rank of it (in a single process, where riders never board, none)."""
     with _lock:
         riders = list(_aboard)
     return Carried([r for r in riders if _same_group(r.group, group)])
