@@ -142,6 +142,40 @@ def cpu_group(group: ProcessGroup | None = None) -> ProcessGroup | None:
     return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
 
 
+class _Landing:
+    """An async collective's end, awaited without holding its ``Work`` once it has
+    ended: a finished ``Work`` still held keeps its gloo group's threads alive past
+    ``destroy_process_group()`` (to the interpreter's teardown, where they may hang), and
+    a loop's last pending count or gather is held by an object the script never
+    releases. CPU collectives only: a device's ``Work`` is kept and waited for, which
+    also orders the device's stream after the collective."""
+
+    def __init__(self, work: Any, on_cpu: bool) -> None:
+        import threading
+
+        self._work: Any = None if on_cpu else work
+        self._ended = threading.Event()
+        self._error: BaseException | None = None
+        if on_cpu:
+            work.get_future().add_done_callback(self._land)
+
+    def _land(self, future: Any) -> None:
+        try:
+            future.value()
+        except BaseException as exc:  # raised to the reader, in its thread
+            self._error = exc
+        self._ended.set()
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            return
+        self._ended.wait()
+        if self._error is not None:
+            raise self._error
+
+
 class PendingCount:
     """:func:`count_true` started now (``async_op``) and read later: a flag agreed at one
     step and read at the next costs a step no wait. ``group`` must run CPU collectives
@@ -153,7 +187,10 @@ class PendingCount:
 
         self._count = torch.tensor([1 if flag else 0], dtype=torch.int32)
         self._work = (
-            dist.all_reduce(self._count, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            _Landing(
+                dist.all_reduce(self._count, op=dist.ReduceOp.SUM, group=group, async_op=True),
+                on_cpu=True,
+            )
             if is_distributed()
             else None
         )
@@ -183,7 +220,7 @@ class PendingGather:
         import torch.distributed as dist
 
         self._obj, self._group = obj, group
-        self._work: Any = None
+        self._work: _Landing | None = None
         data = pickle.dumps(obj)
         self.largest = len(data)
         if not is_distributed():
@@ -194,7 +231,10 @@ class PendingGather:
             mine[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         mine = mine.to(backend_device(group))
         self._slots = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        self._work = dist.all_gather(self._slots, mine, group=group, async_op=True)
+        self._work = _Landing(
+            dist.all_gather(self._slots, mine, group=group, async_op=True),
+            on_cpu=mine.device.type == "cpu",
+        )
 
     def read(self) -> list[Any]:
         """Every rank's object, in rank order of ``group`` (waits if still gathering)."""

@@ -245,6 +245,27 @@ def test_a_gather_started_at_one_step_is_read_at_the_next(tmp_path: Path):
     assert r0["x"] == 6.0
 
 
+def _left_pending(rank: int, world: int, workdir: Path) -> list[str]:
+    """A loop's last count and gather, started and never read (the script ended), then
+    the group destroyed as a script ends: no gloo thread may outlive it."""
+    import torch.distributed as dist
+
+    from steadfast.dist import PendingCount, PendingGather
+
+    count, gather = PendingCount(rank == 1), PendingGather({"rank": rank})
+    dist.barrier()  # both ended on every rank (gloo runs them in order)
+    dist.destroy_process_group()
+    time.sleep(0.2)  # the group's threads end as its last reference goes
+    tasks = Path("/proc/self/task")
+    names = [(t / "comm").read_text().strip() for t in tasks.iterdir()]
+    del count, gather
+    return [n for n in names if "gloo" in n]
+
+
+def test_a_count_and_a_gather_left_pending_do_not_keep_the_group_alive(tmp_path: Path):
+    assert run_ranks(_left_pending, tmp_path) == [[], []]
+
+
 def test_a_gather_in_one_process_is_its_own_object() -> None:
     from steadfast.dist import PendingGather
 
