@@ -155,3 +155,27 @@ def test_the_uploader_copies_what_copy_would(dtype: torch.dtype) -> None:
             up.copy(dst, src)
     for src, dst in cases:
         assert torch.equal(dst.cpu(), src)
+
+
+def test_a_snapshot_stages_without_waiting_for_the_device() -> None:
+    """The host does not wait for the device at a snapshot: staging returns while a
+    long kernel queued before it still runs, and the staged buffers, once settled, hold
+    the tensors as they were at the snapshot, not the update queued right after it."""
+    from steadfast.checkpoint.staging import Stager
+
+    torch.manual_seed(0)
+    weight = torch.randn(1 << 22, device="cuda")
+    step = torch.randn(1 << 22, device="cuda")
+    stager = Stager()
+    for _ in range(2):  # the second stage reuses the first one's pinned buffers
+        expected = weight.clone()  # queued on the stream, before the snapshot
+        torch.cuda._sleep(1_000_000_000)  # the step's queued work: ~0.5 s of cycles
+        queued = torch.cuda.Event()
+        queued.record()
+        staged = stager.stage({"weight": weight})
+        assert not queued.query(), "staging waited for the device"
+        weight.add_(step)  # the next update, queued behind the copy
+        stager.settle()
+        assert staged["weight"].is_pinned()
+        assert torch.equal(staged["weight"], expected.cpu())
+    stager.clear()

@@ -297,6 +297,8 @@ class MemoryTier:
         error: BaseException | None = None
         try:
             start = time.monotonic()
+            self._stager.settle()  # the device copies the step did not wait for
+            self._local_stager.settle()
             written = self._write(step, payload, local, sharded)
             seconds = time.monotonic() - start
             logger.debug("snapshot of step %d in %.3f s (stall %.3f s)", step, seconds, stall)

@@ -286,6 +286,8 @@ class Saver:
             mine = self._agree_sharded_write(mine)
         if mine is None:
             try:
+                self.stager.settle()  # an async save's device copies have landed
+                self.local_stager.settle()
                 files = self._write_files(tmp, job.payload, job.local, sharded)
             except Exception as exc:  # disk full, permissions, an unpicklable value...
                 mine = f"rank {rank}: {describe(exc, tmp)}"

@@ -93,12 +93,19 @@ class Stager:
         self._devices: set[torch.device] = set()
         self._dsts: list[torch.Tensor] = []  # the copies of a stage, made at its end
         self._srcs: list[torch.Tensor] = []
+        self._landing: list[torch.cuda.Event] = []  # the last stage's device copies
 
     def stage(self, value: Any, shards: bool = False) -> Any:
         """``value`` copied into host buffers; ``shards``: each DTensor as its local
         shard alone (a plain tensor: what a rank keeps of sharded state), else as a
         DTensor over the staged shard. The walk collects the host tensors' copies and
-        makes them in one call (:func:`steadfast.seam.foreach_copy`)."""
+        makes them in one call (:func:`steadfast.seam.foreach_copy`).
+
+        A device tensor's copy is queued on its device's current stream and not waited
+        for: the step goes on while it lands, and whoever reads the staged buffers calls
+        :meth:`settle` first (the snapshot's writer thread). The stream orders the copy
+        before the step's later changes of the tensor, as it orders any use of it."""
+        self.settle()  # the buffers are filled again: the last stage's copies are in
         self._used, self._memo, self._devices = [], {}, set()
         self._dsts, self._srcs = [], []
         self._shards = shards
@@ -108,12 +115,20 @@ class Stager:
                 foreach_copy(self._dsts, self._srcs)
         finally:
             self._dsts, self._srcs = [], []  # the sources are not kept alive
-        for device in self._devices:  # the non-blocking copies must land before writing
-            torch.cuda.synchronize(device)
+        self._landing = [_landed_on(device) for device in self._devices]
         self._buffers = self._used  # buffers for tensors that went away are released
         return staged
 
+    def settle(self) -> None:
+        """Wait until the last stage's device-to-host copies have landed (no-op for a
+        host-only state): a stage's buffers are read only after it. Not a device
+        synchronisation: the work queued after the copies goes on."""
+        landing, self._landing = self._landing, []
+        for event in landing:
+            event.synchronize()
+
     def clear(self) -> None:
+        self.settle()  # no copy may still be landing in a buffer given back
         self._buffers, self._used, self._memo = [], [], {}
 
     def _copy(self, t: torch.Tensor, memo: bool = True) -> torch.Tensor:
@@ -160,6 +175,13 @@ class Stager:
             items = (self._walk(v) for v in value)
             return list(items) if isinstance(value, list) else tuple(items)
         return value
+
+
+def _landed_on(device: torch.device) -> torch.cuda.Event:
+    """An event on ``device``'s current stream, after the copies queued there."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 #: Values a walk leaves as they are, in a sequence of nothing else taken whole: the
