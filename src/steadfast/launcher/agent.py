@@ -75,7 +75,7 @@ from .failures import (
 from .generations import Generations
 from .job_end import exit_barrier, hung_at_end, hung_in_teardown
 from .nodes import GpuCheck, Loss, NodeRoster, health_check
-from .rendezvous import Rendezvous
+from .rdzv_client import Rendezvous
 from .template import Template, take_prestarted
 
 __all__ = [

@@ -1,8 +1,9 @@
-"""The agent's rendezvous handler: the one ``--rdzv-backend`` named (steadfast's own, or
-torch's), made to outlast a node that leaves and a backend that does not answer for a
-moment; and the three things the agent asks of any of them (this node's id, expiring
-lost nodes, a shorter join after a loss), each answered by steadfast's handler itself
-or by the seam for torch's dynamic one."""
+"""The agent's side of the rendezvous (the :mod:`steadfast.rendezvous` package is a
+backend): the handler ``--rdzv-backend`` named (steadfast's own, or torch's), made to
+outlast a node that leaves and a backend that does not answer for a moment; and the
+three things the agent asks of any of them (this node's id, expiring lost nodes, a
+shorter join after a loss), each answered by steadfast's handler itself or by the seam
+for torch's dynamic one."""
 
 from __future__ import annotations
 
