@@ -1,5 +1,5 @@
 """The control plane at scale, simulated (issue 28): N nodes' rendezvous handlers, no
-training workers, against a real ``TCPStore`` (``steadfast.sim``; the nodes spread over
+training workers, against a real ``TCPStore`` (``sfsim``; the nodes spread over
 worker processes), side by side in the same run: torch's dynamic rendezvous (c10d
 backend), steadfast's own, and, with ``--nvrx PYTHON`` (the environment
 ``scripts/nvrx-env.sh`` makes), NVRx's barrier rendezvous from its newest source; with
@@ -21,7 +21,7 @@ operations and bytes per node. Then a power law
 fitted to each figure (log-log least squares over the measured N) and its value at
 4,096, 8,192 and 16,384 nodes; the timings assume this machine's store latency (a
 loopback ``TCPStore``, one server thread, printed), the counts assume nothing. Then
-the node roster (``steadfast.sim.roster``): N real rosters enter a round and one is
+the node roster (``sfsim.roster``): N real rosters enter a round and one is
 killed: store operations per node to enter, and messages per loss detection.
 
     .venv/bin/python bench/bench_control_plane.py [--nodes 16 64 256 1024 2048]
@@ -35,8 +35,8 @@ import argparse
 import math
 from typing import Any
 
-from steadfast.sim import Loss, Run, simulate_join, simulate_loss
-from steadfast.sim.roster import simulate_roster
+from sfsim import Loss, Run, simulate_join, simulate_loss
+from sfsim.roster import simulate_roster
 
 EXTRAPOLATE = (4096, 8192, 16384)
 

@@ -76,7 +76,6 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import bench_launcher  # noqa: E402
 import bench_node_loss  # noqa: E402
-
 from steadfast import events as ev  # noqa: E402
 from steadfast.report import compute_report, load_events  # noqa: E402
 

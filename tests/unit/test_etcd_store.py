@@ -207,7 +207,7 @@ def test_losing_any_etcd_member_costs_a_retry_not_the_job(three: Cluster) -> Non
 def test_the_simulator_counts_the_same_per_node_figures_on_etcd(three: Cluster) -> None:
     """The simulator's nodes on a 3-member etcd cluster: the same few operations per
     node as on a TCPStore (the protocol's figures do not depend on the store)."""
-    from steadfast.sim import simulate_join
+    from sfsim import simulate_join
 
     endpoints = tuple(three.endpoints())
     run = simulate_join(8, "steadfast", keep_alive=1, window=1, processes=0, etcd=endpoints)

@@ -22,10 +22,10 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from sfharness import join_rendezvous
+from sfsim import CountingStore
 from steadfast.rendezvous import register
 from steadfast.rendezvous.handler import Settings, SteadfastRendezvousHandler, Verdict
 from steadfast.rendezvous.keys import Keys, encode_members, rank_of
-from steadfast.sim import CountingStore
 
 pytestmark = pytest.mark.timeout(120)
 

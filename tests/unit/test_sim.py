@@ -1,4 +1,4 @@
-"""The control-plane simulator (``steadfast.sim``): its counting store client against a
+"""The control-plane simulator (``sfsim``): its counting store client against a
 real ``TCPStore``, and torch's dynamic rendezvous simulated with a few nodes, whose
 keep-alive cost per node grows with the number of nodes (each keep-alive writes the
 whole state, which holds every node's heartbeat): the figure issue 28 must flatten."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from torch.distributed import TCPStore
 
-from steadfast.sim import CountingStore, simulate_join, simulate_loss
-from steadfast.sim.roster import simulate_roster
+from sfsim import CountingStore, simulate_join, simulate_loss
+from sfsim.roster import simulate_roster
 
 
 def test_the_counting_client_tallies_operations_and_bytes_both_ways() -> None:

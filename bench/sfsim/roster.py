@@ -46,9 +46,9 @@ class RosterRun:
 def simulate_roster(nodes: int, interval: float = 0.5, timeout: float = 5.0) -> RosterRun:
     """``nodes`` rosters enter one round, the last is killed, every survivor learns it.
     ``interval``/``timeout``: the ring's ``node_heartbeat_interval``/``_timeout``."""
-    from ..config import FaultToleranceConfig
-    from ..launcher.nodes import NodeRoster
-    from ..launcher.nodes.ring import WATCHERS
+    from steadfast.config import FaultToleranceConfig
+    from steadfast.launcher.nodes import NodeRoster
+    from steadfast.launcher.nodes.ring import WATCHERS
 
     if nodes < 5:
         raise ValueError(f"nodes: {nodes} (a goodbye and a loss apart need at least 5)")
@@ -121,7 +121,7 @@ def simulate_roster(nodes: int, interval: float = 0.5, timeout: float = 5.0) -> 
 def _fence_probe(roster: Any, counter: Any, timeout: float) -> Tally:
     """A rank of ``roster``'s node asks its launcher's fence before a save (one live
     probe of the store): what that cost the node's store client."""
-    from .. import fence
+    from steadfast import fence
 
     before = counter.tally.copy()
     saved = {k: os.environ.get(k) for k in roster.env()}

@@ -1,5 +1,5 @@
 """N simulated nodes' rendezvous: a handler per node, each with its own
-:class:`~steadfast.sim.store.CountingStore` over its own real ``TCPStore`` client of one
+:class:`~sfsim.store.CountingStore` over its own real ``TCPStore`` client of one
 ``TCPStore`` server (in this process). The nodes live in ``processes`` worker processes
 (a thread per node in each): one interpreter holding thousands of nodes' threads spends
 more time handing its lock around than the protocol takes (a 2,048-node loss: 1.5-1.7 s
@@ -63,7 +63,7 @@ class Run:
 @dataclass
 class Loss:
     """A node lost after the round formed: the survivors expire it and form the next
-    round (detection itself is the node roster's: ``steadfast.sim.roster``)."""
+    round (detection itself is the node roster's: ``sfsim.roster``)."""
 
     design: str
     nodes: int
@@ -184,6 +184,15 @@ def simulate_loss(
     )
 
 
+def _with_sfsim_on_path() -> dict[str, str]:
+    """The environment, with the folder that holds this package first on the path: the
+    simulator is a bench tool, not part of the installed product."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return env
+
+
 class _Worker:
     """A worker process (a plain subprocess: no multiprocessing helper process outlives
     it) and the two pipes to it, each carrying pickled messages."""
@@ -199,11 +208,12 @@ class _Worker:
             [
                 setup.python or sys.executable,
                 "-m",
-                "steadfast.sim.worker",
+                "sfsim.worker",
                 str(to_child),
                 str(from_child),
             ],
             pass_fds=(to_child, from_child),
+            env=_with_sfsim_on_path(),
         )
         os.close(to_child)
         os.close(from_child)

@@ -1,4 +1,4 @@
-"""A simulator worker process: ``python -m steadfast.sim.worker IN_FD OUT_FD`` holds some
+"""A simulator worker process: ``python -m sfsim.worker IN_FD OUT_FD`` holds some
 of the simulated nodes (``cluster.serve``), driven over the two pipes its parent opened."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The simulated nodes' side (``cluster.py`` drives them): a process's share of the
 nodes (:class:`Nodes`: a counted store client and a rendezvous handler each, of one of
 the designs), and the loop of a worker process that holds them (:func:`serve`, run by
-``python -m steadfast.sim.worker``)."""
+``python -m sfsim.worker``)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class Nodes:
     def _handler(self, i: int) -> Any:
         s, counter = self.setup, self.counters[i]
         if s.design == "steadfast":
-            from ..rendezvous.handler import Settings, SteadfastRendezvousHandler
+            from steadfast.rendezvous.handler import Settings, SteadfastRendezvousHandler
 
             settings = Settings(s.run_id, s.min_nodes, s.top, join_timeout=s.join_timeout,
                                 last_call_timeout=s.last_call, keep_alive_interval=s.keep_alive,
@@ -169,7 +169,7 @@ class Nodes:
         return results, _rss() - self.rss0
 
     def _expire(self, i: int, node_id: Any) -> None:
-        from .. import seam
+        from steadfast import seam
 
         handler = self.handlers[i]
         if self.setup.design == "steadfast":
@@ -181,7 +181,7 @@ class Nodes:
 
     def node_id(self, i: int) -> Any:
         """Node ``i`` in its rendezvous (for the node that expires it)."""
-        from .. import seam
+        from steadfast import seam
 
         handler = self.handlers[i]
         if self.setup.design == "nvrx":
@@ -192,7 +192,7 @@ class Nodes:
 
     def lose(self, i: int) -> Any:
         """Node ``i`` is lost: its keep-alives stop; returns its id."""
-        from .. import seam
+        from steadfast import seam
 
         seam.stop_rendezvous_heartbeats(self.handlers[i])
         return self.node_id(i)
@@ -213,7 +213,7 @@ class Nodes:
         return {i: c.tally.copy() for i, c in self.counters.items()}
 
     def stop(self) -> None:
-        from .. import seam
+        from steadfast import seam
 
         for handler in self.handlers.values():
             with contextlib.suppress(Exception):
@@ -242,7 +242,7 @@ def started(jobs: list[tuple[Any, int]]) -> list[threading.Thread]:
 
 
 def serve(inp: Any, out: Any) -> None:
-    """A worker process's loop (``python -m steadfast.sim.worker``): its nodes, built
+    """A worker process's loop (``python -m sfsim.worker``): its nodes, built
     from the first message on ``inp``, then driven by the parent's commands; answers on
     ``out``."""
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
@@ -295,7 +295,7 @@ def _client(setup: Setup) -> Any:
     """A node's store client: of the TCPStore here, or of the etcd cluster (torch's
     design replaces it by its etcd-v2 backend's own store)."""
     if setup.etcd:
-        from ..rendezvous.etcd import EtcdV3Store
+        from steadfast.rendezvous.etcd import EtcdV3Store
 
         return EtcdV3Store(list(setup.etcd), prefix="", timeout=timedelta(seconds=120))
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
