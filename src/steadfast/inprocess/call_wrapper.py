@@ -22,7 +22,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import events
 from ..checkpoint.memory import MEMORY_DIR_ENV, MemoryDir
@@ -32,6 +32,7 @@ from . import monitor as mon
 from . import transport
 from .barriers import await_completion, last_call, restart_barrier
 from .monitor_thread import MonitorThread
+from .settings import CallSettings
 from .state import (
     BarrierTimeout,
     HealthCheckError,
@@ -49,9 +50,6 @@ from .store import (
     make_store,
     own_connection,
 )
-
-if TYPE_CHECKING:
-    from .wrapper import Wrapper
 
 __all__ = ["CallWrapper", "MonitorProcess"]
 
@@ -74,7 +72,7 @@ class CallWrapper:
     process (NVRx's shape: ``monitor_process.process_monitor_proc.pid``).
     """
 
-    def __init__(self, wrapper: Wrapper) -> None:
+    def __init__(self, wrapper: CallSettings) -> None:
         self.wrapper = wrapper
         self._monitor_thread = MonitorThread(self._on_interrupt)
         self.state: State = State.first(0, 1)
