@@ -396,9 +396,9 @@ def test_the_barrier_waits_for_the_mark_of_a_node_it_heard_finish(rosters, monke
     """A node says goodbye over the ring, then marks its exit in the store: the store's
     host waits for that mark (up to MARK_GRACE) before it leaves and closes the store,
     and each barrier ends all_finished."""
-    from steadfast.launcher.nodes import roster as roster_module
+    from steadfast.launcher.nodes import exit_barrier
 
-    monkeypatch.setattr(roster_module, "MARK_GRACE", 60.0)  # a loaded machine's delays
+    monkeypatch.setattr(exit_barrier, "MARK_GRACE", 60.0)  # a loaded machine's delays
     node1, node2, node3 = rosters
     node2.finish()
     node3.finish()

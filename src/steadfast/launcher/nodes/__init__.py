@@ -37,6 +37,8 @@ The modules:
 - :mod:`.ring`: the beacon and the ring watch over sockets, and the loop's thread;
 - :mod:`.confirm`: losses in the round's store (recording, reading back, the exit
   barrier's) and the ``node_lost``, ``node_isolated`` and ``node_joined`` events;
+- :mod:`.exit_barrier`: the job's end across nodes (every node finished or lost, up to
+  a bound);
 - :mod:`.culprit`: the one culprit of a round's fault, agreed through the round's store
   (every node's log names the same one);
 - :mod:`.fence`: the fence's socket and its answers to the ranks;

@@ -24,7 +24,6 @@ from ...fence import FENCE_ENV, FENCE_TIMEOUT_ENV
 from ...records import Refusals
 from .confirm import (
     claim_loss,
-    confirmed_losses,
     emit_isolated,
     emit_joined,
     emit_lost,
@@ -32,6 +31,7 @@ from .confirm import (
     recorded_losses,
 )
 from .culprit import CLAIM_WINDOW, Claim, Verdict, agree
+from .exit_barrier import exit_barrier
 from .fence import Fence
 from .ring import WATCHERS, Ring
 from .round import (
@@ -47,11 +47,7 @@ from .round import (
 )
 from .store_calls import Deadlines, StoreCalls
 
-__all__ = ["CONFIRM_MIN", "MARK_GRACE", "NodeRoster", "RosterState"]
-
-#: Seconds the exit barrier waits for the store mark of a node it heard finish over the
-#: ring (the goodbye goes first, the mark a moment later).
-MARK_GRACE = 2.0
+__all__ = ["CONFIRM_MIN", "NodeRoster", "RosterState"]
 
 logger = logging.getLogger(__name__)
 
@@ -215,132 +211,28 @@ class NodeRoster:
 
     def exit_barrier(self, timeout: float) -> tuple[list[str], list[str]]:
         """Wait until every node of the round has finished its workers (or is lost), up
-        to ``timeout`` seconds: torch's exit barrier, which keeps the store's host alive
-        while other nodes may still need it, done so that it cannot hang a job.
-
-        torch's barrier blocks in one ``store.wait`` of up to 300 s on the round's store
-        *client*, which the rendezvous keep-alive and this roster's store threads share:
-        a TCPStore client serves one call at a time, so the wait stalls every other call
-        on it and any of them stalls the barrier's own ``add``. This one takes a
-        connection of its own (``clone``), marks this node done under its node rank,
-        polls (never a long blocking call), stops waiting for nodes found lost (by this
-        launcher, or confirmed in the store by any other: this one watches only its ring
-        neighbours), and names the nodes it waits for every 10 s. Whatever the round
-        looks like from here (a node that holds another rank, prefix or round than this
-        one thinks, and so never marks the key this one reads), it leaves at
-        ``timeout``: no read of a key that may never come blocks it. Returns the nodes
-        it did not hear finish (by host, or ``node rank R`` where the round's store
-        does not say) and those found lost.
-
-        A node heard finishing over the ring marks its exit a moment later: the barrier
-        waits up to :data:`MARK_GRACE` for that mark before it counts the node finished
-        without one. Should the store's host leave first anyway, while this node still
-        marks or polls, a store error here is no failure if every other node of the
-        round said goodbye over the ring (or is lost), waited for up to a second.
-        Otherwise the error is raised."""
+        to ``timeout`` seconds (see :mod:`.exit_barrier`). Returns the nodes it did not
+        hear finish and those found lost."""
         with self._lock:
             current = self._round
         if current is None or current.nodes <= 1:
             return [], []
-        start = time.monotonic()
-        try:
-            return self._await_exits(current, timeout)
-        # the store's errors alone (DistError is a RuntimeError; torch's SignalException,
-        # a stop while waiting, is neither and goes on to the launcher)
-        except (RuntimeError, OSError) as exc:
-            grace = min(1.0, max(0.0, start + timeout - time.monotonic()))
-            lost = self._others_finished(current, grace)
-            if lost is None:
-                raise
-            logger.info("exit barrier: the store's host left (%s) after every node finished", exc)
-            return [], [current.peers[r].host for r in sorted(lost)]
+        return exit_barrier(current, timeout, self)
 
-    def _others_finished(self, current: Round, grace: float) -> set[int] | None:
-        """The lost nodes, once every node of ``current`` but this one said goodbye over
-        the ring or was found lost (waited for up to ``grace`` seconds); None if some
-        node was not heard of (it may not be watched from here)."""
-        others = set(range(current.nodes)) - {current.rank}
+    # what the exit barrier reads of the ring (exit_barrier.Heard)
+    def heard(self) -> tuple[dict[int, float], set[int]]:
+        """The nodes heard finishing over the ring (node rank -> when, monotonic), and
+        the nodes found lost by this launcher: copies, read under the lock."""
+        with self._lock:
+            return dict(self._finished), set(self._losses)
+
+    def wait_heard(self, nodes: set[int], timeout: float) -> None:
+        """Wait up to ``timeout`` until each of ``nodes`` was heard finishing or found
+        lost."""
         with self._lock:
             self._lock.wait_for(
-                lambda: others <= set(self._finished) | set(self._losses), timeout=grace
+                lambda: nodes <= set(self._finished) | set(self._losses), timeout=timeout
             )
-            lost = set(self._losses)
-            return lost & others if others <= set(self._finished) | lost else None
-
-    def _await_exits(self, current: Round, timeout: float) -> tuple[list[str], list[str]]:
-        """The store's side of :meth:`exit_barrier`."""
-        store = current.waits  # a connection of its own
-        keys = current.keys
-        store.set(keys.exit(current.rank), b"1")
-        if int(store.add(keys.exit_count, 1)) >= current.nodes:
-            store.set(keys.exit_all, b"1")
-        start = time.monotonic()
-        deadline, report, pause = start + timeout, start + 10.0, 0.005
-        confirmed: set[int] = set()  # losses other launchers recorded in the store
-        lost: set[int] = set()
-
-        def name(r: int) -> str:  # never a blocking read: the key may never come
-            if r in current.peers.known() or store.check([keys.node(r)]):
-                return current.peers[r].host
-            return f"node rank {r}"
-
-        def unfinished() -> list[str]:  # O(N) reads: for the log only
-            with self._lock:
-                heard = set(self._finished)
-            return [
-                name(r) for r in range(current.nodes)
-                if r not in lost and r not in heard and not store.check([keys.exit(r)])
-            ]  # fmt: skip
-
-        marked: set[int] = set()  # nodes heard finishing whose mark this node saw
-        unmarked: set[int] = set()  # nodes heard finishing, their mark not seen yet
-        while not store.check([keys.exit_all]):
-            confirmed = confirmed_losses(store, current, confirmed)
-            with self._lock:
-                lost = set(self._losses) | confirmed
-                # nodes that said goodbye over the ring: finished, whether or not this
-                # node can see their mark (another view of the round's keys)
-                heard = set(self._finished) - marked - lost
-            if lost or heard:  # every node left finished: the lost ones never will
-                finished = int(store.add(keys.exit_count, 0))  # before the marks: a
-                # mark read after the count may be counted by neither, never by both
-                marked.update(r for r in heard if store.check([keys.exit(r)]))
-                finished -= sum(1 for r in lost if store.check([keys.exit(r)]))
-                unmarked = heard - marked
-                if finished + len(lost) + len(unmarked) >= current.nodes:
-                    with self._lock:
-                        last = max((self._finished.get(r, 0.0) for r in unmarked), default=0.0)
-                    # a node heard finishing marks its exit a moment later: wait for its
-                    # mark up to MARK_GRACE (this may be the store's host: leaving closes
-                    # the store under it), never longer (one with another view of the
-                    # round's keys never marks the one read here)
-                    if not unmarked or time.monotonic() - last >= MARK_GRACE:
-                        return [], sorted(name(r) for r in lost)
-            now = time.monotonic()
-            if now > report:
-                waiting = unfinished()
-                if waiting:
-                    logger.info(
-                        "waiting for %s to finish their workers (%.0f s so far)",
-                        ", ".join(waiting),
-                        now - start,
-                    )
-                report = now + 10.0
-            if now > deadline:
-                waiting = unfinished()
-                if not waiting and unmarked:  # each node left said goodbye: done
-                    return [], sorted(name(r) for r in lost)
-                waiting = waiting or ["some nodes"]
-                logger.warning(
-                    "exit barrier: did not hear %s finish within %.0f s "
-                    "(job_end_timeout); leaving without them",
-                    ", ".join(waiting),
-                    timeout,
-                )
-                return waiting, sorted(name(r) for r in lost)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.25)
-        return [], sorted(name(r) for r in lost)
 
     def job_ended_at(self) -> float | None:
         """When (``time.monotonic()``) this node first heard another node of its round
