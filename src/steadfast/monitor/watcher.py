@@ -33,17 +33,16 @@ import logging
 import math
 import os
 import select
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from .. import events
 from ..config import FaultToleranceConfig
-from ..progress.proc import running, signal_group
+from ..progress.proc import running
 from ..progress.watch import ProgressWatch, record
-from .client import STACK_DUMP_SIGNAL
+from .ending import Endings, Hang
 from .exits import ExitClock
 from .learned import effective
 from .table import HeartbeatTable, RowSnapshot
@@ -56,36 +55,9 @@ logger = logging.getLogger(__name__)
 _FIELDS = FaultToleranceConfig.__dataclass_fields__
 _INITIAL_DEFAULT = _FIELDS["initial_rank_heartbeat_timeout"].default
 
-#: How long a hung rank gets to write its stacks before it is terminated.
-STACK_DUMP_GRACE = 0.1
 #: How long the other ranks of a hang may outlive its culprit before each is judged on
 #: its own (they waited for it in a collective: its end ends them within milliseconds).
 HELD_GRACE = 1.0
-
-
-@dataclass
-class _Ending:
-    """A hung rank on its way out: its stacks asked for (``stage`` ``dump``), then the
-    termination signal sent (``term``), SIGKILL once ``due`` passes if it still runs."""
-
-    hang: Hang
-    pid: int
-    rank: int
-    stage: str
-    due: float
-
-
-@dataclass(frozen=True)
-class Hang:
-    """What timed out on a rank: ``what`` is ``initial_heartbeat``, ``heartbeat``,
-    ``section:<name>`` or ``out_of_section``."""
-
-    local_rank: int
-    what: str
-    elapsed: float
-    timeout: float
-    since: float  # time.monotonic() of the silence's start (its elapsed is from then)
-    learned: bool = False  # the timeout was learned (monitor/learned.py), not configured
 
 
 def _wall(monotonic: float) -> float:
@@ -169,7 +141,7 @@ class Watcher:
         self.teardown = Teardown(
             table, cfg.teardown_timeout, global_rank, self._where, cfg.workers_stop_timeout
         )
-        self.on_hang = on_hang
+        self._endings = Endings(cfg, on_hang)  # hung ranks on their way out (the thread's)
         self._lock = threading.Lock()
         self._pids: dict[int, int] = {}
         self._generation = 0
@@ -183,7 +155,6 @@ class Watcher:
         self._deferred: dict[int, float] = {}
         # local rank -> (what timed out, epoch time of its last sign of life)
         self._hung: dict[int, tuple[str, float]] = {}
-        self._ending: list[_Ending] = []  # hung ranks being terminated (the thread's)
         self._stop = False
         self._thread: threading.Thread | None = None
         self._poll: select.poll | None = None
@@ -213,10 +184,7 @@ class Watcher:
             self._thread = None
         if self.progress_watch is not None:
             self.progress_watch.reporter.stop()
-        for ending in self._ending:  # hung ranks not yet gone: as a stopped watcher would
-            if running(ending.pid):
-                signal_group(ending.pid, signal.SIGKILL)
-        self._ending = []
+        self._endings.kill()  # hung ranks not yet gone: as a stopped watcher would
         self._exits.close(self._poll)
         fds = (self._ctl_r, self._ctl_w, self._wake_fd)
         self._ctl_r = self._ctl_w = self._wake_fd = -1
@@ -332,7 +300,7 @@ class Watcher:
                 soonest = min(soonest, deadline, now + shortest_timeout(snap))
                 if snap.learn or plain:  # a learned bound may become ready before then
                     soonest = min(soonest, now + self.cfg.learned_timeout_floor)
-            soonest = min(soonest, self._terminate(time.monotonic()))
+            soonest = min(soonest, self._endings.advance(time.monotonic(), self._current))
             if reread:
                 # ``soonest`` holds only the rows read before the judged one: sleeping
                 # on it slept through the others' deadlines (a rank whose bound passed
@@ -464,8 +432,8 @@ class Watcher:
         self._exits.take(self._poll, (fd for fd, _ in ready), when)
 
     def _detect(self, hang: Hang, pid: int, dumps_stacks: bool) -> None:
-        """A hang: the event, then the rank's stacks asked for; :meth:`_terminate` ends
-        it, without holding up the other ranks' checks meanwhile."""
+        """A hang: the event, then the rank's way out (:class:`~.ending.Endings`), which
+        does not hold up the other ranks' checks meanwhile."""
         with self._lock:
             if self._pids.get(hang.local_rank) != pid:
                 return  # that generation is gone already
@@ -499,44 +467,8 @@ class Watcher:
         )
         self.hangs.append(hang)
         now = time.monotonic()
-        if dumps_stacks:  # only a rank whose client registered the handler: else it kills
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, STACK_DUMP_SIGNAL)
-                os.kill(pid, signal.SIGCONT)  # a stopped rank (SIGSTOP) must run to dump
-            self._ending.append(_Ending(hang, pid, rank, "dump", now + STACK_DUMP_GRACE))
-        else:
-            self._ending.append(_Ending(hang, pid, rank, "dump", now))
-        self._terminate(now)
-
-    def _terminate(self, now: float) -> float:
-        """Move each hung rank's termination on (the termination signal once its stacks
-        had their grace, SIGKILL after ``workers_stop_timeout`` if it ignored it); the
-        time the next step is due (``inf``: none)."""
-        soonest = math.inf
-        for ending in list(self._ending):
-            if not running(ending.pid):  # it is gone: nothing more to do
-                self._ending.remove(ending)
-                continue
-            # a rank of a generation the agent is stopping is ended now, not later
-            if ending.due > now and self._current(ending.hang.local_rank, ending.pid):
-                soonest = min(soonest, ending.due)
-                continue
-            if ending.stage == "dump":
-                sig = self.cfg.rank_termination_signal
-                signal_group(ending.pid, sig)
-                if self.on_hang is not None:
-                    self.on_hang(ending.hang)
-                if sig == signal.SIGKILL:
-                    self._ending.remove(ending)
-                    continue
-                ending.stage, ending.due = "term", now + self.cfg.workers_stop_timeout
-                soonest = min(soonest, ending.due)
-            else:  # a rank stuck in C may never run its handler
-                name = signal.Signals(self.cfg.rank_termination_signal).name
-                logger.error("rank %d ignored %s; sending SIGKILL", ending.rank, name)
-                signal_group(ending.pid, signal.SIGKILL)
-                self._ending.remove(ending)
-        return soonest
+        self._endings.begin(hang, pid, rank, dumps_stacks, now)
+        self._endings.advance(now, self._current)
 
     def _current(self, local: int, pid: int) -> bool:
         with self._lock:
