@@ -1,6 +1,9 @@
 """A DDP script with DataLoader workers and an evaluation pass each epoch (issue 50's
 clean-ends bench): 2 workers per rank, AdamW, gradient clipping, ``torch.no_grad()``
-evaluation, DDP alive at ``destroy_process_group()``."""
+evaluation, DDP alive at ``destroy_process_group()``. ``argv[1]``: epochs (2), each
+announced as the DDP tutorial does (``[GPUr] Epoch e``)."""
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -18,7 +21,8 @@ def main():
         torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for epoch in range(2):
+    for epoch in range(int(sys.argv[1]) if len(sys.argv) > 1 else 2):
+        print(f"[GPU{dist.get_rank()}] Epoch {epoch}", flush=True)
         train.sampler.set_epoch(epoch)
         model.train()
         for x, y in train:

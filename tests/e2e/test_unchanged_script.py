@@ -317,7 +317,7 @@ def test_a_worker_started_as_a_plain_process_gets_the_hooks_and_keeps_its_sitecu
     tmp_path: Path,
 ):
     """Without the worker template (``--numa-binding`` has the same effect) each worker
-    is a new interpreter, started as ``python -m steadfast.progress.boot script.py``:
+    is a new interpreter, started as ``python -m steadfast.launcher.boot script.py``:
     the hang is caught and named as in a forked worker, and the user's own
     ``sitecustomize`` still runs in every worker (nothing of ours is put in its way)."""
     site = tmp_path / "site"

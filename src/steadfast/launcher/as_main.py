@@ -3,7 +3,7 @@ it: in the interpreter's own ``__main__`` module, with its ``argv``, ``sys.path[
 stdio and ``__file__``, and ended by the interpreter's own exit.
 
 Two places start a worker inside a process that is already running Python: the worker
-template's forked child (:mod:`.template`) and ``python -m steadfast.progress.boot``.
+template's forked child (:mod:`.template`) and ``python -m steadfast.launcher.boot``.
 Both used ``runpy.run_path``, which runs the script in a temporary module and drops it
 when the script returns: the script's globals (a DDP model the script never freed) were
 destroyed right then, while the interpreter was not yet finalizing. torch 2.13's
@@ -27,13 +27,12 @@ import contextlib
 import io
 import os
 import sys
-import time
 import types
 from collections.abc import Mapping
 from importlib.machinery import BuiltinImporter, SourceFileLoader
 from typing import Any
 
-__all__ = ["fresh_main", "mark_finished", "run_as_main", "stdio_as_python"]
+__all__ = ["fresh_main", "run_as_main", "stdio_as_python"]
 
 
 def fresh_main() -> types.ModuleType:
@@ -52,12 +51,14 @@ def run_as_main(kind: str, target: str, args: list[str], env: Mapping[str, str])
     """Run ``target`` (``kind`` ``path``: a script file, or a folder or zip with a
     ``__main__.py``; ``module``: a module name) as ``__main__`` with ``args``.
 
-    Returns when the script returns (the worker is then finished: :func:`mark_finished`);
+    Returns when the script returns (the worker is then finished: its row's
+    ``FINISHED`` mark, :func:`steadfast.launcher.worker_end.mark`);
     raises what it raises: ``SystemExit`` (marked finished for code 0 or None) and
     ``KeyboardInterrupt`` unchanged, any other exception printed as the interpreter
     prints it (from the script's frame inwards) and turned into ``SystemExit(1)``.
     The caller lets all of them reach its own top level."""
     from .. import seam
+    from .worker_end import ENDED, FINISHED, mark
 
     main = fresh_main()
     safe_path = bool(getattr(sys.flags, "safe_path", False)) or bool(env.get("PYTHONSAFEPATH"))
@@ -88,13 +89,13 @@ def run_as_main(kind: str, target: str, args: list[str], env: Mapping[str, str])
                 raise SystemExit(2) from None
             exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
     except SystemExit as exc:
-        mark_finished(ok=exc.code is None or exc.code == 0)
+        mark(FINISHED if exc.code is None or exc.code == 0 else ENDED)
         raise
     except KeyboardInterrupt:
-        mark_finished(ok=False)
+        mark(ENDED)
         raise
     except BaseException as exc:
-        mark_finished(ok=False)
+        mark(ENDED)
         tb = _from_script(exc.__traceback__)
         exc = exc.with_traceback(tb)
         # as the interpreter's own report does: kept in sys.last_* (the script's frames
@@ -105,7 +106,7 @@ def run_as_main(kind: str, target: str, args: list[str], env: Mapping[str, str])
             sys.last_exc = exc
         sys.excepthook(type(exc), exc, tb)  # the hook prints exc's own traceback
         raise SystemExit(1) from None
-    mark_finished()
+    mark(FINISHED)
 
 
 def _is_zip(path: str) -> bool:
@@ -125,31 +126,8 @@ def _from_script(tb: types.TracebackType | None) -> types.TracebackType | None:
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STARTERS = frozenset(
     os.path.join(_PACKAGE, *part.split("/"))
-    for part in ("launcher/as_main.py", "seam.py", "launcher/template.py", "progress/boot.py")
+    for part in ("launcher/as_main.py", "seam.py", "launcher/template.py", "launcher/boot.py")
 )
-
-
-def mark_finished(ok: bool = True) -> None:
-    """Say, in this worker's row of the launcher's heartbeat table, that its script has
-    ended: ``ok``, it *finished* (``__main__`` returned, or ``sys.exit(0)``), so what
-    happens from here on is the interpreter's teardown, which the launcher bounds by
-    ``teardown_timeout`` and never takes for a fault; else it raised or exited non-zero
-    and is on its way out (a fault as before, but no hang to look for while the
-    interpreter finalizes). No table (a run without the launcher): nothing to say."""
-    path = os.environ.get("STEADFAST_HB_TABLE")
-    if not path:
-        return
-    try:
-        from ..monitor.table import HeartbeatTable
-        from ..progress.layout import ENDED, FINISHED
-
-        row = int(os.environ.get("LOCAL_RANK", "0"))
-        table = HeartbeatTable.attach(path, row)
-        slots, _ = table.progress_area(row)
-        slots[FINISHED if ok else ENDED] = time.monotonic()
-        table.close()
-    except Exception:  # the launcher's table gone: the worker ends as it would anyway
-        pass
 
 
 def stdio_as_python(unbuffered: bool) -> None:

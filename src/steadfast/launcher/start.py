@@ -18,7 +18,7 @@ __all__ = ["template_start_processes", "with_progress_boot"]
 
 
 def with_progress_boot(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """torch's ``start_processes`` arguments with ``-m steadfast.progress.boot`` before
+    """torch's ``start_processes`` arguments with ``-m steadfast.launcher.boot`` before
     each Python worker's script, where progress is watched (workers started as plain
     processes install the hooks that way)."""
     from ..progress.probe import PROGRESS_ENV
@@ -35,7 +35,7 @@ def with_progress_boot(kwargs: dict[str, Any]) -> dict[str, Any]:
         kind, target, rest = parsed
         flags = argv[: len(argv) - len(rest) - (2 if kind == "module" else 1)]
         script = ["-m", target] if kind == "module" else [target]
-        args[local] = (*flags, "-m", "steadfast.progress.boot", *script, *rest)
+        args[local] = (*flags, "-m", "steadfast.launcher.boot", *script, *rest)
     return {**kwargs, "args": args}
 
 

@@ -100,9 +100,9 @@ def become_worker(request: dict[str, Any]) -> None:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     fresh_random_streams()
-    from ..progress.probe import install
+    from .boot import worker_hooks
 
-    install()  # the progress hooks, where the launcher asked for them
+    worker_hooks()  # the end's hooks, and the progress hooks where the launcher asked
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isascii() and threads.isdigit() and int(threads) > 0:
         # what the template's OpenMP read at its import is what torchrun sets for the

@@ -14,12 +14,34 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["ASK_PREFIX", "ENDED", "FINISHED", "Progress", "ask_path", "read", "read_stack"]
+__all__ = [
+    "ASK_PREFIX",
+    "COLLECTIVES_DONE",
+    "ENDED",
+    "FINISHED",
+    "Progress",
+    "ask_path",
+    "read",
+    "read_stack",
+]
 
 ASK_PREFIX = "steadfast-hbask-"
 _TABLE_PREFIX = "steadfast-hb-"
+
+
+class Rows(Protocol):
+    """What the launcher's side of progress reads of the node's heartbeat table
+    (:class:`steadfast.monitor.table.HeartbeatTable`), without importing it."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def rows(self) -> int: ...
+
+    def progress_area(self, row: int) -> tuple[Any, memoryview]: ...
 
 
 def ask_path(table: str | os.PathLike[str], row: int) -> Path:
@@ -62,6 +84,9 @@ PH_COMPILE_AT = PH_STARTED + 9
 PH_BATCH_AT = PH_STARTED + 10
 PH_DONE = PH_STARTED + 11  # 1: the first iteration ended and the phases are final
 PH_END = PH_STARTED + 12
+# monotonic time the script's destroy_process_group() of the default group returned: its
+# collectives are over (steadfast.launcher.worker_end); 0: not yet
+COLLECTIVES_DONE = PH_END
 TEXT_OFFSET = 2048  # bytes: the stack text, frames outermost first, one per line
 TEXT_BYTES = 2048
 
@@ -72,7 +97,7 @@ FLAG_FORWARD_STEPS = 8  # no optimizer step seen outside compiled code: forwards
 FLAG_TOP = 16  # the top module is found and hooked
 FLAG_OWN_STRAGGLERS = 32  # the script runs steadfast's straggler Detector: its reports rule
 
-assert PH_END <= TEXT_OFFSET // 8
+assert COLLECTIVES_DONE < TEXT_OFFSET // 8
 
 
 @dataclass(frozen=True)

@@ -85,25 +85,22 @@ _installed: Probe | None = None
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
-def install(began: float | None = None) -> Probe | None:
-    """Install the hooks and the stack thread in this worker, once, where the launcher
-    asked for them (``$STEADFAST_WATCH_PROGRESS=1`` and a heartbeat table); never raises:
-    a worker runs its script whatever happens here. ``began``: the monotonic time the
-    process began, where that was before this call (a plain process imports torch
-    first: imports, in its phases)."""
+def install(table: Any, row: int, began: float | None = None) -> Probe | None:
+    """Install the hooks and the stack thread in this worker, once, in row ``row`` of
+    ``table`` (the node's heartbeat table, attached by the launcher's worker side:
+    :func:`steadfast.launcher.boot.worker_hooks`); never raises: a worker runs its
+    script whatever happens here. ``began``: the monotonic time the process began, where
+    that was before this call (a plain process imports torch first: imports, in its
+    phases)."""
     global _installed
-    if _installed is not None or os.environ.get(PROGRESS_ENV) != "1":
+    if _installed is not None:
         return _installed
     try:
-        from ..monitor.table import HB_TABLE_ENV, HeartbeatTable
         from .layout import ask_path
 
-        path = os.environ[HB_TABLE_ENV]
-        row = int(os.environ.get("LOCAL_RANK", "0"))
-        table = HeartbeatTable.attach(path, row)
-        probe = Probe(table, row, str(ask_path(path, row)))
+        probe = Probe(table, row, str(ask_path(table.path, row)))
         probe.start(began)
-    except Exception as exc:  # no table (a plain run), no torch: nothing to watch
+    except Exception as exc:  # no torch: nothing to watch
         logger.debug("progress hooks not installed: %s", exc)
         return None
     _installed = probe

@@ -38,7 +38,7 @@ from .layout import ask_path, read
 from .reporter import Reporter
 
 if TYPE_CHECKING:
-    from ..monitor.table import HeartbeatTable
+    from .layout import Rows
 
 __all__ = ["Decision", "ProgressWatch", "record"]
 
@@ -63,7 +63,7 @@ class ProgressWatch:
 
     def __init__(
         self,
-        table: HeartbeatTable,
+        table: Rows,
         cfg: FaultToleranceConfig,
         whole_job: bool,
         global_rank: Callable[[int], int],
