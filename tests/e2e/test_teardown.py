@@ -1,8 +1,10 @@
-"""A finished script's teardown (issue 50): a worker whose script finished and then hangs
-or dies in the interpreter's teardown ends the job with exit 0, within
-``teardown_timeout``, and the training runs once; the event log says what happened
-(``worker_teardown``) and the report shows a warning, not a fault. The same fault before
-the script finished is a fault, and is restarted."""
+"""A finished script's teardown (issues 50 and 68): a worker whose training is over (its
+``destroy_process_group()`` returned, or its script finished) and then hangs or dies
+ends the job with exit 0, within ``teardown_timeout``, and the training runs once; the
+event log says what happened (``worker_teardown``, with the stack of a rank whose Python
+cannot say) and the report shows a warning, not a fault. The same fault before the
+training was over is a fault, and is restarted; a rank that hangs once every other rank
+has finished is torn down, not restarted."""
 
 from __future__ import annotations
 
@@ -100,3 +102,48 @@ def test_an_abort_before_the_script_finished_is_still_a_fault(tmp_path: Path):
     assert [e["kind"] for e in evs].count("restart") == 1
     assert sorted(trained) == ["trained 0", "trained 0", "trained 1", "trained 1"]
     assert _pid(evs, 1) not in teardowns(evs, None)  # the abort before the end: a fault
+
+
+def test_a_rank_holding_the_gil_after_destroying_its_group_is_torn_down_with_its_native_stack(
+    tmp_path: Path,
+):
+    """The tutorial's deadlock, as the launcher meets it: after its
+    ``destroy_process_group()`` returned, rank 1's main thread keeps the GIL in C."""
+    code, evs, trained, _ = run(tmp_path, "gil-after-destroy")
+    assert code == 0
+    assert sorted(trained) == ["trained 0", "trained 1"]
+    assert [e["kind"] for e in evs].count("workers_started") == 1
+    teardown = teardowns(evs, _pid(evs, 1))[_pid(evs, 1)]
+    assert (teardown["rank"], teardown["cause"], teardown["state"]) == (1, "hung", "tearing_down")
+    assert teardown["after"] >= TEARDOWN
+    native = "\n".join(teardown["native"])
+    assert "sleep" in native and "teardown_train.py" in native, native  # C and Python frames
+    assert not [e for e in evs if e["kind"] in ("rank_failed", "rank_hung", "restart")]
+
+
+def test_a_rank_working_after_destroying_its_group_is_left_to_finish(tmp_path: Path):
+    """Rank 0 computes past ``teardown_timeout`` after its destroy (a final save's work):
+    it moves, so it is looked at again, not torn down, and ends on its own."""
+    code, evs, trained, _ = run(tmp_path, "save-after-destroy")
+    assert code == 0
+    assert sorted(trained) == ["trained 0", "trained 1"]
+    assert _pid(evs, 0) not in teardowns(evs, None)
+    [exited] = [e for e in evs if e["kind"] == "workers_exited"]
+    assert exited["cause"] == "succeeded"
+    assert [x["exit_code"] for x in exited["exits"]] == [0, 0]
+
+
+def test_a_rank_that_hangs_once_every_other_rank_finished_is_torn_down_not_restarted(
+    tmp_path: Path,
+):
+    """Rank 1 keeps the GIL after its training loop, before its destroy; rank 0 destroys
+    its group and ends. The hang is confirmed after the job's last collective: a restart
+    would train the finished job again."""
+    code, evs, trained, _ = run(tmp_path, "gil-peers-done")
+    assert code == 0
+    assert sorted(trained) == ["trained 0", "trained 1"]
+    assert [e["kind"] for e in evs].count("workers_started") == 1
+    teardown = teardowns(evs, _pid(evs, 1))[_pid(evs, 1)]
+    assert (teardown["rank"], teardown["cause"]) == (1, "hung")
+    assert "sleep" in "\n".join(teardown["native"])
+    assert not [e for e in evs if e["kind"] in ("rank_failed", "rank_hung", "restart")]

@@ -228,6 +228,9 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "waiting": "{where: [global ranks]} of the ranks waiting in a collective",
         "moving": "global ranks that moved (past the cap only)",
         "stack": "the culprit's Python stack, outermost frame first",
+        "native": "where the culprit could not answer (its main thread held the GIL, "
+                  "stopped, in D): every thread's native and Python frames, innermost "
+                  "first (py-spy), or the kernel's view of its threads",
         "summary": "one line: who stopped where, where the others waited",
     }),
     (Kind.STEPS_SEEN, "iterations a node's launcher saw its lowest rank complete (a script "
@@ -247,12 +250,15 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "culprit_node": "the node of the fault it followed (agreed job-wide)",
         "fault_id": "that fault's fault_culprit",
     }),
-    (Kind.WORKER_TEARDOWN, "a worker whose script had finished (its __main__ returned, or "
-     "sys.exit(0)) hung or died in the interpreter's teardown: a warning, not a fault; the "
-     "agent takes it as exited 0 and the training is not run again (cause: hung, past "
-     "teardown_timeout, then killed; signal; exit_code)", {
+    (Kind.WORKER_TEARDOWN, "a worker whose training was over (its destroy_process_group() "
+     "returned, its __main__ returned, or sys.exit(0)), or whose every peer had finished, "
+     "hung or died on its way out: a warning, not a fault; the agent takes it as exited 0 "
+     "and the training is not run again (cause: hung, past teardown_timeout or confirmed "
+     "by a look, then killed; signal; exit_code)", {
         **_WORKER, "after": "seconds from the script's end to this",
         "timeout": "teardown_timeout", "where": "a hung worker's stack, or its state",
+        "native": "a hung worker's native stacks (py-spy), where its Python could not say",
+        "state": "the rank's state when it was ended (steadfast.monitor.ranks.RankState)",
     }),
     (Kind.FAULT_CULPRIT, "the one culprit of a round's fault, agreed job-wide through the "
      "rendezvous store (the first confirmed claim wins); every node's launcher writes it "

@@ -236,6 +236,10 @@ class FTAgent(LocalElasticAgent):
         pids = self.generations.pids()
         exited = self.watcher.exit_times()
         running = [w for w in worker_group.workers if int(w.local_rank) not in exited]
+        locals_ = [int(w.local_rank) for w in running]
+        if self.watcher.over(locals_):  # their training is over: teardown, not a fault
+            self.watcher.tear_down(locals_, overrun, ", after another node finished")
+            return
         ranks = hung_at_end(running, pids, overrun, self.ft.job_end_timeout)
         self._stop_workers(worker_group)  # unwatches them first
         if self.roster is not None:
@@ -334,7 +338,7 @@ class FTAgent(LocalElasticAgent):
         self.generations.spawning()
         # for this call, torch's agent starts script workers from the template (or as
         # plain processes with the progress hooks' boot)
-        starter = template_start_processes(self.template, self.watcher.teardown.exit_code)
+        starter = template_start_processes(self.template, self.watcher.exit_code)
         with seam.start_processes_from(starter):
             ids = super()._start_workers(worker_group)
         pcontext = seam.agent_pcontext(self)

@@ -35,7 +35,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 
 from .. import events
@@ -45,6 +45,7 @@ from ..progress.watch import ProgressWatch, record
 from .ending import Endings, Hang
 from .exits import ExitClock
 from .learned import effective
+from .ranks import Ranks, RankState
 from .table import HeartbeatTable, RowSnapshot
 from .teardown import Teardown
 
@@ -137,24 +138,24 @@ class Watcher:
             ProgressWatch(table, cfg, whole_job, global_rank) if cfg.watch_progress else None
         )
         self.global_rank = global_rank
-        #: workers whose script finished: their teardown bounded, never a hang
+        #: each rank's state (steadfast.monitor.ranks): the one place it is kept
+        self.ranks = Ranks({r: table.progress_area(r)[0] for r in range(table.rows)})
+        #: ranks whose training is over: their teardown bounded, never a fault
         self.teardown = Teardown(
-            table, cfg.teardown_timeout, global_rank, self._where, cfg.workers_stop_timeout
+            self.ranks,
+            cfg.teardown_timeout,
+            global_rank,
+            self._where,
+            cfg.workers_stop_timeout,
+            self._moving if self.progress_watch is not None else None,
+            cfg.progress_cap,
         )
         self._endings = Endings(cfg, on_hang)  # hung ranks on their way out (the thread's)
         self._lock = threading.Lock()
         self._pids: dict[int, int] = {}
         self._generation = 0
         self._started = 0.0
-        self._handled: set[int] = set()
         self._exits = ExitClock()  # when each worker exited (its pidfd; the thread's)
-        # local rank -> (the pid of the culprit it waits for, until when; inf: it runs)
-        self._held: dict[int, tuple[int, float]] = {}
-        # local rank -> until when it is not judged again: past its bound, it waits for
-        # a culprit that is within its own (see _judge)
-        self._deferred: dict[int, float] = {}
-        # local rank -> (what timed out, epoch time of its last sign of life)
-        self._hung: dict[int, tuple[str, float]] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
         self._poll: select.poll | None = None
@@ -207,11 +208,8 @@ class Watcher:
             self._pids = dict(pids)
             self._generation += 1
             self._started = time.monotonic()
-            self._handled = set()
+            self.ranks.new_generation(pids)
             self._exits.new_generation(self._generation)
-            self._hung = {}
-            self._held = {}
-            self._deferred = {}
         if self.progress_watch is not None:
             self.progress_watch.new_generation(dict(pids))
         self._kick()
@@ -233,11 +231,28 @@ class Watcher:
         empty where the kernel has no pidfds."""
         return self._exits.times() if self._thread is not None else self._exits.times(0)
 
+    def exit_code(self, local: int, pid: int, code: int) -> int:
+        """The code torch's agent is to see for worker ``pid`` (``local``) that exited
+        with ``code``: 0 where its training was over (:meth:`.teardown.Teardown.exit_code`)."""
+        return self.teardown.exit_code(local, pid, code)
+
+    def over(self, locals_: Iterable[int]) -> bool:
+        """Whether the training of every rank of ``locals_`` is over (each marked it)."""
+        return all(self.ranks.over(local) is not None for local in locals_)
+
+    def tear_down(self, locals_: Iterable[int], after: float, why: str) -> None:
+        """End ``locals_`` (ranks whose training is over) as teardown, not a fault."""
+        for local in locals_:
+            rank = self.ranks.get(local)
+            if rank is not None:
+                self.teardown.tear_down(rank, after, why)
+
     def hung(self) -> dict[int, tuple[str, float]]:
         """The ranks of the current generation found hung: ``local_rank -> (what timed
         out, the epoch time of its last sign of life)``."""
-        with self._lock:
-            return dict(self._hung)
+        return {
+            r.local: r.hang for r in self.ranks if r.state == RankState.HUNG and r.hang is not None
+        }
 
     def progress(self) -> int:
         """Progress of the current generation: ``step`` sections completed, or for a
@@ -259,7 +274,7 @@ class Watcher:
             with self._lock:
                 if self._stop:
                     return
-                pids, started, handled = dict(self._pids), self._started, set(self._handled)
+                pids, started = dict(self._pids), self._started
                 new_generation = generation != self._generation
                 generation = self._generation
             if new_generation:
@@ -269,23 +284,29 @@ class Watcher:
             soonest = now + self.cfg.workload_check_interval
             reread = False  # a rank was judged: read every row again before any sleep
             for local, pid in pids.items():
-                if local in handled or local >= self.table.rows:
+                rank = self.ranks.observe(local, pid, alive=False)  # the row's end marks
+                if rank is None or local >= self.table.rows:
                     continue
-                finished = self.teardown.due(local, pid, now)
-                if finished is not None:  # its script has finished: no hang to look for
+                if rank.state in (RankState.HUNG, RankState.ENDED):
+                    continue  # being ended (its way out is the Endings'), or gone
+                finished = self.teardown.due(rank, now)
+                if finished is not None:  # its training is over: no hang to look for
                     soonest = min(soonest, finished)
                     continue
                 held = self._hold(local, now)
                 if held is not None:  # the culprit of its hang is being ended
                     soonest = min(soonest, held)
                     continue
-                deferred = self._deferred.get(local, 0.0)
+                deferred = rank.deferred
                 if deferred > now:  # it waits for a culprit still within its own bound
                     soonest = min(soonest, deferred)
                     continue
                 snap, learned = effective(self.table.snapshot(local), self.cfg)
                 if snap.closed:
                     continue
+                watch = self.progress_watch
+                alive = snap.pid == pid or (watch is not None and watch.attached(local, pid))
+                self.ranks.observe(local, pid, alive=alive)
                 deadline, hang, plain, judged = self._account(
                     snap, learned, local, pid, started, now
                 )
@@ -316,22 +337,27 @@ class Watcher:
         look = self.progress_watch.judge.look({local: pid}, window=0).looks[0]
         return look.stack or look.place
 
+    def _moving(self, local: int, pid: int) -> bool:
+        """Whether a worker moves, through one look's window (its marks, CPU, I/O,
+        stack, children)."""
+        assert self.progress_watch is not None
+        return bool(self.progress_watch.judge.look({local: pid}).looks[0].moved)
+
     def _hold(self, local: int, now: float) -> float | None:
         """Until when ``local`` waits for the culprit it waited for to be gone (inf while
         the culprit runs: its exit wakes the watcher); None: judged on its own. A rank
         the culprit's end does not take down within HELD_GRACE is judged on its own."""
-        with self._lock:
-            held = self._held.get(local)
-            if held is None:
-                return None
-            culprit, until = held
-            if math.isinf(until) and not running(culprit):
-                until = now + HELD_GRACE
-                self._held[local] = (culprit, until)
-            if now < until:
-                return until
-            del self._held[local]
+        rank = self.ranks.get(local)
+        if rank is None or rank.held is None:
             return None
+        culprit, until = rank.held
+        if math.isinf(until) and not running(culprit):
+            until = now + HELD_GRACE
+            self.ranks.set(local, rank.pid, held=(culprit, until))
+        if now < until:
+            return until
+        self.ranks.set(local, rank.pid, held=None)
+        return None
 
     def _account(
         self,
@@ -368,9 +394,7 @@ class Watcher:
         watch = self.progress_watch
         assert watch is not None
         if not running(pids[hang.local_rank]):  # it exited (the agent will see it)
-            with self._lock:
-                if self._pids == pids:
-                    self._handled.add(hang.local_rank)
+            self.ranks.to(hang.local_rank, pids[hang.local_rank], RankState.ENDED)
             return
         since = hang.since
         decision = watch.decide(dict(pids), hang.local_rank, hang.what, since, explicit)
@@ -401,19 +425,23 @@ class Watcher:
                     local,
                     left,
                 )
-                with self._lock:
-                    if self._pids == pids:
-                        self._deferred[hang.local_rank] = now + left
+                self.ranks.set(hang.local_rank, pids[hang.local_rank], deferred=now + left)
                 return
             hang = own
         else:  # the look took its window: the silence as it stands now, not before it
             hang = replace(hang, elapsed=time.monotonic() - since)
         if decision.cause == "progress_cap":
             hang = replace(hang, what="progress_cap", timeout=self.cfg.progress_cap, learned=False)
+        rank = self.ranks.get(local)
+        if rank is not None and rank.watched and self.ranks.others_finished(local):
+            # every other rank's training is over: the job's last collective is behind
+            # this one, and a restart would train a finished job again
+            self.teardown.tear_down(rank, hang.elapsed, ", every other rank had finished")
+            return
         record(decision, self.global_rank)
-        with self._lock:  # one fault: the others wait for the culprit, and go with it
-            if self._pids == pids:
-                self._held = {other: (pids[local], math.inf) for other in pids if other != local}
+        for other in pids:  # one fault: the others wait for the culprit, and go with it
+            if other != local:
+                self.ranks.set(other, pids[other], held=(pids[local], math.inf))
         snap = self.table.snapshot(local)
         self._detect(hang, pids[local], snap.pid == pids[local])
 
@@ -437,11 +465,14 @@ class Watcher:
         with self._lock:
             if self._pids.get(hang.local_rank) != pid:
                 return  # that generation is gone already
-            self._handled.add(hang.local_rank)
         if not running(pid):  # it exited (the agent will see it): not a hang to act on
+            self.ranks.to(hang.local_rank, pid, RankState.ENDED)
             return
-        with self._lock:
-            self._hung[hang.local_rank] = (hang.what, _wall(hang.since))
+        if (
+            self.ranks.to(hang.local_rank, pid, RankState.HUNG, hang=(hang.what, _wall(hang.since)))
+            is None
+        ):
+            return
         rank = self.global_rank(hang.local_rank)
         logger.error(
             "rank %d (local %d, pid %d) hung: %s for %.2fs (timeout %.2fs%s); terminating it",

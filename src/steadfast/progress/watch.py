@@ -35,6 +35,7 @@ from .. import events
 from ..config import FaultToleranceConfig
 from .judge import Judge, Verdict, culprit
 from .layout import ask_path, read
+from .native import native_stack
 from .reporter import Reporter
 
 if TYPE_CHECKING:
@@ -176,9 +177,16 @@ def record(decision: Decision, global_rank: Callable[[int], int]) -> str:
         head = "no culprit could be told apart"
     summary = f"{head}; {others}" if others else head
     stack = culprit.stack.splitlines() if culprit is not None else []
+    native: list[str] = []
+    if culprit is not None and (culprit.stuck or not stack):  # its Python cannot say
+        native = native_stack(culprit.pid).splitlines()
     logger.error("hang confirmed (%s): %s", decision.cause, summary)
-    if stack:
-        logger.error("rank %d's stack:\n%s", global_rank(culprit.local), "\n".join(stack))  # type: ignore[union-attr]
+    if stack or native:
+        logger.error(
+            "rank %d's stack:\n%s",
+            global_rank(culprit.local),  # type: ignore[union-attr]
+            "\n".join(stack or native),
+        )
     events.emit(
         "hang_confirmed",
         cause=decision.cause,
@@ -187,6 +195,7 @@ def record(decision: Decision, global_rank: Callable[[int], int]) -> str:
         waiting=waiting,
         moving=sorted(global_rank(look.local) for look in verdict.moving),
         stack=stack[-24:],
+        native=native,
         summary=summary,
     )
     return summary
