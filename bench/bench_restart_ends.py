@@ -50,7 +50,7 @@ def _port() -> int:
 
 
 SCRIPTS = {  # name: (file, its arguments, its last epoch)
-    "tutorial": ("ddp_tutorial.py", ["12", "4"], 11),
+    "tutorial": ("ddp_tutorial.py", ["12", "4", "--batch_size", "8"], 11),
     "readme": ("readme_ddp.py", ["12"], 11),
     "loader": ("loader_eval.py", ["12"], 11),
 }
@@ -113,8 +113,8 @@ def one(name: str, launcher: str, kill_at: int, limit: float) -> dict[str, objec
             assert proc.stdout is not None
             for line in proc.stdout:
                 lines.append(line)
-                m = EPOCH.search(line)
-                if m and not killed.is_set() and m.group(1) == "1" and int(m.group(2)) >= kill_at:
+                seen = [int(e) for r, e in EPOCH.findall(line) if r == "1"]
+                if seen and not killed.is_set() and max(seen) >= kill_at:
                     pid = _rank1(tag, workdir / "run" / "events.jsonl")
                     if pid is not None:
                         os.kill(pid, signal.SIGKILL)
@@ -133,7 +133,7 @@ def one(name: str, launcher: str, kill_at: int, limit: float) -> dict[str, objec
         # epochs printed by every rank after each had printed the last one
         seen_last: set[str] = set()
         again = 0
-        for line in lines:
+        for line in lines:  # two ranks' lines may share a line
             for rank, epoch in EPOCH.findall(line):
                 if seen_last >= {"0", "1"}:
                     again += 1
