@@ -100,7 +100,8 @@ def one(name: str, launcher: str, kill_at: int, limit: float) -> dict[str, objec
                 *common,
                 *target,
             ]
-        env = {**os.environ, "BENCH_RUN_TAG": tag, "PYTHONUNBUFFERED": "1"}
+        # LOGLEVEL=INFO: torchrun says each restart ("N/M attempts left")
+        env = {**os.environ, "BENCH_RUN_TAG": tag, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO"}
         began = time.monotonic()
         proc = subprocess.Popen(
             cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
