@@ -6,11 +6,12 @@ teardown warnings (``worker_teardown``).
     .venv/bin/python bench/bench_clean_ends.py [--runs 50] [--scripts readme,multinode,loader]
 
 The scripts (``bench/scripts/``): the README's first one (DDP alive at
-``destroy_process_group()``, module level); pytorch/examples' ``multinode.py`` shape on
-CPU (a Trainer, a DistributedSampler, snapshots, launched with torchrun's
-``--rdzv-backend c10d``); a DDP script with DataLoader workers and an evaluation pass.
-2 gloo ranks on one host, ``--max-restarts 2`` for both launchers (so a finished script
-that is trained again shows as a second ``workers_started``). The goal: 0 bad ends.
+``destroy_process_group()``, module level); pytorch/examples' ``multinode.py`` on CPU
+(``ddp_tutorial.py``: ``main()`` holds its Trainer, a DistributedSampler, snapshots,
+launched with torchrun's ``--rdzv-backend c10d``); a DDP script with DataLoader workers
+and an evaluation pass. 2 gloo ranks on one host, ``--max-restarts 2`` for both
+launchers (so a finished script that is trained again shows as a second
+``workers_started``). The goal: 0 bad ends.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def _script(name: str, workdir: Path) -> tuple[list[str], list[str]]:
         return ["--standalone"], [str(HERE / "scripts" / "readme_ddp.py")]
     if name == "multinode":
         flags = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{_port()}"]
-        script = HERE / "scripts" / "multinode_shape.py"
-        return flags, [str(script), "6", "2", str(workdir / "snapshot.pt")]
+        # the tutorial as users copy it; its snapshot.pt lands in the run's folder (cwd)
+        return flags, [str(HERE / "scripts" / "ddp_tutorial.py"), "6", "2"]
     if name == "loader":
         return ["--standalone"], [str(HERE / "scripts" / "loader_eval.py")]
     raise SystemExit(f"unknown script {name!r}: readme, multinode or loader")
