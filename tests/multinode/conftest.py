@@ -102,11 +102,13 @@ class Bed:
         script: list[str] | None = None,
         program: Path = TRAIN,
         own_log: bool = False,
+        cwd: Path = REPO,
     ) -> Launch:
         """Start ``steadfast launch ARGS PROGRAM SCRIPT`` on ``node`` (ft_train.py by
         default). ``own_log``: the node writes an event log of its own
         (``shared/events-<node>.jsonl``, as on a cluster without a shared log), not the
-        one every node shares; :meth:`events` reads them all."""
+        one every node shares; :meth:`events` reads them all. ``cwd``: the launcher's
+        working folder (a script that saves to a relative path: ``shared``)."""
         log = self.root / f"{node}-{len(self.launches)}.log"
         path = self.shared / f"events-{node}.jsonl" if own_log else self.events_path
         cmd = [*LAUNCH, "--events", str(path), *args, str(program), *(script or [])]
@@ -116,7 +118,7 @@ class Bed:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                cwd=REPO,
+                cwd=cwd,
             )
         launch = Launch(node, proc, log)
         launch.started = time.time()
