@@ -197,19 +197,38 @@ def test_a_spare_replaces_a_killed_node_and_every_launcher_ends(
     assert not bed.events("record_refused")
 
 
-def test_a_rank_that_outlives_the_jobs_end_is_a_hang_and_no_launcher_waits_for_it(
-    bed_factory,
+@pytest.mark.parametrize("watch", ["true", "false"])
+def test_a_rank_that_outlives_the_jobs_end_is_ended_and_no_launcher_waits_for_it(
+    bed_factory, watch
 ):
-    """2 nodes; node2's rank never ends after its last epoch (a teardown that hangs).
-    node1 finishes, waits in the exit barrier at most job_end_timeout and leaves naming
-    node2 (exit 0: its work is done); node2 heard node1 finish, and job_end_timeout later
-    takes its rank for hung at the job's end (rank_hung, cause job_end), stops it and
-    exits 79. No launcher waits for a node that cannot come (issue 36)."""
+    """2 nodes; node2's ranks never end after their last epoch (asleep before their
+    destroy_process_group()). node1 finishes, waits in the exit barrier at most
+    job_end_timeout and leaves naming node2 (exit 0: its work is done); node2 heard
+    node1 finish, and job_end_timeout later looks at its ranks: the job's last
+    collective is behind them, they do not move, so they are torn down (issue 68:
+    ``worker_teardown``, exit 0, never trained again). Where progress is not watched no
+    look can tell: it takes them for hung at the job's end (``rank_hung``, cause
+    ``job_end``), stops them and exits 79. No launcher waits for a node that cannot
+    come (issue 36)."""
     bed = bed_factory(2)
-    flags = [*job("2", backend="c10d"), "--ft-job-end-timeout", "3"]
+    flags = [
+        *job("2", backend="c10d"), "--ft-job-end-timeout", "3", "--ft-watch-progress", watch
+    ]  # fmt: skip
     args = [*script(bed), "--hang-at-end-on", "node2"]
     launches = [bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2")]
     codes = wait_all(launches, timeout=120)
+    from steadfast.report import compute_report, format_report, load_events
+
+    if watch == "true":
+        assert codes == {"node1": 0, "node2": 0}, bed.logs()
+        torn = bed.events("worker_teardown", host="node2")
+        assert {e["rank"] for e in torn} == {2, 3}, torn
+        assert {e["cause"] for e in torn} == {"hung"} and all(e["after"] >= 3 for e in torn)
+        assert not bed.events("rank_hung") and not bed.events("rank_failed")
+        assert len(bed.events("workers_started", host="node2")) == 1  # never trained again
+        (ended,) = bed.events("workers_exited", host="node2")
+        assert ended["cause"] == "succeeded"
+        return
     assert codes == {"node1": 0, "node2": 79}, bed.logs()
     hung = bed.events("rank_hung", host="node2")
     assert {e["rank"] for e in hung} == {2, 3} and {e["cause"] for e in hung} == {"job_end"}
@@ -226,8 +245,6 @@ def test_a_rank_that_outlives_the_jobs_end_is_a_hang_and_no_launcher_waits_for_i
     assert left["waited"] < 3 + 5, left
     (stopped,) = bed.events("workers_exited", host="node2")
     assert stopped["cause"] == "stopped"
-    from steadfast.report import compute_report, format_report, load_events
-
     evs, problems = load_events(bed.shared)
     text = format_report(compute_report(evs, problems))
     assert "rank hung" in text and "node2" in text and "NO END" not in text

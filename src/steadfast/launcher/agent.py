@@ -73,7 +73,7 @@ from .failures import (
     stopped_failures,
 )
 from .generations import Generations
-from .job_end import exit_barrier, hung_at_end, hung_in_teardown
+from .job_end import after_the_end, exit_barrier, hung_in_teardown
 from .nodes import GpuCheck, Loss, NodeRoster, health_check
 from .rdzv_client import Rendezvous
 from .template import Template, take_prestarted
@@ -148,7 +148,13 @@ class FTAgent(LocalElasticAgent):
             str(spec.rdzv_handler.get_run_id()), run_dir / SHARED_NAME if run_dir else None
         )
         os.environ.update(self.compile_cache.env())  # the workers' torch.compile cache
-        self.watcher = Watcher(self.table, ft, global_rank=self._global_rank, whole_job=nnodes == 1)
+        self.watcher = Watcher(
+            self.table,
+            ft,
+            global_rank=self._global_rank,
+            whole_job=nnodes == 1,
+            job_over=self._another_node_finished,
+        )
         if self.watcher.progress_watch is not None:  # shared once the first step compiled
             self.watcher.progress_watch.reporter.on_first_step = self._first_step
         self.watcher.start()
@@ -178,6 +184,11 @@ class FTAgent(LocalElasticAgent):
             closers += [part.close for part in (self.template, self.roster) if part is not None]
             for close in [*closers, self.compile_cache.close, self._gpus.close, self.watcher.stop]:
                 steps.callback(close)
+
+    def _another_node_finished(self) -> bool:
+        """Whether another node of the round finished its workers: the job's last
+        collective is then behind every rank (a hang here is teardown, not a fault)."""
+        return self.roster is not None and self.roster.job_ended_at() is not None
 
     def _global_rank(self, local_rank: int) -> int:
         for worker in self.get_worker_group().workers:
@@ -230,17 +241,15 @@ class FTAgent(LocalElasticAgent):
 
     def _job_end_hang(self, worker_group: WorkerGroup, overrun: float) -> None:
         """Another node of the round finished its workers ``overrun`` seconds ago, past
-        ``job_end_timeout``, and this node's still run: a hang at the job's end (see
-        :func:`.job_end.hung_at_end`). The workers are stopped, this node says goodbye
-        (it is not a lost node) and the launcher ends: a restart would find no round."""
-        pids = self.generations.pids()
+        ``job_end_timeout``, and this node's still run (:func:`.job_end.after_the_end`:
+        torn down, waited for, or a hang at the job's end). For a hang: the workers are
+        stopped, this node says goodbye (it is not a lost node) and the launcher ends
+        (79): a restart would find no round."""
         exited = self.watcher.exit_times()
         running = [w for w in worker_group.workers if int(w.local_rank) not in exited]
-        locals_ = [int(w.local_rank) for w in running]
-        if self.watcher.over(locals_):  # their training is over: teardown, not a fault
-            self.watcher.tear_down(locals_, overrun, ", after another node finished")
+        ranks = after_the_end(self.watcher, running, self.generations.pids(), overrun, self.ft)
+        if ranks is None:
             return
-        ranks = hung_at_end(running, pids, overrun, self.ft.job_end_timeout)
         self._stop_workers(worker_group)  # unwatches them first
         if self.roster is not None:
             self.roster.finish()

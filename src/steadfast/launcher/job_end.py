@@ -9,8 +9,12 @@ thinks) never marks the key this one reads, and a node whose workers never end n
 marks it either. Leaving, the launcher names the nodes it did not hear finish
 (``exit_barrier``). The other side of the same bound: a node that heard another node
 finish (its goodbye over the ring, which needs no store key) and whose own workers still
-run ``job_end_timeout`` later takes them for hung at the job's end (``rank_hung``, cause
-``job_end``) and stops them.
+run ``job_end_timeout`` later looks at them (:func:`after_the_end`): the job's last
+collective is behind them, so ranks whose training is over, or that do not move, are
+torn down (exit 0, ``worker_teardown``: issue 68); a rank that moves (a final save) is
+waited for, up to ``progress_cap``; past it, or where no look can tell (progress not
+watched), they are taken for hung at the job's end (``rank_hung``, cause ``job_end``)
+and stopped.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .. import events
+from ..config import FaultToleranceConfig
+from ..monitor import Watcher
 from .nodes import NodeRoster
 
-__all__ = ["exit_barrier", "hung_at_end", "hung_in_teardown", "process_state"]
+__all__ = ["after_the_end", "exit_barrier", "hung_at_end", "hung_in_teardown", "process_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,30 @@ def exit_barrier(roster: NodeRoster, timeout: float, nodes: int) -> None:
         missing=missing,
         lost=lost,
     )
+
+
+def after_the_end(
+    watcher: Watcher,
+    running: list[Any],
+    pids: Mapping[int, int],
+    overrun: float,
+    ft: FaultToleranceConfig,
+) -> list[int] | None:
+    """This node's ``running`` workers (torch's ``Worker``s), ``overrun`` seconds after
+    another node finished, past ``job_end_timeout``: torn down where their training is
+    over or a look finds none moving (None: nothing more to do here), left alone while
+    one moves (None), else a hang at the job's end: :func:`hung_at_end`'s global ranks,
+    for the caller to stop."""
+    locals_ = [int(w.local_rank) for w in running]
+    if watcher.over(locals_):  # their training is over: teardown, not a fault
+        watcher.tear_down(locals_, overrun, ", after another node finished")
+        return None
+    moving = watcher.moving({local: pids[local] for local in locals_ if local in pids})
+    if moving is not None and overrun <= ft.job_end_timeout + ft.progress_cap:
+        if not moving:
+            watcher.tear_down(locals_, overrun, ", hung after another node finished")
+        return None  # else working (a final save): looked at again at the next check
+    return hung_at_end(running, pids, overrun, ft.job_end_timeout)
 
 
 def hung_at_end(

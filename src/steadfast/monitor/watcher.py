@@ -120,6 +120,8 @@ class Watcher:
         on_hang: Called after a hang was handled (tests, the launcher's bookkeeping).
         whole_job: This node holds every rank of the job (a hang with no culprit told
             apart is then acted on at once; see steadfast.progress.watch).
+        job_over: Whether another node of the job finished its workers (a hang
+            confirmed then is after the job's last collective: teardown, not a fault).
     """
 
     def __init__(
@@ -129,7 +131,9 @@ class Watcher:
         global_rank: Callable[[int], int] = lambda local: local,
         on_hang: Callable[[Hang], None] | None = None,
         whole_job: bool = True,
+        job_over: Callable[[], bool] = lambda: False,
     ) -> None:
+        self.job_over = job_over
         self.table = table
         self.cfg = cfg
         #: the script's progress without its help (steadfast.progress), when watched;
@@ -239,6 +243,13 @@ class Watcher:
     def over(self, locals_: Iterable[int]) -> bool:
         """Whether the training of every rank of ``locals_`` is over (each marked it)."""
         return all(self.ranks.over(local) is not None for local in locals_)
+
+    def moving(self, pids: Mapping[int, int]) -> bool | None:
+        """Whether any of ``pids`` (``local -> pid``) moves, through one look's window;
+        None where no look can tell (progress is not watched)."""
+        if self.progress_watch is None or not pids:
+            return None
+        return bool(self.progress_watch.judge.look(dict(pids)).moving)
 
     def tear_down(self, locals_: Iterable[int], after: float, why: str) -> None:
         """End ``locals_`` (ranks whose training is over) as teardown, not a fault."""
@@ -433,10 +444,14 @@ class Watcher:
         if decision.cause == "progress_cap":
             hang = replace(hang, what="progress_cap", timeout=self.cfg.progress_cap, learned=False)
         rank = self.ranks.get(local)
-        if rank is not None and rank.watched and self.ranks.others_finished(local):
-            # every other rank's training is over: the job's last collective is behind
-            # this one, and a restart would train a finished job again
-            self.teardown.tear_down(rank, hang.elapsed, ", every other rank had finished")
+        if (
+            rank is not None
+            and rank.watched
+            and (self.ranks.others_finished(local) or self.job_over())
+        ):
+            # every other rank's training is over (or another node's): the job's last
+            # collective is behind this one, and a restart would train a finished job
+            self.teardown.tear_down(rank, hang.elapsed, ", after the others finished")
             return
         record(decision, self.global_rank)
         for other in pids:  # one fault: the others wait for the culprit, and go with it
