@@ -28,13 +28,15 @@ without an active exception", SIGABRT). torchrun's workers meet it as often as o
 
 Here ``destroy_process_group`` is wrapped (in ``torch.distributed`` and
 ``torch.distributed.distributed_c10d``, before the script runs; ``__wrapped__`` is
-torch's): the groups it destroys are kept referenced from Python, so the Reducer's
-release is never the last one. The reference goes in an ``atexit`` handler (the
-interpreter fully alive, every thread still served the GIL), where the group is freed
-through its Python object, whose dealloc releases the GIL before ``~ProcessGroupGloo``
-(torch binds process groups with a no-GIL destructor): gloo's thread frees its work
-and the join returns. A group a script destroys and makes again keeps the old one's
-threads until the exit (a few threads and descriptors per group).
+torch's). A group it destroys that nothing else holds is freed at once, as torch frees
+it. One that something still holds (a live DDP model's ``process_group``; torch's own
+caches may hold it too) is kept referenced here, so that the Reducer's release is never
+the last: it is dropped at the next ``destroy_process_group()`` that finds it held by
+nothing else, or by an ``atexit`` handler (the interpreter fully alive, every thread
+still served the GIL). Either way it is freed through its Python object, whose dealloc
+releases the GIL before ``~ProcessGroupGloo`` (torch binds process groups with a no-GIL
+destructor): gloo's thread takes the GIL, frees its work, and the join returns. No
+thread of ours is started for it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import sys
 import time
 from typing import Any
 
@@ -50,8 +53,28 @@ __all__ = ["COLLECTIVES_DONE", "ENDED", "FINISHED", "install", "kept_groups", "m
 # the marks, as the row's slots name them (steadfast.progress.layout, the one owner)
 from ..progress.layout import COLLECTIVES_DONE, ENDED, FINISHED
 
-_kept: list[Any] = []  # the groups the script destroyed, freed at the interpreter's exit
+_kept: list[Any] = []  # destroyed groups that something else still held
 _installed = False
+
+
+def _counts(objs: list[Any]) -> list[int]:
+    return [sys.getrefcount(o) for o in objs]
+
+
+#: what :func:`_counts` reads of an object that only its list holds (measured, not
+#: assumed: interpreters count a loop variable's reference differently)
+_ALONE = _counts([object()])[0]
+
+
+def _keep(groups: list[Any]) -> None:
+    """Keep ``groups`` (just destroyed) while something else holds them; drop every
+    kept group nothing else holds any more (each is freed here, the GIL released
+    around its destructor)."""
+    _kept.extend(g for g in groups if g is not None)
+    groups.clear()
+    free = [i for i, n in enumerate(_counts(_kept)) if n <= _ALONE]
+    for i in reversed(free):
+        del _kept[i]
 
 
 def mark(slot: int) -> None:
@@ -74,13 +97,13 @@ def mark(slot: int) -> None:
 
 
 def kept_groups() -> list[Any]:
-    """The process groups the script destroyed, held until the interpreter's exit."""
+    """The destroyed process groups kept while something else holds them."""
     return list(_kept)
 
 
 def _release() -> None:
-    """The ``atexit`` handler: the kept groups freed while the interpreter still serves
-    the GIL to gloo's threads (their Python objects release it before the destructor)."""
+    """The ``atexit`` handler: the groups still kept freed while the interpreter still
+    serves the GIL to gloo's threads."""
     _kept.clear()
 
 
@@ -107,7 +130,7 @@ def install() -> None:
         whole = group is None or group is c10d.GroupMember.WORLD
         held = seam.process_groups() if whole else [group]
         original(group)
-        _kept.extend(g for g in held if g is not None)
+        _keep(held)
         if whole:
             mark(COLLECTIVES_DONE)
 

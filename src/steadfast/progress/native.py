@@ -33,8 +33,14 @@ def _py_spy() -> str | None:
 def native_stack(pid: int, timeout: float = 10.0) -> str:
     """Every thread of ``pid`` with its native and Python frames (py-spy), innermost
     first, the main thread first; the kernel's view (:func:`kernel_stacks`) where py-spy
-    is not there or cannot attach. Never raises."""
-    tool = _py_spy()
+    is not there or cannot attach, and for a process stopped or in uninterruptible I/O
+    (py-spy's ptrace would resume a stopped process as it detaches, and block on one in
+    ``D``). Never raises."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+    tool = _py_spy() if state not in ("T", "t", "D") else None
     if tool is not None:
         try:
             done = subprocess.run(
