@@ -26,6 +26,7 @@ def test_a_rank_starts_runs_and_ends():
     assert ranks.observe(0, 100, alive=True).state == S.RUNNING  # type: ignore[union-attr]
     assert ranks.to(0, 100, S.HUNG, hang=("heartbeat", 1.0)).hang == ("heartbeat", 1.0)  # type: ignore[union-attr]
     assert ranks.to(0, 100, S.ENDED).state == S.ENDED  # type: ignore[union-attr]
+    assert ranks.get(0).hang == ("heartbeat", 1.0)  # type: ignore[union-attr]  # the claim stays
 
 
 @pytest.mark.parametrize(

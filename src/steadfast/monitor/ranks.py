@@ -92,7 +92,8 @@ class Rank:
     pid: int
     state: RankState = RankState.STARTING
     since: float = 0.0  # monotonic: when it entered ``state``
-    #: HUNG: what timed out and the epoch time of its last sign of life
+    #: set as it became HUNG (and kept once ENDED): what timed out and the epoch time
+    #: of its last sign of life
     hang: tuple[str, float] | None = None
     #: RUNNING: the pid of the culprit it waits for, and until when (inf: it runs)
     held: tuple[int, float] | None = None

@@ -261,9 +261,8 @@ class Watcher:
     def hung(self) -> dict[int, tuple[str, float]]:
         """The ranks of the current generation found hung: ``local_rank -> (what timed
         out, the epoch time of its last sign of life)``."""
-        return {
-            r.local: r.hang for r in self.ranks if r.state == RankState.HUNG and r.hang is not None
-        }
+        # a hung rank stays in this list once it exited (ENDED): its hang is the claim
+        return {r.local: r.hang for r in self.ranks if r.hang is not None}
 
     def progress(self) -> int:
         """Progress of the current generation: ``step`` sections completed, or for a
