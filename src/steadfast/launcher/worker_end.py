@@ -1,5 +1,6 @@
 """A worker's side of its end: what it tells the launcher (its row's end marks), and the
-process groups its script destroyed, kept until the interpreter's exit begins.
+process groups its script destroyed while something still held them, kept until they
+can be freed safely.
 
 **The marks.** A worker writes the moment its training is over into its row of the
 launcher's heartbeat table (:mod:`steadfast.progress.layout`), and the launcher's
@@ -81,12 +82,12 @@ def mark(slot: int) -> None:
     """Write the monotonic time now into ``slot`` of this worker's row (one of
     :data:`COLLECTIVES_DONE`, :data:`FINISHED`, :data:`ENDED`). No table (a run without
     the launcher): nothing to say. Never raises: the worker ends as it would anyway."""
-    path = os.environ.get("STEADFAST_HB_TABLE")
+    from ..monitor.table import HB_TABLE_ENV, HeartbeatTable
+
+    path = os.environ.get(HB_TABLE_ENV)
     if not path:
         return
     try:
-        from ..monitor.table import HeartbeatTable
-
         row = int(os.environ.get("LOCAL_RANK", "0"))
         table = HeartbeatTable.attach(path, row)
         slots, _ = table.progress_area(row)

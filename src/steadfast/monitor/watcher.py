@@ -350,8 +350,7 @@ class Watcher:
     def _moving(self, local: int, pid: int) -> bool:
         """Whether a worker moves, through one look's window (its marks, CPU, I/O,
         stack, children)."""
-        assert self.progress_watch is not None
-        return bool(self.progress_watch.judge.look({local: pid}).looks[0].moved)
+        return bool(self.moving({local: pid}))
 
     def _hold(self, local: int, now: float) -> float | None:
         """Until when ``local`` waits for the culprit it waited for to be gone (inf while
