@@ -19,6 +19,11 @@ The faults and loads a test asks for are the script's own doing, never steadfast
 - ``--compile``: ``torch.compile`` on the model and on the optimizer's step (no DDP),
   with ``--compile-backend`` (``aot_eager`` by default: no C++ build in the tests);
   dynamo's counters go into ``--trace`` at the end.
+- ``--corrupt KIND:R:S``: after step S's optimizer step, one bit of rank R's state
+  flips, as bad memory or a cosmic ray would flip it: ``exponent`` (the lowest exponent
+  bit of a first-layer weight: the value halves or doubles, finite), ``mantissa`` (its
+  highest mantissa bit), ``moment`` (the same bit of the weight's Adam second moment).
+  Once per run (a marker beside the snapshot).
 - ``--cuda``: on the rank's GPU (``LOCAL_RANK``), over NCCL (the batches are still made
   on the CPU, then moved).
 
@@ -70,6 +75,15 @@ class Batches(Dataset):
         return torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)
 
 
+def flip_bit(model: torch.nn.Module, optimizer: torch.optim.Optimizer, kind: str) -> None:
+    """One bit of element 5 of the first weight (or of its Adam second moment) flipped."""
+    weight = model.body[0].weight
+    target = optimizer.state[weight]["exp_avg_sq"] if kind == "moment" else weight
+    bit = {"exponent": 23, "mantissa": 22, "moment": 22}[kind]
+    with torch.no_grad():
+        target.view(-1).view(torch.int32)[5] ^= 1 << bit
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -88,6 +102,7 @@ def main() -> None:
     p.add_argument("--slow-from", type=int, default=-1)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--compile-backend", default="aot_eager")
+    p.add_argument("--corrupt", default="none")
     p.add_argument("--cuda", action="store_true")
     args = p.parse_args()
 
@@ -112,6 +127,9 @@ def main() -> None:
     stuck_at = int(hang_step) if hangs and kind == "loader" else None
     if hangs:
         open(marker, "w").close()  # once per run: the restarted group does not hang
+    flip, flip_rank, flip_step = [*args.corrupt.split(":"), "-1", "-1"][:3]
+    flips = flip != "none" and int(flip_rank) == rank
+    flips = flips and not os.path.exists(args.snapshot + ".flip-done")
     if args.compile:
         net = torch.compile(model, backend=args.compile_backend)
         step_fn = torch.compile(optimizer.step, backend=args.compile_backend)
@@ -139,6 +157,10 @@ def main() -> None:
             loss.backward()
             step_fn()
             done = step + 1
+            if flips and done == int(flip_step):
+                open(args.snapshot + ".flip-done", "w").close()
+                flip_bit(model, optimizer, flip)
+                trace.write(f"flip {time.time()}\n")
             if args.eval_every and done % args.eval_every == 0:
                 a = torch.randn(128, 128)
                 until = time.monotonic() + args.eval_seconds

@@ -84,6 +84,9 @@ class Kind(str, Enum):
     INPROCESS_RANK_REASSIGNED = "inprocess_rank_reassigned"
     STRAGGLER_REPORT = "straggler_report"
     STRAGGLER_DETECTED = "straggler_detected"
+    REPLICAS_CHECKED = "replicas_checked"
+    SDC_DETECTED = "sdc_detected"
+    SDC_VERDICT = "sdc_verdict"
 
 
 @dataclass(frozen=True)
@@ -425,6 +428,27 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "ranks": "the stragglers", "relative": "the ranks below the relative threshold",
         "individual": "the ranks below the individual threshold",
         "scores": "{rank: relative score}",
+    }),
+    # silent data corruption (steadfast.sdc; docs/silent-corruption.md)
+    (Kind.REPLICAS_CHECKED, "a node's replica checks since the last such record: the "
+     "DDP replicas' fingerprints agreed", {
+        "checks": "checks agreed in this generation", "last_agreed_step": "the step of "
+        "the newest check every replica here agreed on (its state proven clean)",
+        "replicas": "the replicas of the group", "ranks": "this node's ranks of it",
+        "state_bytes": "bytes of replicated state", "chunks": "checks that cover it once",
+    }),
+    (Kind.SDC_DETECTED, "replicas that must hold the same state disagreed (cause: "
+     "replica_mismatch)", {
+        "check": "the check's number (optimizer steps since the workers started)",
+        "replicas": "the ranks compared", "fingerprints": "{rank: fingerprint}",
+    }),
+    (Kind.SDC_VERDICT, "who silently corrupted its state, and since when (cause: "
+     "odd_one_out or pair)", {
+        "culprits": "the culprit ranks (the pair, where two cannot tell)",
+        "hosts": "their hosts", "local_ranks": "their local ranks (devices)",
+        "replicas": "the replicas of the group", "last_agreed_step": "the newest step "
+        "every replica agreed on (null: none seen)", "first_bad_step": "the first step "
+        "whose check disagreed",
     }),
 )  # fmt: skip
 

@@ -42,6 +42,12 @@ Exit codes (for job scripts that decide whether to requeue):
       node's were still running ``job_end_timeout`` later (a rank stuck in its teardown,
       say); they were stopped (``rank_hung``, cause ``job_end``). The job's work ended
       on the other nodes: not restarted, not requeued
+80    silent data corruption: replicas of a DDP model that must hold the same state
+      disagreed (``sdc_verdict`` names the culprit, the last step all agreed on and the
+      first that disagreed); the workers were stopped before more checkpoints took in
+      the corrupted state. Neither restarted in-job nor requeued: restart the job from
+      a checkpoint saved at or before the last agreed step, without the culprit's node
+      (docs/silent-corruption.md)
 128+N the launcher was stopped by signal N (SIGTERM: 143, SIGINT: 130); the workers got
       the signal and ``workers_stop_timeout`` seconds to save before SIGKILL
 ===== ===================================================================================
@@ -60,6 +66,7 @@ from .exit_codes import (
     EXIT_RESTART_ELSEWHERE,
     EXIT_RESTARTS_EXHAUSTED,
     EXIT_RESULT_VALIDATION_FAILED,
+    EXIT_SILENT_CORRUPTION,
 )
 from .main import PRESTART_ENV, console_main, exit_now, get_args_parser, main
 
@@ -74,6 +81,7 @@ __all__ = [
     "EXIT_RESTARTS_EXHAUSTED",
     "EXIT_RESTART_ELSEWHERE",
     "EXIT_RESULT_VALIDATION_FAILED",
+    "EXIT_SILENT_CORRUPTION",
     "PRESTART_ENV",
     "console_main",
     "exit_now",

@@ -64,7 +64,14 @@ from ..rendezvous.signed import bind_roster
 from .blame import agree_loss, loss_cause, nodes_named, record_failures
 from .budget import ProgressGuard, carried_no_progress
 from .compile_cache import CACHE_ENV, SHARED_NAME, CompileCache
-from .errors import JobEndHangError, NodeLostError, NodeUnhealthyError, NoProgressError, RerunExit
+from .errors import (
+    JobEndHangError,
+    NodeLostError,
+    NodeUnhealthyError,
+    NoProgressError,
+    RerunExit,
+    SilentCorruptionError,
+)
 from .failures import (
     describe,
     emit_agreed,
@@ -75,7 +82,9 @@ from .failures import (
 from .generations import Generations
 from .job_end import after_the_end, exit_barrier, hung_in_teardown
 from .nodes import GpuCheck, Loss, NodeRoster, health_check
+from .nodes.round import RoundKeys
 from .rdzv_client import Rendezvous
+from .replicas import ReplicaWatch
 from .template import Template, take_prestarted
 
 __all__ = [
@@ -85,6 +94,7 @@ __all__ = [
     "NodeLostError",
     "NodeUnhealthyError",
     "RerunExit",
+    "SilentCorruptionError",
     "first_failures",
     "rerun_exit_code",
 ]
@@ -158,6 +168,7 @@ class FTAgent(LocalElasticAgent):
         if self.watcher.progress_watch is not None:  # shared once the first step compiled
             self.watcher.progress_watch.reporter.on_first_step = self._first_step
         self.watcher.start()
+        self.replicas = ReplicaWatch(ft, self.table)  # DDP replicas compared (steadfast.sdc)
         # learned hang timeouts, kept beside the event log across job restarts
         self.learned = Learned(
             _learned_path() if ft.learn_timeouts else None, str(spec.rdzv_handler.get_run_id())
@@ -180,7 +191,7 @@ class FTAgent(LocalElasticAgent):
         with contextlib.ExitStack() as steps:  # run last to first
             for name in (HB_TABLE_ENV, FT_CONFIG_ENV, MEMORY_DIR_ENV, PROGRESS_ENV, *own_cache):
                 steps.callback(os.environ.pop, name, None)
-            closers = [self.memory_dir.remove, self.table.close]
+            closers = [self.memory_dir.remove, self.table.close, self.replicas.close]
             closers += [part.close for part in (self.template, self.roster) if part is not None]
             for close in [*closers, self.compile_cache.close, self._gpus.close, self.watcher.stop]:
                 steps.callback(close)
@@ -299,17 +310,18 @@ class FTAgent(LocalElasticAgent):
                 raise NodeLostError(f"lost {names}, and another node ended the job", hosts) from exc
         self.rounds += 1
         if self.roster is not None:
+            store = bind_roster(
+                worker_group.store, handler.get_run_id(), seam.rendezvous_round(handler)
+            )
+            # static hands out one store for every round: the round's number, the same on
+            # every node (they all restart together), keeps rounds apart
+            generation = self.rounds if handler.get_backend() == "static" else None
+            node, nodes = int(worker_group.group_rank or 0), int(worker_group.group_world_size or 1)
             self.roster.enter_round(
-                bind_roster(
-                    worker_group.store, handler.get_run_id(), seam.rendezvous_round(handler)
-                ),
-                int(worker_group.group_rank or 0),
-                int(worker_group.group_world_size or 1),
-                handler.get_run_id(),
-                self.rendezvous.node_id(),
-                # static hands out one store for every round: the round's number, the
-                # same on every node (they all restart together), keeps rounds apart
-                generation=self.rounds if handler.get_backend() == "static" else None,
+                store, node, nodes, handler.get_run_id(), self.rendezvous.node_id(), generation
+            )
+            self.replicas.bind(
+                store, RoundKeys(handler.get_run_id(), generation).prefix, node, nodes
             )
 
     def _leave_unhealthy(self, check: str, reason: str) -> None:
@@ -362,6 +374,7 @@ class FTAgent(LocalElasticAgent):
     def _workers_started(self, worker_group: WorkerGroup, pids: Mapping[int, int]) -> None:
         restarts = worker_group.spec.max_restarts - seam.agent_remaining_restarts(self)
         self.generations.started(worker_group, pids, self.rounds, max(0, restarts))
+        self.replicas.started({int(w.local_rank): int(w.global_rank) for w in worker_group.workers})
 
     def _workers_exited(
         self, worker_group: WorkerGroup, cause: str, failures: Mapping[int, Any] | None = None
@@ -410,6 +423,7 @@ class FTAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         running = self.generations.running
         self.watcher.unwatch()
+        self.replicas.stopped()
         timeout = max(1, math.ceil(self.ft.workers_stop_timeout))
         seam.agent_shutdown(self, signal.SIGTERM, timeout)
         if running:  # stopped while running: a node joining, a signal, the launcher's end
@@ -429,6 +443,11 @@ class FTAgent(LocalElasticAgent):
 
     def _look(self, worker_group: WorkerGroup) -> RunResult:
         result: RunResult = super()._monitor_workers(worker_group)
+        failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+        corrupted = self.replicas.verdict(result.state != WorkerState.HEALTHY)
+        if corrupted is not None:  # before one more check's state is saved
+            self._stop_workers(worker_group)
+            raise SilentCorruptionError(corrupted)
         if result.state == WorkerState.HEALTHY and self.roster is not None:
             ended = self.roster.job_ended_at()
             overrun = time.monotonic() - ended if ended is not None else 0.0
@@ -448,7 +467,6 @@ class FTAgent(LocalElasticAgent):
                 return RunResult(state=WorkerState.FAILED, failures=stopped_failures(worker_group))
         if result.state == WorkerState.SUCCEEDED and self.roster is not None:
             self.roster.finish()  # its launcher leaving now is not a lost node
-        failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         after_end = None
         if failed and self.roster is not None:
             after_end = hung_in_teardown(

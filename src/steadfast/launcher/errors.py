@@ -1,9 +1,11 @@
 """The errors that end a launcher's run, each answered by the launcher with its own exit
 code (``steadfast.launcher``): no progress (76), a re-run state machine code (17; 16, or a
 requeue away from the node), a lost node (75, or a requeue away from it), an unhealthy
-node (74), workers that outlived the job's end (79)."""
+node (74), workers that outlived the job's end (79), silent data corruption (80)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "JobEndHangError",
@@ -11,6 +13,7 @@ __all__ = [
     "NodeLostError",
     "NodeUnhealthyError",
     "RerunExit",
+    "SilentCorruptionError",
 ]
 
 
@@ -55,3 +58,13 @@ class JobEndHangError(RuntimeError):
     def __init__(self, message: str, ranks: list[int]) -> None:
         super().__init__(message)
         self.ranks = list(ranks)
+
+
+class SilentCorruptionError(RuntimeError):
+    """Replicas that must agree disagreed (:class:`steadfast.sdc.Verdict`): the workers
+    were stopped before more of the corrupted state was saved; a restart here would go
+    on from it."""
+
+    def __init__(self, verdict: Any) -> None:
+        super().__init__(verdict.describe())
+        self.verdict = verdict

@@ -16,6 +16,7 @@ __all__ = [
     "EXIT_RESTARTS_EXHAUSTED",
     "EXIT_RESTART_ELSEWHERE",
     "EXIT_RESULT_VALIDATION_FAILED",
+    "EXIT_SILENT_CORRUPTION",
 ]
 
 EXIT_OK = 0
@@ -28,6 +29,7 @@ EXIT_RESULT_VALIDATION_FAILED = 17  # = rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDAT
 EXIT_NODE_UNHEALTHY = 74
 EXIT_NODE_LOST = 75
 EXIT_JOB_END_HANG = 79
+EXIT_SILENT_CORRUPTION = 80
 EXIT_LAUNCHER_ERROR = 1  # the launcher itself raised (a bug, or torch's own error)
 EXIT_REASONS = {
     EXIT_OK: "the workers finished successfully",
@@ -40,4 +42,5 @@ EXIT_REASONS = {
     EXIT_NODE_UNHEALTHY: "this node is unhealthy and left the job",
     EXIT_NODE_LOST: "a node was lost and no round formed again",
     EXIT_JOB_END_HANG: "this node's workers outlived the job's end by job_end_timeout",
+    EXIT_SILENT_CORRUPTION: "the replicas of a DDP model disagreed (sdc_verdict)",
 }

@@ -22,6 +22,7 @@ from .exit_codes import (
     EXIT_NODE_UNHEALTHY,
     EXIT_OK,
     EXIT_REASONS,
+    EXIT_SILENT_CORRUPTION,
 )
 from .retries import job_retry, node_lost_exit, rerun_exit
 
@@ -90,6 +91,7 @@ def _launch_agent(argv: list[str], run: _Run) -> int:
         NodeUnhealthyError,
         NoProgressError,
         RerunExit,
+        SilentCorruptionError,
     )
     from .args import get_args_parser, resolve_events_path, split_argv
     from .template import discard_prestarted, keep_prestarted_if
@@ -184,6 +186,10 @@ def _launch_agent(argv: list[str], run: _Run) -> int:
     except JobEndHangError as exc:
         logger.error("steadfast launch: %s (exit %d)", exc, EXIT_JOB_END_HANG)
         return EXIT_JOB_END_HANG
+    except SilentCorruptionError as exc:
+        logger.error("steadfast launch: %s; workers stopped (exit %d)", exc, EXIT_SILENT_CORRUPTION)
+        run.detail = str(exc)
+        return EXIT_SILENT_CORRUPTION
     except (RendezvousConnectionError, RendezvousTimeoutError) as exc:
         if agents and (agents[-1].rounds > 0 or isinstance(exc, RendezvousConnectionError)):
             # the store answered once (the agent exists only once the handler reached it:

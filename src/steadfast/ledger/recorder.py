@@ -32,7 +32,7 @@ from typing import Any
 
 from .. import events
 from ..events import writer as event_writer
-from .records import Entry, Fault, LedgerError, Stint, fault_of, outside_code
+from .records import Entry, Fault, LedgerError, Stint, fault_of, faults_of_verdict, outside_code
 from .store import LedgerStore, entry_name
 
 __all__ = ["Recorder"]
@@ -93,6 +93,8 @@ class Recorder:
         with self._lock:
             if fault is not None:
                 self._entry.faults.append(fault)
+            elif kind == "sdc_verdict":
+                self._entry.faults.extend(faults_of_verdict(record, self.job))
             elif kind == "hang_confirmed" and outside_code(record.get("where")):
                 why = f"hung in {record['where']}: {record.get('summary') or ''}"[:2000]
                 self._hang = Fault(self.host, self.job, float(record["time"]),

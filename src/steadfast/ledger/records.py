@@ -25,7 +25,12 @@ Only causes that point at the hardware or the node count (:func:`fault_of`):
 - ``rerun_persistent``: the re-run state machine's ``persistent`` verdict: the
   rejected result did not reproduce on other hardware, so the node that produced it
   (its ``rerun_elsewhere``) is at fault. Exit 17's "possible application error"
-  (``correct``) and ``transient`` do not count.
+  (``correct``) and ``transient`` do not count;
+- ``silent_corruption``: the node's rank was the odd one out among three or more DDP
+  replicas that disagreed (``sdc_verdict``, cause ``odd_one_out``: steadfast.sdc);
+  ``silent_corruption_pair``: one of two replicas that disagreed, with nothing to tell
+  which (each culprit's node is charged; a node met in pairs with other partners is
+  the one its rate keeps out).
 
 A Python exception is the script's, never the node's.
 """
@@ -40,10 +45,18 @@ from typing import Any
 
 from ..records import MAX_TEXT, MalformedRecord, loads, moment, text
 
-__all__ = ["CAUSES", "Entry", "Fault", "LedgerError", "Stint", "fault_of"]
+__all__ = ["CAUSES", "Entry", "Fault", "LedgerError", "Stint", "fault_of", "faults_of_verdict"]
 
 #: the causes that count against a node
-CAUSES = ("health_check", "node_lost", "hardware_signal", "hang_outside_code", "rerun_persistent")
+CAUSES = (
+    "health_check",
+    "node_lost",
+    "hardware_signal",
+    "hang_outside_code",
+    "rerun_persistent",
+    "silent_corruption",
+    "silent_corruption_pair",
+)
 #: the version of an entry's format
 VERSION = 1
 #: the most stints and faults one entry keeps (the latest: within the 4 MiB a record may be)
@@ -171,6 +184,22 @@ def fault_of(event: Mapping[str, Any], job: str) -> Fault | None:
         rank = event.get("rank")
         return Fault(host, job, at, "hardware_signal", f"rank {rank} died of SIGBUS")
     return None
+
+
+def faults_of_verdict(event: Mapping[str, Any], job: str) -> list[Fault]:
+    """The faults an ``sdc_verdict`` holds against its culprits' nodes (one per node)."""
+    if event.get("kind") != "sdc_verdict":
+        return []
+    at = float(event.get("time") or 0.0)
+    cause = "silent_corruption" if event.get("cause") == "odd_one_out" else "silent_corruption_pair"
+    why = _evidence(
+        f"rank(s) {event.get('culprits')} of {event.get('replicas')} replicas disagreed "
+        f"({event.get('cause')}) after step {event.get('first_bad_step')}"
+    )
+    hosts = [str(h) for h in event.get("hosts") or [] if h]
+    return (
+        [Fault(h, job, at, cause, why) for h in dict.fromkeys(hosts)] if math.isfinite(at) else []
+    )
 
 
 def outside_code(where: object) -> bool:

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..sdc.layout import BASE as REPLICA_BASE
+from ..sdc.layout import END as REPLICA_END
+
 __all__ = [
     "ASK_PREFIX",
     "COLLECTIVES_DONE",
@@ -98,6 +101,8 @@ FLAG_TOP = 16  # the top module is found and hooked
 FLAG_OWN_STRAGGLERS = 32  # the script runs steadfast's straggler Detector: its reports rule
 
 assert COLLECTIVES_DONE < TEXT_OFFSET // 8
+# the replica checks' area (steadfast.sdc.layout) lies between these slots and the text
+assert COLLECTIVES_DONE < REPLICA_BASE and REPLICA_END <= TEXT_OFFSET // 8
 
 
 @dataclass(frozen=True)

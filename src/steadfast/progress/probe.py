@@ -162,6 +162,7 @@ class Probe:
         self._is_compiling: Any = None
         self._grad_enabled: Any = None
         self.phases: Any = None  # the PhaseClock of this worker's start
+        self.replicas: Any = None  # the DDP model's replica checks (steadfast.sdc.probe)
 
     # ------------------------------------------------------------------ set-up
     def start(self, began: float | None = None) -> None:
@@ -178,9 +179,11 @@ class Probe:
         )
 
         from ..events import writer
+        from ..sdc import layout as replica_layout
 
         self._is_compiling = torch.compiler.is_compiling
         self._grad_enabled = torch.is_grad_enabled
+        replica_layout.clear(self.slots)  # a restarted worker's row holds none yet
         self.slots[PID] = float(self.pid)
         self._opt_handles = [
             register_optimizer_step_pre_hook(self._opt_pre),
@@ -284,6 +287,18 @@ class Probe:
         else:
             self._stepped.add(key)
         self._mark(now)
+        if self.replicas is not None:
+            self._check_replicas(optimizer)
+
+    def _check_replicas(self, optimizer: Any) -> None:
+        """The replica check's turn after an optimizer step; an error of its own turns it
+        off, never the script's step."""
+        base = self.slots[STEP_BASE]
+        try:
+            self.replicas.after_step(optimizer, int(base) - 1 if base > 0 else None)
+        except Exception as exc:
+            logger.warning("replica check off in this rank: %s: %s", type(exc).__name__, exc)
+            self.replicas = None
 
     def _note_base(self, optimizer: Any) -> None:
         """The script's own index of the iteration just counted, where the optimizer
@@ -315,6 +330,7 @@ class Probe:
         if isinstance(module, DistributedDataParallel):
             target = module.module
             self._flags |= FLAG_DDP
+            self._start_replicas(module)
         param = next(target.parameters(), None)
         if param is not None and param.device.type == "cuda":
             self._flags |= FLAG_CUDA
@@ -326,6 +342,14 @@ class Probe:
         ]
         if target is module:  # its pre-hooks of this call were taken before ours existed
             self._fwd_pre(module, args)
+
+    def _start_replicas(self, ddp: Any) -> None:
+        try:
+            from ..sdc.probe import start
+
+            self.replicas = start(self.slots, ddp)
+        except Exception as exc:  # never in the script's way
+            logger.warning("replica check not started: %s: %s", type(exc).__name__, exc)
 
     def _stop_search(self) -> None:
         for handle in self._search_handles:

@@ -1,0 +1,378 @@
+"""The launcher's side of the replica check: the node's board of fingerprints, compared
+across the replicas on this node and with the next node's, and the verdict when they
+disagree.
+
+A thread of its own looks every ``interval`` seconds (the store: every
+``store_interval``):
+
+- **on this node**, it reads each worker's checks from its row (:mod:`.layout`) and
+  compares the replicas of each group at each check once every replica on the node
+  published it (:func:`.compare.judge`);
+- **across nodes** (a round of several), it publishes the node's recent checks in the
+  round's store (one key per node, written when they changed) and reads the next node's
+  (node rank + 1, wrapping): O(1) store operations per node whatever the job's size.
+  Replicas equal along the ring of nodes are equal everywhere.
+- **on a disagreement**, it gathers every node's checks once (``sdc_detected``), judges
+  the group at the first check that disagreed, and the first node to claim it writes
+  the verdict (``sdc_verdict``) into the store, where every node's board reads it.
+
+It never touches the workers: the agent asks :meth:`ReplicaBoard.verdict` at each of its
+looks and stops them (steadfast.launcher.agent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+from .. import events
+from . import layout
+from .compare import judge
+from .verdict import Verdict, gathered_verdict
+
+__all__ = ["BoardState", "ReplicaBoard", "RoundLink"]
+
+logger = logging.getLogger(__name__)
+
+_KEEP = 32  # checks remembered per group
+_GATHER_LOOKS = 5  # looks a verdict waits for the replicas that did not publish its check
+
+
+class BoardState(str, Enum):
+    """Where a :class:`ReplicaBoard` is.
+
+    - ``IDLE``: no workers to compare (before a generation's start, after its end);
+    - ``WATCHING``: comparing the running generation's checks;
+    - ``DISAGREED``: two replicas disagreed; the verdict is gathered, then held until
+      the workers are stopped;
+    - ``CLOSED``: its thread is gone.
+
+    Transitions: ``IDLE`` -> ``WATCHING`` (:meth:`~ReplicaBoard.watch`);
+    ``WATCHING`` -> ``DISAGREED`` (a mismatch here, or a verdict in the store);
+    ``WATCHING``, ``DISAGREED`` -> ``IDLE`` (:meth:`~ReplicaBoard.unwatch`);
+    any -> ``CLOSED`` (:meth:`~ReplicaBoard.close`).
+    """
+
+    IDLE = "idle"
+    WATCHING = "watching"
+    DISAGREED = "disagreed"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class RoundLink:
+    """The round's store as the board uses it: its keys under ``prefix``; this node's
+    rank among ``nodes``."""
+
+    store: Any
+    prefix: str
+    node: int
+    nodes: int
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}sdc/{name}"
+
+
+class ReplicaBoard:
+    """The node's replica comparisons (see the module docstring)."""
+
+    def __init__(
+        self,
+        rows: Any,
+        host: str,
+        interval: float = 0.25,
+        store_interval: float = 1.0,
+        report_every: float = 30.0,
+    ) -> None:
+        self.rows = rows
+        self.host = host
+        self.interval = interval
+        self.store_interval = store_interval
+        self._stored = 0.0  # monotonic time of the last store round
+        self.report_every = report_every
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._looked = threading.Condition()  # each look's end, for poll
+        self._looks = 0
+        self.state = BoardState.IDLE
+        self._ranks: dict[int, int] = {}  # local rank -> global rank
+        self._link: RoundLink | None = None
+        self._seen: dict[int, dict[int, dict[int, layout.Entry]]] = {}  # group, count, rank
+        self._judged: dict[int, int] = {}  # group -> highest count judged here
+        self._agreed: dict[int, layout.Entry] = {}  # group -> the last agreeing check
+        self._checks = 0  # checks agreed in this generation
+        self._reported = 0.0
+        self._published = ""
+        self._mismatch: tuple[int, int] | None = None  # (group, count)
+        self._looks_left = _GATHER_LOOKS
+        self._verdict: Verdict | None = None
+        self._thread = threading.Thread(target=self._run, name="steadfast-replicas", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the agent's side
+    def watch(self, ranks: Mapping[int, int], link: RoundLink | None) -> None:
+        """A generation's workers started: ``ranks`` (local -> global) on this node,
+        ``link`` the round's store where the round has several nodes."""
+        with self._lock:
+            if self.state is BoardState.CLOSED:
+                return
+            self._ranks, self._link = dict(ranks), link
+            self._seen, self._judged, self._agreed = {}, {}, {}
+            self._checks, self._published, self._mismatch = 0, "", None
+            self._looks_left, self._verdict = _GATHER_LOOKS, None
+            self._reported = time.monotonic()
+            self.state = BoardState.WATCHING
+
+    def unwatch(self) -> None:
+        """The generation's workers stopped: its last figures written, nothing more to
+        compare."""
+        with self._lock:
+            if self.state in (BoardState.WATCHING, BoardState.DISAGREED):
+                self._report(force=True)
+                self.state = BoardState.IDLE
+
+    def verdict(self) -> Verdict | None:
+        """The verdict on this generation's replicas, once there is one."""
+        with self._lock:
+            return self._verdict
+
+    def checked(self) -> bool:
+        """Whether this generation's workers published any check."""
+        with self._lock:
+            return bool(self._seen)
+
+    def poll(self, timeout: float) -> Verdict | None:
+        """Look now, and again until ``timeout`` passed or a verdict is known (the agent,
+        at its workers' end: their last checks, another node's verdict)."""
+        end = time.monotonic() + timeout
+        while True:
+            with self._looked:
+                after = self._looks + 2  # one may be under way: the next is fresh
+                self._wake.set()
+                self._looked.wait_for(self._looked_since(after), timeout=self.interval + 5.0)
+            found = self.verdict()
+            if found is not None or time.monotonic() >= end:
+                return found
+            time.sleep(min(0.2, self.interval))
+
+    def _looked_since(self, count: int) -> Callable[[], bool]:
+        return lambda: self._looks >= count
+
+    def close(self) -> None:
+        with self._lock:
+            self.state = BoardState.CLOSED
+        self._wake.set()
+        self._thread.join(10)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            with self._lock:
+                if self.state is BoardState.CLOSED:
+                    return
+                if self.state is BoardState.IDLE:
+                    continue
+                try:
+                    self._look()
+                except Exception as exc:  # a store gone at the job's end, a torn read
+                    logger.debug("replica board: %s: %s", type(exc).__name__, exc)
+            with self._looked:
+                self._looks += 1
+                self._looked.notify_all()
+
+    def _look(self) -> None:
+        for local, rank in self._ranks.items():
+            slots, _ = self.rows.progress_area(local)
+            group, entries = layout.read(slots)
+            for e in entries:
+                self._seen.setdefault(group, {}).setdefault(e.count, {})[rank] = e
+        for counts in self._seen.values():
+            while len(counts) > _KEEP:
+                del counts[min(counts)]
+        if self.state is BoardState.WATCHING:
+            self._compare_here()
+        link = self._link
+        now = time.monotonic()
+        if link is not None and (
+            self._mismatch is not None or now - self._stored >= self.store_interval
+        ):
+            self._stored = now
+            self._publish(link)
+            if self.state is BoardState.WATCHING:
+                self._compare_next(link)
+            if self._verdict is None:
+                self._read_verdict(link)
+        if self._mismatch is not None and self._verdict is None:
+            self._decide()
+        self._report()
+
+    def _members_here(self, group: int) -> set[int]:
+        return {r for r in self._ranks.values() if self._group_of(r) == group}
+
+    def _group_of(self, rank: int) -> int:
+        for group, counts in self._seen.items():
+            if any(rank in entries for entries in counts.values()):
+                return group
+        return 0
+
+    def _compare_here(self) -> None:
+        for group, counts in self._seen.items():
+            members = self._members_here(group)
+            for count in sorted(c for c in counts if c > self._judged.get(group, 0)):
+                entries = counts[count]
+                if not members <= set(entries):
+                    continue  # a replica here did not publish it yet
+                self._judged[group] = count
+                self._judge(group, count, entries)
+
+    def _judge(self, group: int, count: int, entries: Mapping[int, layout.Entry]) -> None:
+        j = judge({r: (e.chunk, e.fp) for r, e in entries.items()})
+        if j.agreed:
+            last = self._agreed.get(group)
+            if last is None or count > last.count:
+                self._agreed[group] = next(iter(entries.values()))
+            self._checks += 1
+        elif self._mismatch is None:
+            self._disagree(group, count, entries)
+
+    def _disagree(self, group: int, count: int, entries: Mapping[int, layout.Entry]) -> None:
+        self._mismatch = (group, count)
+        self.state = BoardState.DISAGREED
+        step = next(iter(entries.values())).step
+        events.emit(
+            "sdc_detected",
+            cause="replica_mismatch",
+            step=step,
+            check=count,
+            replicas=sorted(entries),
+            fingerprints={str(r): e.fp for r, e in sorted(entries.items())},
+        )
+        logger.error(
+            "replicas disagree after step %d: fingerprints %s",
+            step,
+            {r: f"{e.fp:x}" for r, e in sorted(entries.items())},
+        )
+
+    # ------------------------------------------------------------------ across nodes
+    def _mine(self) -> dict[str, Any]:
+        ranks: dict[str, Any] = {}
+        for local, rank in self._ranks.items():
+            group = self._group_of(rank)
+            if not group:
+                continue
+            counts = self._seen.get(group, {})
+            recent = sorted(c for c in counts if rank in counts[c])[-layout.RING :]
+            ranks[str(rank)] = {
+                "g": group,
+                "local": local,
+                "e": [list(asdict(counts[c][rank]).values()) for c in recent],
+            }
+        return {"host": self.host, "ranks": ranks}
+
+    def _publish(self, link: RoundLink) -> None:
+        text = json.dumps(self._mine(), separators=(",", ":"))
+        if text != self._published:
+            link.store.set(link.key(f"n/{link.node}"), text)
+            self._published = text
+
+    def _read_node(self, link: RoundLink, node: int) -> dict[str, Any] | None:
+        key = link.key(f"n/{node}")
+        if not link.store.check([key]):
+            return None
+        value = json.loads(link.store.get(key))
+        return value if isinstance(value, dict) else None
+
+    def _compare_next(self, link: RoundLink) -> None:
+        theirs = self._read_node(link, (link.node + 1) % link.nodes)
+        if theirs is None:
+            return
+        for rank, data in _entries(theirs).items():
+            for e in data["e"]:
+                here = self._seen.get(data["g"], {}).get(e.count)
+                members = self._members_here(data["g"])
+                if here is None or not members or not members <= set(here):
+                    continue
+                both = {**dict(here), rank: e}
+                if not judge({r: (x.chunk, x.fp) for r, x in both.items()}).agreed:
+                    if self._mismatch is None:
+                        self._disagree(data["g"], e.count, both)
+                    return
+
+    def _read_verdict(self, link: RoundLink) -> None:
+        key = link.key("verdict")
+        if link.store.check([key]):
+            self._verdict = Verdict.from_json(link.store.get(key))
+            self.state = BoardState.DISAGREED
+
+    def _decide(self) -> None:
+        """Gather every replica's checks of the mismatched group, judge them, and (the
+        first node to claim it) write the verdict."""
+        assert self._mismatch is not None
+        group, count = self._mismatch
+        link = self._link
+        nodes: list[dict[str, Any]] = [self._mine()]
+        if link is not None:
+            others = [n for n in range(link.nodes) if n != link.node]
+            keys = [link.key(f"n/{n}") for n in others]
+            if keys and link.store.check(keys):
+                nodes += [json.loads(v) for v in link.store.multi_get(keys)]
+            elif keys:
+                nodes += [d for d in (self._read_node(link, n) for n in others) if d]
+        self._looks_left -= 1
+        verdict = gathered_verdict(
+            nodes, group, count, self._agreed.get(group), complete=self._looks_left <= 0
+        )
+        if verdict is None:
+            return  # a replica has not published that check yet: the next look
+        if link is not None:
+            if int(link.store.add(link.key("claim"), 1)) != 1:
+                self._read_verdict(link)  # another node claimed it: its verdict rules
+                return
+            link.store.set(link.key("verdict"), verdict.to_json())
+        self._verdict = verdict
+        verdict.emit()
+
+    def _report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self._checks or (not force and now - self._reported < self.report_every):
+            return
+        self._reported = now
+        for group, last in self._agreed.items():
+            slots = None
+            for local, rank in self._ranks.items():
+                if self._group_of(rank) == group:
+                    slots, _ = self.rows.progress_area(local)
+                    break
+            events.emit(
+                "replicas_checked",
+                checks=self._checks,
+                last_agreed_step=last.step,
+                replicas=group >> 32,
+                ranks=sorted(r for r in self._ranks.values() if self._group_of(r) == group),
+                state_bytes=int(slots[layout.TOTAL]) if slots is not None else None,
+                chunks=int(slots[layout.CHUNKS]) if slots is not None else None,
+            )
+
+
+def _entries(node: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
+    """A published node's checks: global rank -> ``{"g": group, "e": [Entry...]}``."""
+    out = {}
+    with contextlib.suppress(AttributeError, TypeError, ValueError):
+        for rank, data in node.get("ranks", {}).items():
+            entries = [layout.Entry(*map(int, e)) for e in data["e"]]
+            out[int(rank)] = {
+                "g": int(data["g"]),
+                "local": int(data["local"]),
+                "e": entries,
+                "host": node.get("host"),
+            }
+    return out

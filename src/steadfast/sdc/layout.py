@@ -1,0 +1,77 @@
+"""The replica-check area of a heartbeat-table row: where a worker publishes the
+fingerprints of its replicated state (:mod:`.probe`) and the launcher reads them
+(:mod:`.board`).
+
+Float64 slots in the row's progress page (:mod:`steadfast.progress.layout` owns the
+page and keeps its own slots below :data:`BASE`). One writer: the worker. A check's
+entry is written before the count that publishes it, so a reader that reads the count,
+then the entries, then the count again knows which entries it can trust (no lock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BASE", "END", "Entry", "clear", "publish", "read"]
+
+BASE = 160
+GROUP = BASE  # the replicas' group key (fingerprint.group_key); 0: this rank is not checked
+CHECKS = BASE + 1  # entries published
+TOTAL = BASE + 2  # bytes of the replicated state
+CHUNKS = BASE + 3  # checks that cover it once
+RING_AT = BASE + 4
+RING = 20  # entries kept: 200 steps at the default period
+WIDTH = 4  # an entry: COUNT, CHUNK, FP, STEP
+END = RING_AT + RING * WIDTH
+_COUNT, _CHUNK, _FP, _STEP = range(WIDTH)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One check of one rank: after its ``count``-th optimizer step (counted since the
+    process started: the same on every replica), chunk ``chunk``'s fingerprint ``fp``;
+    ``step``: the script's own index of that step where it keeps one, else ``count``."""
+
+    count: int
+    chunk: int
+    fp: int
+    step: int
+
+
+def publish(slots: Any, n: int, entry: Entry) -> None:
+    """Write entry number ``n`` (1, 2, ...), then publish it."""
+    at = RING_AT + (n % RING) * WIDTH
+    slots[at + _COUNT] = float(entry.count)
+    slots[at + _CHUNK] = float(entry.chunk)
+    slots[at + _FP] = float(entry.fp)
+    slots[at + _STEP] = float(entry.step)
+    slots[CHECKS] = float(n)
+
+
+def clear(slots: Any) -> None:
+    """No checks in this row (a new worker's first act)."""
+    slots[GROUP] = 0.0
+    slots[CHECKS] = 0.0
+
+
+def read(slots: Any) -> tuple[int, list[Entry]]:
+    """The row's group key (0: not checked) and the entries still in its ring, oldest
+    first; an entry overwritten while it was read is left out."""
+    group = int(slots[GROUP])
+    n = int(slots[CHECKS])
+    if not group or n <= 0:
+        return group, []
+    entries = []
+    for k in range(max(1, n - RING + 1), n + 1):
+        at = RING_AT + (k % RING) * WIDTH
+        e = Entry(
+            int(slots[at + _COUNT]),
+            int(slots[at + _CHUNK]),
+            int(slots[at + _FP]),
+            int(slots[at + _STEP]),
+        )
+        entries.append((k, e))
+    after = int(slots[CHECKS])
+    # entry after+1 may be being written over the oldest slot
+    return group, [e for k, e in entries if k > after + 1 - RING]
