@@ -82,6 +82,10 @@ class FaultKind(str, enum.Enum):
     #: a node that fails its health check before a rendezvous
     #: (``--ft-node-health-check``, its checkpoint directory, its GPUs)
     NODE_UNHEALTHY = "node_unhealthy"
+    #: one bit of one rank's state flips and the value stays finite (bad memory, a
+    #: cosmic ray): :meth:`InjectedFault.check` returns True at the step and the loop
+    #: flips it (``steadfast.sdc.flip_bit``); the replica check finds it (steadfast.sdc)
+    BIT_FLIP = "bit_flip"
 
     @property
     def detected_by(self) -> tuple[str, ...]:
@@ -92,7 +96,8 @@ class FaultKind(str, enum.Enum):
     def recovery(self) -> str:
         """How a run recovers: ``restart`` (new processes, or the function restarted in
         process), ``in_place`` (skipped or rolled back within the loop), ``reported``
-        (the run goes on; the report is the answer)."""
+        (the run goes on; the report is the answer), ``stopped`` (the job stops with a
+        verdict before the fault spreads: exit 80)."""
         return _RECOVERY[self]
 
 
@@ -111,6 +116,7 @@ _DETECTED_BY: dict[FaultKind, tuple[str, ...]] = {
     FaultKind.NODE_KILLED: (Kind.NODE_LOST,),
     FaultKind.NODE_PARTITIONED: (Kind.NODE_LOST, Kind.NODE_ISOLATED),
     FaultKind.NODE_UNHEALTHY: (Kind.NODE_UNHEALTHY,),
+    FaultKind.BIT_FLIP: (Kind.SDC_DETECTED,),
 }
 #: Faults of a whole node: the node itself is the injector, not a rank's fail_at.
 NODE_FAULTS = frozenset(
@@ -127,6 +133,7 @@ _RECOVERY: dict[FaultKind, str] = {
     FaultKind.NODE_KILLED: "restart",
     FaultKind.NODE_PARTITIONED: "restart",
     FaultKind.NODE_UNHEALTHY: "restart",
+    FaultKind.BIT_FLIP: "stopped",
 }
 
 #: Megatron Bridge's ``simulated_fault_type`` values (two of them are :class:`FaultKind`).

@@ -505,3 +505,13 @@ def thread_frame(ident: int) -> Any:
     import sys
 
     return sys._current_frames().get(ident)
+
+
+def compiled_original(module: Any) -> Any:
+    """The module ``torch.compile`` wrapped, where ``module`` is its ``OptimizedModule``
+    (``_orig_mod``: a DDP model compiled whole is DDP inside), else ``module``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(module, OptimizedModule):
+        return module._orig_mod
+    return module

@@ -635,3 +635,12 @@ def test_weights_only_loads_reads_a_plain_pickle_and_refuses_code() -> None:
     assert seam.weights_only_loads(pickle.dumps(header, protocol=2)) == header
     with pytest.raises(pickle.UnpicklingError):
         seam.weights_only_loads(pickle.dumps(os.system, protocol=2))
+
+
+def test_compiled_original_is_the_module_torch_compile_wrapped() -> None:
+    import torch
+
+    inner = torch.nn.Linear(2, 2)
+    compiled = torch.compile(inner, backend="eager")
+    assert seam.compiled_original(compiled) is inner
+    assert seam.compiled_original(inner) is inner

@@ -480,6 +480,7 @@ class FTAgent(LocalElasticAgent):
             self._workers_exited(worker_group, "failed", result.failures)
         if result.state != WorkerState.HEALTHY:  # the group ended: no more hangs to watch
             self.watcher.unwatch()
+            self.replicas.stopped()  # its last figures written
         if failed:
             # whether or not restarts remain: the same hardware would give the same answer
             rerun_code = rerun_exit_code({int(f.exitcode) for f in result.failures.values()})

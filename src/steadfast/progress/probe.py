@@ -326,11 +326,15 @@ class Probe:
         self._stop_search()
         from torch.nn.parallel import DistributedDataParallel
 
+        from .. import seam
+
         target = module
+        inner = seam.compiled_original(module)  # a DDP model compiled whole: DDP inside
         if isinstance(module, DistributedDataParallel):
             target = module.module
             self._flags |= FLAG_DDP
-            self._start_replicas(module)
+        if isinstance(inner, DistributedDataParallel):
+            self._start_replicas(inner)
         param = next(target.parameters(), None)
         if param is not None and param.device.type == "cuda":
             self._flags |= FLAG_CUDA

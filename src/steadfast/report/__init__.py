@@ -16,6 +16,7 @@ from .goodput import (
     load_events,
 )
 from .launchers import Generation, LauncherView, ObservedFault, OpenLauncher, launcher_view
+from .replicas import replica_lines
 from .timeline import plot_timeline
 
 __all__ = [
@@ -93,7 +94,7 @@ def format_report(report: GoodputReport, title: str = "") -> str:
         )
         for f in report.faults:
             recovery = _secs(f.recovery_time) if f.recovery_time is not None else (
-                "reported" if f.recovered else "NOT")  # fmt: skip
+                "stopped" if f.stopped else "reported" if f.recovered else "NOT")  # fmt: skip
             lines.append(
                 f"    {f.fault:<12} {'-' if f.rank is None else f.rank:>4} "
                 f"{'-' if f.step is None else f.step:>5}  {f.detected_by or 'NOT DETECTED':<19} "
@@ -101,6 +102,7 @@ def format_report(report: GoodputReport, title: str = "") -> str:
             )
     elif view is None or not view.faults:
         lines.append("  faults: none injected" + (", none seen" if view is not None else ""))
+    lines.extend(replica_lines(report.replicas))
     for problem in report.problems:
         lines.append(f"  note: {problem}")
     for warning in report.warnings:

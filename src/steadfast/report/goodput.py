@@ -42,6 +42,7 @@ from typing import Any
 from .. import events as ev
 from ..faults import FaultKind
 from .launchers import LauncherView, launcher_view
+from .replicas import replica_summary
 from .restarts import _exit_time, _launcher
 from .restarts import restarts as restart_phases
 from .steps import seen_steps
@@ -87,6 +88,7 @@ class FaultRecord:
     detection_latency: float | None = None
     recovery_time: float | None = None  # detection -> first step done after recovery
     recovered: bool = False
+    stopped: bool = False  # the job stopped with a verdict (exit 80): its recovery
 
 
 @dataclass
@@ -133,6 +135,9 @@ class GoodputReport:
     restarts_phases: list[dict[str, Any]] = field(default_factory=list)
     #: what went wrong without being a fault (a finished worker's teardown), a line each
     warnings: list[str] = field(default_factory=list)
+    #: the replica checks (steadfast.sdc): checks agreed, the newest step proven clean,
+    #: the verdicts (:func:`.replicas.replica_summary`); None where none ran
+    replicas: dict[str, Any] | None = None
 
     @property
     def reports_steps(self) -> bool:
@@ -322,6 +327,7 @@ def compute_report(
         launchers=view,
         restarts_phases=[r.to_dict() for r in restart_phases(evs)],
         warnings=[_teardown(e) for e in evs if e.kind == ev.Kind.WORKER_TEARDOWN],
+        replicas=replica_summary(evs),
     )
 
 
@@ -415,6 +421,11 @@ def _faults(evs: list[ev.Event], steps: list[ev.Event]) -> list[FaultRecord]:
             recovery = kind.recovery if kind is not None else "in_place"  # any next step
             if recovery == "reported":  # the slowdown itself is the straggler's
                 rec.recovered = True
+            elif recovery == "stopped":  # the answer is the job stopped with its verdict
+                rec.stopped = rec.recovered = any(
+                    e.kind == ev.Kind.LAUNCHER_END and e.get("exit_code") == 80
+                    for e in evs if e.time >= det.time
+                )  # fmt: skip
             else:
                 back, rec.recovered = _recovery(recovery, det, evs, steps)
                 rec.recovery_time = back + det.time - seen if back is not None else None

@@ -40,6 +40,7 @@ FAULT_KINDS: dict[str, str] = {
     ev.Kind.RANK_HUNG: "rank hung",
     ev.Kind.NODE_UNHEALTHY: "node unhealthy",
     ev.Kind.NODE_ISOLATED: "node cut off",
+    ev.Kind.SDC_VERDICT: "silent corruption",
 }
 
 
@@ -328,6 +329,12 @@ def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
         if e.kind == ev.Kind.NODE_LOST:
             node, rank = e.get("node"), None
             latency = e.get("latency")
+        elif e.kind == ev.Kind.SDC_VERDICT:  # the culprit (the first of a pair)
+            node, rank = (
+                (as_list(e.get("hosts")) or [None])[0],
+                (as_list(e.get("culprits")) or [None])[0],
+            )
+            latency = None
         else:
             node, rank = e.get("host"), e.rank
             latency = None

@@ -1,0 +1,64 @@
+"""The replica checks in a run's report (steadfast.sdc): how often the replicas'
+state was checked and found equal, the newest step proven clean, and each verdict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import events as ev
+
+__all__ = ["replica_lines", "replica_summary"]
+
+
+def replica_summary(evs: list[ev.Event]) -> dict[str, Any] | None:
+    """``checks`` (agreed, every node's, every generation's), ``nodes``,
+    ``last_agreed_step`` and ``verdicts`` (each ``sdc_verdict``'s fields), or None for a
+    run with no replica check."""
+    last: dict[tuple[Any, Any], int] = {}  # a launcher's count in its current generation
+    total, newest = 0, None
+    nodes: set[Any] = set()
+    for e in evs:
+        if e.kind != ev.Kind.REPLICAS_CHECKED:
+            continue
+        key = (e.get("host"), e.get("pid"))
+        checks = int(e.get("checks") or 0)
+        if checks < last.get(key, 0):  # counted again from 0: a new generation
+            total += last[key]
+        last[key] = checks
+        nodes.add(e.get("host"))
+        step = e.get("last_agreed_step")
+        if isinstance(step, int) and (newest is None or step > newest):
+            newest = step
+    verdicts = [dict(e.fields, cause=e.cause, time=e.time) for e in evs
+                if e.kind == ev.Kind.SDC_VERDICT]  # fmt: skip
+    if not last and not verdicts:
+        return None
+    return {
+        "checks": total + sum(last.values()),
+        "nodes": len(nodes),
+        "last_agreed_step": newest,
+        "verdicts": verdicts,
+    }
+
+
+def replica_lines(summary: dict[str, Any] | None) -> list[str]:
+    """The report's lines for :func:`replica_summary`'s answer."""
+    if summary is None:
+        return []
+    clean = summary["last_agreed_step"]
+    lines = [
+        f"  replicas: {summary['checks']} check(s) agreed on {summary['nodes']} node(s); "
+        f"newest step proven clean: {'none' if clean is None else clean}"
+    ]
+    for v in summary["verdicts"]:
+        who = ", ".join(
+            f"rank {r} ({h})"
+            for r, h in zip(v.get("culprits") or [], v.get("hosts") or [], strict=False)
+        )
+        kind = "the odd one out" if v.get("cause") == "odd_one_out" else "one of the pair"
+        lines.append(
+            f"  SILENT CORRUPTION: {who}: {kind} among {v.get('replicas')} replicas; last "
+            f"step all agreed {v.get('last_agreed_step')}, first that disagreed "
+            f"{v.get('first_bad_step')}"
+        )
+    return lines

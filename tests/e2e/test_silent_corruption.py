@@ -1,0 +1,138 @@
+"""Silent data corruption in an unchanged script (issue 69): ``steadfast launch`` on a
+torchrun DDP script that imports nothing of steadfast (``unchanged_train.py``), one bit
+of one rank's weight or Adam moment flipped after a step (``--corrupt``, the script's
+own doing: bad memory, a cosmic ray), the value still finite.
+
+Each fault is detected (``sdc_detected``, then ``sdc_verdict`` naming the odd one out
+among three replicas or more, the pair among two, with the last step every replica
+agreed on before the flip and the first that disagreed after it), the workers are
+stopped, not restarted (exit 80), and the report says so; before and after an in-job
+restart. Clean shapes whose ranks are replicas (dropout and DataLoader workers,
+``no_sync`` accumulation, bf16 autocast, ``torch.compile``, BatchNorm) are checked and
+never alarm; shapes whose ranks legitimately differ (FSDP2, a 2x2 HSDP, a model per
+rank) are not compared.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sfharness import launch_run
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "unchanged_train.py"
+SHAPES = HERE / "sdc_shapes.py"
+FLIP_AT = 25  # the flip follows step 25's optimizer step (the script's step index 24)
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("no_worker_outlives_its_launcher")]
+
+
+def _run(workdir: Path, nproc: int, *extra: str) -> tuple[int, list[dict[str, Any]]]:
+    return launch_run(
+        workdir, f"--nproc-per-node={nproc}", "--max-restarts=2", str(SCRIPT),
+        "--out", str(workdir / "out.pt"), "--snapshot", str(workdir / "snap.pt"),
+        "--trace", str(workdir / "trace"), "--steps", "60", "--pace", "0.02", *extra,
+    )  # fmt: skip
+
+
+def _kinds(evs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in evs if e["kind"] == kind]
+
+
+def _report(workdir: Path) -> tuple[dict[str, Any], str]:
+    def run(*flags: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "steadfast.cli", "report", *flags, "--no-timeline",
+             str(workdir / "events.jsonl")],
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+
+    return json.loads(run("--json")), run()
+
+
+def _steps_trained(workdir: Path) -> int:
+    return max(int(line.split()[1]) for line in (workdir / "trace").read_text().splitlines()
+               if line.startswith("step "))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "nproc", "rank", "culprits", "how"),
+    [
+        ("exponent", 2, 1, [0, 1], "pair"),
+        ("mantissa", 3, 2, [2], "odd_one_out"),
+        ("moment", 4, 1, [1], "odd_one_out"),
+    ],
+)
+def test_a_flipped_bit_stops_the_job_with_a_verdict(
+    tmp_path: Path, kind: str, nproc: int, rank: int, culprits: list[int], how: str
+):
+    code, evs = _run(tmp_path, nproc, "--corrupt", f"{kind}:{rank}:{FLIP_AT}")
+    assert code == 80
+    (seen,) = _kinds(evs, "sdc_detected")
+    assert seen["cause"] == "replica_mismatch" and seen["replicas"] == list(range(nproc))
+    (verdict,) = _kinds(evs, "sdc_verdict")
+    assert (verdict["culprits"], verdict["cause"]) == (culprits, how)
+    assert verdict["local_ranks"] == culprits and verdict["replicas"] == nproc
+    # the checks every 10 steps: the last before the flip agreed, the first after did not
+    assert (verdict["last_agreed_step"], verdict["first_bad_step"]) == (19, 29)
+    assert not _kinds(evs, "restart")  # never trained on from the corrupted state
+    assert [e["exit_code"] for e in _kinds(evs, "launcher_end")] == [80]
+    assert _steps_trained(tmp_path) < 60  # stopped, not run to the end
+    summary, text = _report(tmp_path)
+    assert summary["replicas"]["verdicts"][0]["culprits"] == culprits
+    assert "SILENT CORRUPTION" in text and "newest step proven clean: 19" in text
+
+
+def test_a_flip_after_an_in_job_restart_is_found_in_the_new_generation(tmp_path: Path):
+    """Rank 0 crashes at step 8 (the group restarts from the script's snapshot of step
+    5); after step 25 one bit of rank 1's weight flips: the new generation's checks find
+    rank 1 the odd one out among three."""
+    code, evs = _run(tmp_path, 3, "--hang", "kill:0:8", "--corrupt", f"exponent:1:{FLIP_AT}")
+    assert code == 80
+    (restart,) = _kinds(evs, "restart")
+    (verdict,) = _kinds(evs, "sdc_verdict")
+    assert (verdict["culprits"], verdict["cause"]) == ([1], "odd_one_out")
+    started = [e["time"] for e in _kinds(evs, "workers_started")]
+    assert len(started) == 2 and restart["time"] < started[1] < verdict["time"]
+    assert verdict["last_agreed_step"] < FLIP_AT <= verdict["first_bad_step"]
+
+
+def test_clean_replicas_agree_and_the_report_says_how_far(tmp_path: Path):
+    code, evs = _run(tmp_path, 2, "--loader-workers", "2")
+    assert code == 0
+    assert not _kinds(evs, "sdc_detected") and not _kinds(evs, "sdc_verdict")
+    checked = _kinds(evs, "replicas_checked")
+    assert checked and checked[-1]["checks"] == 6 and checked[-1]["last_agreed_step"] == 59
+    summary, text = _report(tmp_path)
+    assert summary["replicas"]["checks"] == 6
+    assert "6 check(s) agreed on 1 node(s); newest step proven clean: 59" in text
+
+
+@pytest.mark.parametrize(
+    ("shape", "nproc", "compared"),
+    [
+        ("dropout", 2, True),
+        ("no_sync", 2, True),
+        ("bf16", 2, True),
+        ("compile", 2, True),
+        ("batchnorm", 2, True),
+        ("fsdp2", 2, False),
+        ("hsdp", 4, False),
+        ("apart", 2, False),
+    ],
+)
+def test_no_false_alarm(tmp_path: Path, shape: str, nproc: int, compared: bool):
+    code, evs = launch_run(tmp_path, f"--nproc-per-node={nproc}", str(SHAPES), shape, "60")
+    assert code == 0
+    assert not _kinds(evs, "sdc_detected") and not _kinds(evs, "sdc_verdict")
+    checked = _kinds(evs, "replicas_checked")
+    if compared:  # 60 optimizer steps: 6 checks, each agreed
+        assert checked and checked[-1]["checks"] == 6 and checked[-1]["replicas"] == nproc
+    else:  # not DDP's replicas: nothing to compare
+        assert not checked
