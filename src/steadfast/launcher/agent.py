@@ -447,6 +447,7 @@ class FTAgent(LocalElasticAgent):
         corrupted = self.replicas.verdict(result.state != WorkerState.HEALTHY)
         if corrupted is not None:  # before one more check's state is saved
             self._stop_workers(worker_group)
+            self.replicas.told()  # the store may be this launcher's: the others read it
             raise SilentCorruptionError(corrupted)
         if result.state == WorkerState.HEALTHY and self.roster is not None:
             ended = self.roster.job_ended_at()

@@ -29,6 +29,7 @@ class ReplicaWatch:
     def __init__(self, ft: FaultToleranceConfig, rows: Any) -> None:
         on = ft.replica_check and ft.watch_progress
         self.board = ReplicaBoard(rows, socket.gethostname()) if on else None
+        self.stop_timeout = ft.workers_stop_timeout
         self._link: RoundLink | None = None
 
     def bind(self, store: Any, prefix: str, node: int, nodes: int) -> None:
@@ -54,6 +55,13 @@ class ReplicaWatch:
         if found is None and ended and self.board.checked():
             found = self.board.poll(3 * self.board.store_interval if self._link else 0.0)
         return found
+
+    def told(self) -> None:
+        """After the verdict stopped this node's workers: wait until every node read it
+        (up to a few store rounds plus ``workers_stop_timeout``: a node whose workers
+        take that long to stop reads it after)."""
+        if self.board is not None:
+            self.board.wait_seen(3 * self.board.store_interval + self.stop_timeout)
 
     def close(self) -> None:
         if self.board is not None:

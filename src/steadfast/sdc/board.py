@@ -162,6 +162,25 @@ class ReplicaBoard:
                 return found
             time.sleep(min(0.2, self.interval))
 
+    def wait_seen(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` until every node of the round read the verdict (the
+        store may live in this launcher: it must not leave before the others learn why
+        their peers stopped). Whether they all did; True on one node."""
+        link = self._link
+        if link is None:
+            return True
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                if int(link.store.add(link.key("seen"), 0)) >= link.nodes:
+                    return True
+            except Exception as exc:  # the store gone: nothing to wait for
+                logger.debug("replica board: %s", exc)
+                return False
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.1)
+
     def _looked_since(self, count: int) -> Callable[[], bool]:
         return lambda: self._looks >= count
 
@@ -312,6 +331,7 @@ class ReplicaBoard:
         if link.store.check([key]):
             self._verdict = Verdict.from_json(link.store.get(key))
             self.state = BoardState.DISAGREED
+            link.store.add(link.key("seen"), 1)
 
     def _decide(self) -> None:
         """Gather every replica's checks of the mismatched group, judge them, and (the
@@ -338,6 +358,7 @@ class ReplicaBoard:
                 self._read_verdict(link)  # another node claimed it: its verdict rules
                 return
             link.store.set(link.key("verdict"), verdict.to_json())
+            link.store.add(link.key("seen"), 1)
         self._verdict = verdict
         verdict.emit()
 
