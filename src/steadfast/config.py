@@ -174,7 +174,7 @@ class FaultToleranceConfig(NodeSettings):
     progress_cap: float = 600.0
     replica_check: bool = True
     replica_check_every: int = 10
-    replica_check_bytes: int = 16 << 20
+    replica_check_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         self.validate()
