@@ -136,3 +136,71 @@ def test_no_false_alarm(tmp_path: Path, shape: str, nproc: int, compared: bool):
         assert checked and checked[-1]["checks"] == 6 and checked[-1]["replicas"] == nproc
     else:  # not DDP's replicas: nothing to compare
         assert not checked
+
+
+# ---------------------------------------------------------------------------------------
+# The library path: the README's second loop (CheckpointManager, a snapshot every step)
+
+
+LIBRARY = HERE / "sdc_library.py"
+
+
+def _library(workdir: Path, nproc: int, *extra: str) -> tuple[int, list[dict[str, Any]]]:
+    return launch_run(
+        workdir, f"--nproc-per-node={nproc}", "--max-restarts=2", str(LIBRARY),
+        "--ckpt", str(workdir / "ckpt"), "--out", str(workdir / "out.pt"), *extra,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    """The library loop's final parameters without a fault, at 2 and 3 ranks."""
+    import torch
+
+    out = {}
+    for nproc in (2, 3):
+        work = tmp_path_factory.mktemp(f"clean{nproc}")
+        code, _ = _library(work, nproc)
+        assert code == 0
+        out[nproc] = torch.load(work / "out.pt")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("nproc", "culprits", "how"), [(3, [1], "odd_one_out"), (2, [0, 1], "pair")]
+)
+def test_the_library_rolls_back_to_the_state_proven_clean_and_ends_bit_exact(
+    tmp_path: Path, fault_free: dict[int, dict[str, Any]], nproc: int, culprits: list[int],
+    how: str,
+):  # fmt: skip
+    """Rank 1's weight flips after step 25 (once): the verdict, a roll-back to step 20
+    (the disk save the check after step 20 proved clean; the memory tier's five newest
+    snapshots are all newer), the steps re-done, exit 0, and the fault-free parameters."""
+    import torch
+
+    code, evs = _library(tmp_path, nproc, "--flip", "1:24")
+    assert code == 0
+    (verdict,) = _kinds(evs, "sdc_verdict")
+    assert (verdict["culprits"], verdict["cause"], verdict["clean_step"]) == (culprits, how, 20)
+    (rollback,) = _kinds(evs, "rollback")
+    assert (rollback["cause"], rollback["to_step"]) == ("silent_corruption", 20)
+    assert len(_kinds(evs, "restart")) == 1
+    loaded = {e["rank"]: e["step"] for e in _kinds(evs, "checkpoint_loaded")}
+    assert loaded == dict.fromkeys(range(nproc), 20)  # nothing newer than proven
+    final = torch.load(tmp_path / "out.pt")
+    assert all(torch.equal(final[k], fault_free[nproc][k]) for k in fault_free[nproc])
+    summary, _ = _report(tmp_path)
+    assert summary["replicas"]["verdicts"][0]["clean_step"] == 20
+
+
+def test_a_corruption_that_comes_back_on_the_same_device_ends_the_job(tmp_path: Path):
+    """The flip strikes every time step 25 is trained (a device that keeps failing): the
+    first verdict rolls back, the second finds the same rank on the same host again and
+    ends the job (exit 80): persistent, not trained on again."""
+    code, evs = _library(tmp_path, 3, "--flip", "1:24", "--every-time")
+    assert code == 80
+    verdicts = _kinds(evs, "sdc_verdict")
+    assert [v["culprits"] for v in verdicts] == [[1], [1]]
+    assert len(_kinds(evs, "rollback")) == 1
+    (end,) = _kinds(evs, "launcher_end")
+    assert "persistent" in end["reason"]

@@ -61,6 +61,9 @@ class LoadRequest:
     excluded: Mapping[str, int] = field(default_factory=dict)
     #: keep the memory tier's snapshots up to this step (a replay proof compares with one)
     keep: int = -1
+    #: after a silent corruption's verdict, the newest step proven clean (steadfast.sdc):
+    #: nothing newer is restored, whatever else is there (-1: nothing; None: no bound)
+    clean: int | None = None
 
 
 class Loader:
@@ -94,17 +97,21 @@ class Loader:
         self.tier, self.bounded = "disk", False
         if path is not None:
             return self._load_disk(tries, objects, weights_only)
-        excluded, at_most = request.excluded, request.at_most
+        excluded, at_most, clean = request.excluded, request.at_most, request.clean
         allowed = [p for p in tries if _step_of(p) > excluded.get("disk", -1)]
         after = excluded.get("memory", -1)
         holdings = self.memory.holdings() if self.memory is not None else []
         held = [s.step for s in holdings if s.step > after]
+        if clean is not None:  # what a later replica check did not prove clean: never
+            allowed = [p for p in allowed if _step_of(p) <= clean]
+            held = [s for s in held if s <= clean]
+            at_most = clean if at_most is None else min(at_most, clean)
         self.newest = max([-1, *(_step_of(p) for p in allowed)])
         if at_most is not None:  # a replay proof's bound, when something meets it
             bounded = [p for p in allowed if _step_of(p) <= at_most]
             self.bounded = self.coord.from_rank0(bool(bounded) or any(s <= at_most for s in held))
         if not self.bounded:
-            at_most, bounded = None, allowed
+            at_most, bounded = clean, allowed
         left = bool(allowed or held or not (tries or holdings))
         if excluded and not self.coord.from_rank0(left):
             # checkpoints are there, but each failed a replay proof: never a fresh start

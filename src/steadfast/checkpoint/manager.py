@@ -26,6 +26,7 @@ from typing import Any
 from ..config import ConfigError, require_number
 from ..dist import group_rank
 from ..progress.phases import loading
+from ..sdc.probe import clean_step, note_save
 from . import memory_restore
 from .collectives import Coordinator
 from .compare import DEFAULT_TOLERANCE
@@ -215,6 +216,7 @@ class CheckpointManager:
         self._proof.check(step, lambda: self._mine(state, rank_state))
         if self._proof.holds(step):  # not before the restore is proven
             return
+        note_save(step)  # for the replica checks' proof that it is clean (steadfast.sdc)
         self._saver.save(step, state, rank_state, name, self.async_save, retain=name is None)
 
     def snapshot(
@@ -234,6 +236,7 @@ class CheckpointManager:
         self._proof.check(step, lambda: self._mine(state, rank_state))
         if step % self.memory_every or self._proof.holds(step):
             return
+        note_save(step)
         replicated, local = capture(state, rank_state, self.rng)
         self._memory.snapshot(step, replicated, local, sharded=has_dtensor(replicated))
 
@@ -300,7 +303,10 @@ class CheckpointManager:
         trust; the default executes no pickled code, and a verified checkpoint it
         refuses raises :class:`CheckpointError` saying so, not a fall-back).
         """
-        return self._load(LoadRequest(path, None, fallback, weights_only, frozenset(require_keys)))
+        clean = clean_step() if path is None else None  # after a corruption's verdict
+        return self._load(
+            LoadRequest(path, None, fallback, weights_only, frozenset(require_keys), clean=clean)
+        )
 
     def remove(self, path: str | os.PathLike[str]) -> None:
         """Delete the checkpoint directory ``path`` (a framework's named one, when the
@@ -320,9 +326,12 @@ class CheckpointManager:
         own (sharded) state dicts. Returns ``(step, state)`` like :meth:`load`, so plain
         values can be read from ``state``; None when there is no checkpoint yet.
         """
-        proving = path is None and self.collective
+        # after a silent corruption's verdict: nothing newer than the state proven clean,
+        # which the replicas' agreement proves (steadfast.sdc), not a replay
+        clean = clean_step() if path is None else None
+        proving = path is None and self.collective and clean is None
         plan = self._proof.plan(self._held) if proving else None
-        request = LoadRequest(path, objects)
+        request = LoadRequest(path, objects, clean=clean)
         if plan is not None:
             keep = plan.against[0] if plan.against else -1
             request = LoadRequest(

@@ -379,8 +379,12 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
     }),
     (Kind.STEP_DONE, "a training step completed on this rank: what the goodput report counts "
      "as productive", {"seconds": "its duration", "loss": "its loss (optional)"}),
-    (Kind.ROLLBACK, "training state rolled back to a checkpoint (a NaN burst)", {
-        "to_step": "the step it went back to",
+    (Kind.ROLLBACK, "training state rolled back to a checkpoint (cause: a NaN burst, or "
+     "silent_corruption: the launcher restarts the workers from the newest checkpoint "
+     "proven clean)", {
+        "to_step": "the step it went back to (-1: none was proven: from the start)",
+        "culprits": "a corruption's culprit ranks", "attribution": "first (not seen before "
+        "in this job: a transient fault if it does not come back)",
     }),
     (Kind.JOB_END, "a training process ended", {"exit_code": "its code", "reason": "why"}),
     (Kind.FAULT_INJECTED, "a simulated fault fired (steadfast.faults)", {
@@ -436,6 +440,8 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "the newest check every replica here agreed on (its state proven clean)",
         "replicas": "the replicas of the group", "ranks": "this node's ranks of it",
         "state_bytes": "bytes of replicated state", "chunks": "checks that cover it once",
+        "proven_step": "the newest CheckpointManager checkpoint captured at or before that "
+        "check: proven clean (null: none)",
     }),
     (Kind.SDC_DETECTED, "replicas that must hold the same state disagreed (cause: "
      "replica_mismatch)", {
@@ -448,7 +454,8 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "hosts": "their hosts", "local_ranks": "their local ranks (devices)",
         "replicas": "the replicas of the group", "last_agreed_step": "the newest step "
         "every replica agreed on (null: none seen)", "first_bad_step": "the first step "
-        "whose check disagreed",
+        "whose check disagreed", "clean_step": "the newest CheckpointManager checkpoint "
+        "proven clean, which a rollback restores (null: none)",
     }),
 )  # fmt: skip
 

@@ -446,9 +446,7 @@ class FTAgent(LocalElasticAgent):
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         corrupted = self.replicas.verdict(result.state != WorkerState.HEALTHY)
         if corrupted is not None:  # before one more check's state is saved
-            self._stop_workers(worker_group)
-            self.replicas.told()  # the store may be this launcher's: the others read it
-            raise SilentCorruptionError(corrupted)
+            return self._corrupted(worker_group, corrupted)
         if result.state == WorkerState.HEALTHY and self.roster is not None:
             ended = self.roster.job_ended_at()
             overrun = time.monotonic() - ended if ended is not None else 0.0
@@ -500,6 +498,20 @@ class FTAgent(LocalElasticAgent):
             )
         return result
 
+    def _corrupted(self, worker_group: WorkerGroup, verdict: Any) -> RunResult:
+        """Replicas disagreed: the workers stopped, then a roll-back (a restart from the
+        newest checkpoint proven clean, this node leaving where it holds the culprit) or
+        the job's end (exit 80): :meth:`.replicas.ReplicaWatch.after`."""
+        self._stop_workers(worker_group)
+        self.replicas.told()  # the store may be this launcher's: the others read it
+        what, why = self.replicas.after(verdict, seam.agent_remaining_restarts(self))
+        logger.error("%s: %s", verdict.describe(), why)
+        if what == "stop":
+            raise SilentCorruptionError(verdict, why)
+        if what == "leave":
+            self._leave_unhealthy("silent_corruption", f"{verdict.describe()}: {why}")
+        return RunResult(state=WorkerState.FAILED, failures=stopped_failures(worker_group))
+
     def _record_failures(self, failures: Mapping[int, Any]) -> None:
         """The failed group's events, its culprit agreed job-wide (:mod:`.blame`)."""
         record_failures(
@@ -532,6 +544,7 @@ class FTAgent(LocalElasticAgent):
             logger.warning("could not expire the lost nodes from the rendezvous: %s", exc)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self.replicas.restarting()
         failed = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed:
             self._expire_lost()

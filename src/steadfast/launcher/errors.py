@@ -65,6 +65,6 @@ class SilentCorruptionError(RuntimeError):
     were stopped before more of the corrupted state was saved; a restart here would go
     on from it."""
 
-    def __init__(self, verdict: Any) -> None:
-        super().__init__(verdict.describe())
+    def __init__(self, verdict: Any, why: str = "") -> None:
+        super().__init__(verdict.describe() + (f": {why}" if why else ""))
         self.verdict = verdict

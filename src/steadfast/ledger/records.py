@@ -8,7 +8,8 @@ its own entry whole, never another's (:mod:`.store`).
 Only causes that point at the hardware or the node count (:func:`fault_of`):
 
 - ``health_check``: the node failed its health check (``node_unhealthy``), the
-  ledger's own refusal excepted;
+  ledger's own refusal and a node leaving for a corruption's verdict (charged as such)
+  excepted;
 - ``node_lost``: the node was lost from a running round (``node_lost``; the launcher
   that reported it writes it, once per loss). A node that *left*, saying why (cause
   ``left``: its workers failed with no restarts left, its launcher stopped; cause
@@ -174,7 +175,7 @@ def fault_of(event: Mapping[str, Any], job: str) -> Fault | None:
     if not math.isfinite(at):
         return None
     host = str(event.get("host") or "")
-    if kind == "node_unhealthy" and cause != "ledger":
+    if kind == "node_unhealthy" and cause not in ("ledger", "silent_corruption"):
         why = _evidence(f"{cause} check failed: {event.get('reason') or ''}")
         return Fault(host, job, at, "health_check", why)
     if kind == "node_lost" and event.get("node") and cause not in _LEFT_SAYING_WHY:

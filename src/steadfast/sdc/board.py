@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -187,6 +187,7 @@ class ReplicaBoard:
     def close(self) -> None:
         with self._lock:
             self.state = BoardState.CLOSED
+            self._link = None  # the round's store is the agent's to close
         self._wake.set()
         self._thread.join(10)
 
@@ -353,6 +354,11 @@ class ReplicaBoard:
         )
         if verdict is None:
             return  # a replica has not published that check yet: the next look
+        verdict = replace(
+            verdict,
+            clean_step=self._proven(verdict.last_agreed_check),
+            restorable=self._restorable(),
+        )
         if link is not None:
             if int(link.store.add(link.key("claim"), 1)) != 1:
                 self._read_verdict(link)  # another node claimed it: its verdict rules
@@ -361,6 +367,26 @@ class ReplicaBoard:
             link.store.add(link.key("seen"), 1)
         self._verdict = verdict
         verdict.emit()
+
+    def _restorable(self) -> bool:
+        """Whether the script saves through steadfast's CheckpointManager."""
+        return any(int(self.rows.progress_area(local)[0][layout.SAVES]) for local in self._ranks)
+
+    def _proven(self, count: int | None) -> int | None:
+        """The newest checkpoint step whose state was captured at or before check
+        ``count``, which agreed: proven clean (a flipped replica stays apart)."""
+        if count is None:
+            return None
+        saved = [e.saved for per in self._seen.values() for e in per.get(count, {}).values()]
+        newest = max(saved, default=-1)
+        return newest if newest >= 0 else None
+
+    def proven(self) -> int | None:
+        """The newest checkpoint step this node's checks proved clean in the generation
+        (the oldest group's last agreement)."""
+        with self._lock:
+            counts = [e.count for e in self._agreed.values()]
+            return self._proven(min(counts)) if counts else None
 
     def _report(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -377,6 +403,7 @@ class ReplicaBoard:
                 "replicas_checked",
                 checks=self._checks,
                 last_agreed_step=last.step,
+                proven_step=self._proven(last.count),
                 replicas=group >> 32,
                 ranks=sorted(r for r in self._ranks.values() if self._group_of(r) == group),
                 state_bytes=int(slots[layout.TOTAL]) if slots is not None else None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BASE", "END", "Entry", "clear", "publish", "read"]
+__all__ = ["BASE", "END", "Entry", "clear", "note_save", "publish", "read"]
 
 BASE = 160
 GROUP = BASE  # the replicas' group key (fingerprint.group_key); 0: this rank is not checked
@@ -21,10 +21,11 @@ CHECKS = BASE + 1  # entries published
 TOTAL = BASE + 2  # bytes of the replicated state
 CHUNKS = BASE + 3  # checks that cover it once
 RING_AT = BASE + 4
-RING = 20  # entries kept: 200 steps at the default period
-WIDTH = 4  # an entry: COUNT, CHUNK, FP, STEP
-END = RING_AT + RING * WIDTH
-_COUNT, _CHUNK, _FP, _STEP = range(WIDTH)
+RING = 16  # entries kept: 160 steps at the default period
+WIDTH = 5  # an entry: COUNT, CHUNK, FP, STEP, SAVED
+SAVES = RING_AT + RING * WIDTH  # checkpoints noted (steadfast's CheckpointManager's)
+END = SAVES + 1
+_COUNT, _CHUNK, _FP, _STEP, _SAVED = range(WIDTH)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class Entry:
     chunk: int
     fp: int
     step: int
+    #: the newest checkpoint step of steadfast's CheckpointManager whose state was
+    #: captured at or before this check (-1: none): proven clean if the check agrees
+    saved: int = -1
 
 
 def publish(slots: Any, n: int, entry: Entry) -> None:
@@ -46,6 +50,7 @@ def publish(slots: Any, n: int, entry: Entry) -> None:
     slots[at + _CHUNK] = float(entry.chunk)
     slots[at + _FP] = float(entry.fp)
     slots[at + _STEP] = float(entry.step)
+    slots[at + _SAVED] = float(entry.saved)
     slots[CHECKS] = float(n)
 
 
@@ -53,6 +58,16 @@ def clear(slots: Any) -> None:
     """No checks in this row (a new worker's first act)."""
     slots[GROUP] = 0.0
     slots[CHECKS] = 0.0
+    slots[SAVES] = 0.0
+
+
+def note_save(slots: Any, n: int, saves: int, step: int) -> None:
+    """The worker's ``saves``-th checkpoint captured the state entry ``n`` (the last
+    published) was checked on (a save right after the check's optimizer step): its
+    ``saved`` becomes ``step``."""
+    if n > 0:
+        slots[RING_AT + (n % RING) * WIDTH + _SAVED] = float(step)
+    slots[SAVES] = float(saves)
 
 
 def read(slots: Any) -> tuple[int, list[Entry]]:
@@ -65,12 +80,7 @@ def read(slots: Any) -> tuple[int, list[Entry]]:
     entries = []
     for k in range(max(1, n - RING + 1), n + 1):
         at = RING_AT + (k % RING) * WIDTH
-        e = Entry(
-            int(slots[at + _COUNT]),
-            int(slots[at + _CHUNK]),
-            int(slots[at + _FP]),
-            int(slots[at + _STEP]),
-        )
+        e = Entry(*(int(slots[at + k]) for k in range(WIDTH)))
         entries.append((k, e))
     after = int(slots[CHECKS])
     # entry after+1 may be being written over the oldest slot

@@ -22,12 +22,36 @@ from typing import Any
 from . import layout
 from .fingerprint import ReplicaState, as_unsigned, cpu_crc, device_hash, group_key
 
-__all__ = ["ReplicaProbe", "settings", "start"]
+__all__ = ["CLEAN_ENV", "ReplicaProbe", "clean_step", "note_save", "settings", "start"]
 
 logger = logging.getLogger(__name__)
 
 _CONFIG_ENV = "STEADFAST_FT_CONFIG"  # = steadfast.monitor.FT_CONFIG_ENV
 DEFAULT_EVERY = 10
+#: Set by the launcher for the workers it restarts after a verdict: the newest
+#: checkpoint step proven clean (-1: none); CheckpointManager restores nothing newer.
+CLEAN_ENV = "STEADFAST_CLEAN_STEP"
+
+_active: ReplicaProbe | None = None  # this worker's, once its DDP model was found
+
+
+def note_save(step: int) -> None:
+    """steadfast's CheckpointManager captured checkpoint ``step`` now (a save or a
+    snapshot): noted with the optimizer steps counted so far, so that the launcher
+    knows which checkpoints a later agreeing check proved clean."""
+    if _active is not None:
+        _active.note_save(step)
+
+
+def clean_step(env: Any = None) -> int | None:
+    """The bound the launcher set after a verdict (:data:`CLEAN_ENV`), or None."""
+    value = (os.environ if env is None else env).get(CLEAN_ENV)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"${CLEAN_ENV}: {value!r} is not a step") from None
 
 
 def settings(env: Any = None) -> tuple[bool, int, int]:
@@ -61,7 +85,9 @@ def start(slots: Any, ddp: Any) -> ReplicaProbe | None:
         return None
     if len(ranks) < 2:
         return None
-    return ReplicaProbe(slots, ddp.module, group_key(ranks), every, budget)
+    global _active
+    _active = ReplicaProbe(slots, ddp.module, group_key(ranks), every, budget)
+    return _active
 
 
 class ReplicaProbe:
@@ -78,6 +104,9 @@ class ReplicaProbe:
         self.count = 0  # the chosen optimizer's steps since the process started
         self.published = 0
         self.pending: list[tuple[layout.Entry, Any, Any]] = []  # device hashes in flight
+        self.saves = 0
+        self.last_saved = -1  # the newest checkpoint step noted
+        self.checked = -1  # the count of the last published check
         self._params: set[int] = {id(p) for p in module.parameters()}
         slots[layout.GROUP] = float(group)
 
@@ -105,7 +134,8 @@ class ReplicaProbe:
         self.slots[layout.TOTAL] = float(span.total)
         self.slots[layout.CHUNKS] = float(span.chunks)
         if tensors[0].device.type == "cpu":
-            self._publish(layout.Entry(self.count, span.chunk, cpu_crc(tensors, span), step))
+            fp = cpu_crc(tensors, span)
+            self._publish(layout.Entry(self.count, span.chunk, fp, step, self.last_saved))
             return
         import torch
 
@@ -115,7 +145,16 @@ class ReplicaProbe:
         event: Any = torch.cuda.Event
         done = event()
         done.record()
-        self.pending.append((layout.Entry(self.count, span.chunk, 0, step), host, done))
+        entry = layout.Entry(self.count, span.chunk, 0, step, self.last_saved)
+        self.pending.append((entry, host, done))
+
+    def note_save(self, step: int) -> None:
+        """A checkpoint of the state after ``count`` optimizer steps: the next check
+        (or the last one, where it checked that very state) proves it clean."""
+        self.saves += 1
+        self.last_saved = int(step)
+        checked_now = self.published and self.checked == self.count
+        layout.note_save(self.slots, self.published if checked_now else 0, self.saves, step)
 
     def _owns(self, optimizer: Any) -> bool:
         with contextlib.suppress(Exception):
@@ -129,8 +168,9 @@ class ReplicaProbe:
         while self.pending and self.pending[0][2].query():
             entry, host, _ = self.pending.pop(0)
             fp = as_unsigned(int(host)) >> 12  # 52 bits: exact in a float64 slot
-            self._publish(layout.Entry(entry.count, entry.chunk, fp, entry.step))
+            self._publish(layout.Entry(entry.count, entry.chunk, fp, entry.step, entry.saved))
 
     def _publish(self, entry: layout.Entry) -> None:
         self.published += 1
+        self.checked = entry.count
         layout.publish(self.slots, self.published, entry)

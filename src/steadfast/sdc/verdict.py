@@ -40,6 +40,13 @@ class Verdict:
     replicas: int
     last_agreed_step: int | None
     first_bad_step: int
+    #: the check's number of ``last_agreed_step`` (optimizer steps in its generation)
+    last_agreed_check: int | None = None
+    #: the newest checkpoint step of steadfast's CheckpointManager proven clean (its
+    #: state captured at or before the last agreed check); None: none saved by then
+    clean_step: int | None = None
+    #: whether the script saves through steadfast's CheckpointManager (it can roll back)
+    restorable: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -53,10 +60,11 @@ class Verdict:
             hosts=tuple(str(h) for h in data["hosts"]),
             local_ranks=tuple(int(r) for r in data["local_ranks"]),
             replicas=int(data["replicas"]),
-            last_agreed_step=None
-            if data["last_agreed_step"] is None
-            else int(data["last_agreed_step"]),
+            last_agreed_step=_int(data["last_agreed_step"]),
             first_bad_step=int(data["first_bad_step"]),
+            last_agreed_check=_int(data.get("last_agreed_check")),
+            clean_step=_int(data.get("clean_step")),
+            restorable=bool(data.get("restorable")),
         )
 
     def describe(self) -> str:
@@ -66,9 +74,14 @@ class Verdict:
         )
         kind = "the odd one out" if self.how == "odd_one_out" else "one of the pair"
         last = "none" if self.last_agreed_step is None else str(self.last_agreed_step)
+        clean = (
+            ""
+            if self.clean_step is None
+            else f"; newest checkpoint proven clean: {self.clean_step}"
+        )
         return (
             f"silent data corruption: {who}: {kind} among {self.replicas} replicas; "
-            f"last step all agreed: {last}, first that disagreed: {self.first_bad_step}"
+            f"last step all agreed: {last}, first that disagreed: {self.first_bad_step}{clean}"
         )
 
     def emit(self) -> None:
@@ -81,6 +94,7 @@ class Verdict:
             replicas=self.replicas,
             last_agreed_step=self.last_agreed_step,
             first_bad_step=self.first_bad_step,
+            clean_step=self.clean_step,
             step=self.first_bad_step,
         )
         logger.error("%s", self.describe())
@@ -110,7 +124,9 @@ def gathered_verdict(
     if not complete and (len(checks) < replicas or any(count not in c for c in checks.values())):
         return None
     counts = sorted({c for per in checks.values() for c in per})
-    last_agreed = agreed.step if agreed is not None and agreed.count < count else None
+    mine = agreed is not None and agreed.count < count
+    last_agreed = agreed.step if mine and agreed is not None else None
+    last_check = agreed.count if mine and agreed is not None else None
     first_bad = count
     for c in counts:
         fps = _fingerprints(checks, c)
@@ -118,7 +134,7 @@ def gathered_verdict(
             first_bad = min(c, count)
             break
         if len(fps) == replicas and c < count:
-            last_agreed = _step(checks, c)
+            last_agreed, last_check = _step(checks, c), c
     # the culprits from the fullest of the two: the first disagreement, the one seen
     verdict_at = max((_fingerprints(checks, c) for c in {first_bad, count}), key=len)
     j = judge(verdict_at)
@@ -131,7 +147,12 @@ def gathered_verdict(
         replicas=replicas,
         last_agreed_step=last_agreed,
         first_bad_step=_step(checks, first_bad),
+        last_agreed_check=last_check,
     )
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _fingerprints(
