@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "e2e" / "unchanged_train.py"
 
@@ -62,3 +62,55 @@ def test_a_flipped_bit_on_one_node_stops_every_node_with_one_verdict(
     nodes = {n["node"]: n for n in json.loads(shown)["nodes"]}
     assert [f["cause"] for f in nodes["node2"]["evidence"]] == ["silent_corruption"], shown
     assert not nodes["node1"]["faults"]
+
+
+LIBRARY = Path(__file__).resolve().parents[1] / "e2e" / "sdc_library.py"
+STEPS = "400"  # the bed's nodes find the flip a second or two after it: steps go on
+
+
+def test_the_library_keeps_the_culprits_node_out_and_a_spare_finishes_bit_exact(
+    bed_factory: Any, tmp_path: Path
+):
+    """The README's second loop on 2 nodes of 2 ranks and a waiting spare: rank 3's
+    weight flips after step 25 (node2). The verdict names rank 3 on node2 the odd one
+    out; node2 leaves the job (exit 74, its ledger charged), the spare takes its place,
+    the round rolls back to step 20 (proven clean by the check after it) and ends 0 with
+    the parameters of a fault-free run of 4 ranks."""
+    import torch
+
+    from sfharness import launch_run
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    code, _ = launch_run(ref, "--nproc-per-node=4", str(LIBRARY), "--ckpt", str(ref / "ckpt"),
+                         "--out", str(ref / "out.pt"), "--steps", STEPS)  # fmt: skip
+    assert code == 0
+    bed = bed_factory(3)
+    ledger = bed.shared / "ledger"
+    flags = [
+        "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "node1:29500", "--rdzv-id", "sdclib", "--max-restarts", "2",
+        "--ft-node-ledger", str(ledger),
+    ]  # fmt: skip
+    script = ["--ckpt", str(bed.shared / "ckpt"), "--out", str(bed.shared / "out.pt"),
+              "--steps", STEPS, "--flip", "3:24"]  # fmt: skip
+    launches = [bed.launch(n, *flags, script=script, program=LIBRARY) for n in ("node1", "node2")]
+    bed.wait_event("workers_started", host="node2")
+    launches.append(bed.launch("node3", *flags, script=script, program=LIBRARY))
+    bed.wait_event("launcher_start", host="node3")  # a spare, waiting to join
+    end = time.monotonic() + 240
+    while any(lc.poll() is None for lc in launches):
+        if time.monotonic() > end:
+            pytest.fail(f"the launchers did not end:\n{bed.logs()}")
+        time.sleep(0.1)
+    codes = {lc.node: lc.proc.returncode for lc in launches}
+    assert codes == {"node1": 0, "node2": 74, "node3": 0}, bed.logs()
+    (verdict,) = bed.events("sdc_verdict")
+    assert (verdict["culprits"], verdict["hosts"], verdict["clean_step"]) == ([3], ["node2"], 20)
+    assert [e["cause"] for e in bed.events("node_unhealthy", host="node2")] == ["silent_corruption"]
+    assert bed.events("node_joined", node="node3")
+    loaded = {(e["host"], e["rank"]): e["step"] for e in bed.events("checkpoint_loaded")}
+    assert set(loaded.values()) == {20} and {h for h, _ in loaded} == {"node1", "node3"}
+    final = torch.load(bed.shared / "out.pt")
+    reference = torch.load(ref / "out.pt")
+    assert all(torch.equal(final[k], reference[k]) for k in reference)

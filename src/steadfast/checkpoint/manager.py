@@ -303,7 +303,7 @@ class CheckpointManager:
         trust; the default executes no pickled code, and a verified checkpoint it
         refuses raises :class:`CheckpointError` saying so, not a fall-back).
         """
-        clean = clean_step() if path is None else None  # after a corruption's verdict
+        clean = self._clean() if path is None else None  # after a corruption's verdict
         return self._load(
             LoadRequest(path, None, fallback, weights_only, frozenset(require_keys), clean=clean)
         )
@@ -328,7 +328,7 @@ class CheckpointManager:
         """
         # after a silent corruption's verdict: nothing newer than the state proven clean,
         # which the replicas' agreement proves (steadfast.sdc), not a replay
-        clean = clean_step() if path is None else None
+        clean = self._clean() if path is None else None
         proving = path is None and self.collective and clean is None
         plan = self._proof.plan(self._held) if proving else None
         request = LoadRequest(path, objects, clean=clean)
@@ -362,6 +362,11 @@ class CheckpointManager:
         if self.rng and RNG_KEY in state and RNG_KEY not in objects:
             RNGState().load_state_dict(state[RNG_KEY])
         return step, state
+
+    def _clean(self) -> int | None:
+        """The launcher's bound after a silent corruption's verdict, rank 0's on every
+        rank (a spare that joined after the verdict was never told)."""
+        return self._coord.from_rank0(clean_step()) if self.collective else clean_step()
 
     def _held(self) -> tuple[list[int], int | None]:
         """The steps this node's memory tier holds, and the newest every rank's snapshot

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from .. import events
+from ..sdc.probe import proven_step
 from .layout import LATEST, discard, remove_all, step_dirs
 
 __all__ = ["Retention", "remove"]
@@ -21,7 +22,9 @@ logger = logging.getLogger(__name__)
 
 class Retention:
     """``keep_last_n`` over the ``step_N`` checkpoints of ``folder`` (<= 0 keeps all);
-    ``latest``'s target and the steps named at :meth:`apply` are never deleted."""
+    ``latest``'s target, the steps named at :meth:`apply` and the newest checkpoint
+    proven clean by the replica checks (steadfast.sdc: the state a roll-back after a
+    silent corruption goes back to) are never deleted."""
 
     def __init__(self, folder: Path, keep_last_n: int) -> None:
         self.folder = folder
@@ -55,6 +58,9 @@ class Retention:
         with contextlib.suppress(OSError, RuntimeError):
             latest_target = (self.folder / LATEST).resolve()
         protected = {keep_step, in_flight}
+        proven = proven_step()
+        if proven is not None:  # the newest at or before it: the roll-back's state
+            protected.add(max((n for n, _ in existing if n <= proven), default=None))
         trash = []
         for n, path in existing[: max(0, len(existing) - self.keep_last_n)]:
             if n in protected or path.resolve() == latest_target:

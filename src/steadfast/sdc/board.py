@@ -107,6 +107,7 @@ class ReplicaBoard:
         self._seen: dict[int, dict[int, dict[int, layout.Entry]]] = {}  # group, count, rank
         self._judged: dict[int, int] = {}  # group -> highest count judged here
         self._agreed: dict[int, layout.Entry] = {}  # group -> the last agreeing check
+        self._linked: dict[int, int] = {}  # group -> the last check the next node agreed on
         self._checks = 0  # checks agreed in this generation
         self._reported = 0.0
         self._published = ""
@@ -124,7 +125,7 @@ class ReplicaBoard:
             if self.state is BoardState.CLOSED:
                 return
             self._ranks, self._link = dict(ranks), link
-            self._seen, self._judged, self._agreed = {}, {}, {}
+            self._seen, self._judged, self._agreed, self._linked = {}, {}, {}, {}
             self._checks, self._published, self._mismatch = 0, "", None
             self._looks_left, self._verdict = _GATHER_LOOKS, None
             self._reported = time.monotonic()
@@ -233,6 +234,7 @@ class ReplicaBoard:
                 self._read_verdict(link)
         if self._mismatch is not None and self._verdict is None:
             self._decide()
+        self._mark_proven()
         self._report()
 
     def _members_here(self, group: int) -> set[int]:
@@ -326,6 +328,8 @@ class ReplicaBoard:
                     if self._mismatch is None:
                         self._disagree(data["g"], e.count, both)
                     return
+                if e.count > self._linked.get(data["g"], 0):
+                    self._linked[data["g"]] = e.count
 
     def _read_verdict(self, link: RoundLink) -> None:
         key = link.key("verdict")
@@ -382,11 +386,29 @@ class ReplicaBoard:
         return newest if newest >= 0 else None
 
     def proven(self) -> int | None:
-        """The newest checkpoint step this node's checks proved clean in the generation
-        (the oldest group's last agreement)."""
+        """The newest checkpoint step this generation's checks proved clean as far as
+        this node sees: its replicas agreed, and (several nodes) the next node's agreed
+        with them; None after a disagreement, or with nothing proven."""
         with self._lock:
-            counts = [e.count for e in self._agreed.values()]
-            return self._proven(min(counts)) if counts else None
+            return self._proven_now()
+
+    def _proven_now(self) -> int | None:
+        if self._mismatch is not None or self._verdict is not None:
+            return None
+        counts = [e.count for e in self._agreed.values()]
+        if self._link is not None:
+            counts += [self._linked.get(g, 0) for g in self._agreed]
+        return self._proven(min(counts)) if counts else None
+
+    def _mark_proven(self) -> None:
+        """Tell the workers which checkpoint is proven clean (their retention keeps it)."""
+        proven = self._proven_now()
+        if proven is None:
+            return
+        for local in self._ranks:
+            slots, _ = self.rows.progress_area(local)
+            if proven + 1 > slots[layout.PROVEN]:
+                slots[layout.PROVEN] = float(proven + 1)
 
     def _report(self, force: bool = False) -> None:
         now = time.monotonic()

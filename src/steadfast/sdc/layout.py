@@ -3,9 +3,10 @@ fingerprints of its replicated state (:mod:`.probe`) and the launcher reads them
 (:mod:`.board`).
 
 Float64 slots in the row's progress page (:mod:`steadfast.progress.layout` owns the
-page and keeps its own slots below :data:`BASE`). One writer: the worker. A check's
-entry is written before the count that publishes it, so a reader that reads the count,
-then the entries, then the count again knows which entries it can trust (no lock).
+page and keeps its own slots below :data:`BASE`). One writer per slot: the worker, but
+for :data:`PROVEN`, the launcher's. A check's entry is written before the count that
+publishes it, so a reader that reads the count, then the entries, then the count again
+knows which entries it can trust (no lock).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ RING_AT = BASE + 4
 RING = 16  # entries kept: 160 steps at the default period
 WIDTH = 5  # an entry: COUNT, CHUNK, FP, STEP, SAVED
 SAVES = RING_AT + RING * WIDTH  # checkpoints noted (steadfast's CheckpointManager's)
-END = SAVES + 1
+#: written by the launcher: 1 + the newest checkpoint step its checks proved clean (0:
+#: none yet); the manager's retention keeps that checkpoint
+PROVEN = SAVES + 1
+END = PROVEN + 1
 _COUNT, _CHUNK, _FP, _STEP, _SAVED = range(WIDTH)
 
 
@@ -59,6 +63,7 @@ def clear(slots: Any) -> None:
     slots[GROUP] = 0.0
     slots[CHECKS] = 0.0
     slots[SAVES] = 0.0
+    slots[PROVEN] = 0.0
 
 
 def note_save(slots: Any, n: int, saves: int, step: int) -> None:

@@ -22,7 +22,15 @@ from typing import Any
 from . import layout
 from .fingerprint import ReplicaState, as_unsigned, cpu_crc, device_hash, group_key
 
-__all__ = ["CLEAN_ENV", "ReplicaProbe", "clean_step", "note_save", "settings", "start"]
+__all__ = [
+    "CLEAN_ENV",
+    "ReplicaProbe",
+    "clean_step",
+    "note_save",
+    "proven_step",
+    "settings",
+    "start",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +49,15 @@ def note_save(step: int) -> None:
     knows which checkpoints a later agreeing check proved clean."""
     if _active is not None:
         _active.note_save(step)
+
+
+def proven_step() -> int | None:
+    """The newest checkpoint step the launcher's checks proved clean so far (its mark in
+    this worker's row), or None: the one checkpoint retention must keep."""
+    if _active is None:
+        return None
+    value = int(_active.slots[layout.PROVEN])
+    return value - 1 if value > 0 else None
 
 
 def clean_step(env: Any = None) -> int | None:
