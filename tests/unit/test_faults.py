@@ -78,7 +78,7 @@ def test_fault_kinds_name_their_detecting_events():
 
     for kind in FaultKind:
         assert kind.detected_by and set(kind.detected_by) <= set(EVENT_KINDS), kind
-        assert kind.recovery in ("restart", "in_place", "reported")
+        assert kind.recovery in ("restart", "in_place", "reported", "stopped")
 
 
 def test_fail_at_fires_once_per_run_with_a_marker_dir(tmp_path: Path, event_log: Path):

@@ -24,7 +24,9 @@ On top of torch's behaviour:
   its place without waiting out its keep-alive, and bounds the next join by
   ``node_lost_timeout`` (then :class:`NodeLostError`); a node that fails its health check
   before a rendezvous leaves the job (:class:`NodeUnhealthyError`) without closing the
-  rendezvous for the others.
+  rendezvous for the others;
+- silent data corruption: the replicas' verdict (:mod:`.replicas`, steadfast.sdc) stops
+  the workers, then rolls the job back to the checkpoint proven clean or ends it (80).
 
 This module is the agent's loop (torch's life cycle hooks); beside it: the errors that
 end a run (``errors.py``), the rendezvous handler it wraps (``rendezvous.py``), and the
@@ -61,7 +63,7 @@ from ..monitor.learned import LEARNED_FILE, Learned, learn_bits
 from ..progress.layout import PH_COMPILE
 from ..progress.probe import PROGRESS_ENV
 from ..rendezvous.signed import bind_roster
-from .blame import agree_loss, loss_cause, nodes_named, record_failures
+from .blame import nodes_named, record_failures, record_loss
 from .budget import ProgressGuard, carried_no_progress
 from .compile_cache import CACHE_ENV, SHARED_NAME, CompileCache
 from .errors import (
@@ -455,14 +457,7 @@ class FTAgent(LocalElasticAgent):
             lost, isolated = self.roster.losses(), self.roster.isolated()
             if lost or isolated:  # a collective with a dead peer may hang: stop them now
                 self._stop_workers(worker_group)  # unwatches them first
-                stops = _worker_stops(worker_group)
-                verdict = agree_loss(self.roster, lost) if not isolated else None
-                if verdict is not None:
-                    emit_agreed(stops, verdict, self.roster.name, self.rounds)
-                else:
-                    cause = loss_cause(lost, isolated)
-                    for rank, fields in stops.items():
-                        events.emit("rank_stopped", cause=cause, rank=rank, **fields)
+                record_loss(self.roster, lost, isolated, _worker_stops(worker_group), self.rounds)
                 return RunResult(state=WorkerState.FAILED, failures=stopped_failures(worker_group))
         if result.state == WorkerState.SUCCEEDED and self.roster is not None:
             self.roster.finish()  # its launcher leaving now is not a lost node
@@ -545,12 +540,12 @@ class FTAgent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.replicas.restarting()
-        failed = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
-        if failed:
+        self.restarts += 1
+        if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._expire_lost()
-        if not failed:  # a membership change (a node joined): not a fault
-            self.restarts += 1
-            reason = "nodes waiting to join"
+            cause, reason = "worker_failure", f"worker group {worker_group.state.name}"
+        else:  # a membership change (a node joined): not a fault
+            cause, reason = "membership_change", "nodes waiting to join"
             roster = self.roster
             if roster is not None and roster.fault_claimed():
                 # a node whose workers failed rejoined first: its fault's consequence
@@ -558,21 +553,11 @@ class FTAgent(LocalElasticAgent):
                 if verdict is not None:
                     emit_agreed(_worker_stops(worker_group), verdict, roster.name, self.rounds)
                     reason = f"a node rejoined after {describe(verdict.culprit)}"
-            events.emit(
-                "restart",
-                cause="membership_change",
-                restart_count=self.restarts,
-                reason=reason,
-                remaining_restarts=seam.agent_remaining_restarts(self),
-            )
-            super()._restart_workers(worker_group)
-            return
-        self.restarts += 1
         events.emit(
             "restart",
-            cause="worker_failure",
+            cause=cause,
             restart_count=self.restarts,
-            reason=f"worker group {worker_group.state.name}",
+            reason=reason,
             remaining_restarts=seam.agent_remaining_restarts(self),
         )
         super()._restart_workers(worker_group)

@@ -9,13 +9,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from .. import events
 from ..monitor import Watcher
 from .failures import emit_agreed, emit_failures, failure_fields, first_failures
 from .generations import wall_times
 from .nodes import Loss, NodeRoster
 from .nodes.culprit import Verdict, node_claim, rank_claim
 
-__all__ = ["agree_loss", "loss_cause", "nodes_named", "record_failures"]
+__all__ = ["agree_loss", "loss_cause", "nodes_named", "record_failures", "record_loss"]
 
 
 def record_failures(
@@ -82,6 +83,22 @@ def agree_loss(roster: NodeRoster | None, lost: list[Loss]) -> Verdict | None:
     for claim in claims[1:]:
         best = claim if claim.beats(best) else best
     return roster.agree_culprit(best, absent=len(lost))
+
+
+def record_loss(
+    roster: NodeRoster, lost: list[Loss], isolated: str | None, stops: Mapping[int, Any],
+    rounds: int,
+) -> None:  # fmt: skip
+    """The events of workers stopped for a lost node (``stops``: global rank -> fields):
+    the loss agreed job-wide as the culprit where it can be, else ``rank_stopped`` each
+    with the loss's cause."""
+    verdict = agree_loss(roster, lost) if not isolated else None
+    if verdict is not None:
+        emit_agreed(stops, verdict, roster.name, rounds)
+        return
+    cause = loss_cause(lost, isolated)
+    for rank, fields in stops.items():
+        events.emit("rank_stopped", cause=cause, rank=rank, **fields)
 
 
 def loss_cause(lost: list[Loss], isolated: str | None) -> str:
