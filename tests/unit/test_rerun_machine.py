@@ -190,3 +190,19 @@ def test_bad_config():
         RerunStateMachine().load_state_dict({"state": 9, "iteration": 0, "initial": []})
     with pytest.raises(ConfigError, match="rerun state"):
         RerunStateMachine().load_state_dict({"iteration": 0})
+
+
+def test_the_states_transitions_are_the_ones_drawn_and_no_other():
+    """The table that check() enforces is the one the module docstring draws (issue 69:
+    the transitions were scattered through should_run_forward_backward)."""
+    import re
+
+    from steadfast.rerun import states
+
+    drawn = {
+        (states.RerunState[a], states.RerunState[b])
+        for a, b in re.findall(r"^\s+([A-Z_]+)\s+-> ([A-Z_]+)", states.__doc__ or "", re.M)
+    }
+    assert drawn == set(states.TRANSITIONS)
+    with pytest.raises(AssertionError, match="NOT_RUNNING_YET -> RERUNNING_FROM_CHECKPOINT"):
+        states.check(states.RerunState.NOT_RUNNING_YET, states.RerunState.RERUNNING_FROM_CHECKPOINT)

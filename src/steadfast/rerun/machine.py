@@ -29,23 +29,19 @@ Results compare as ``|(a - b) / (a + b) * 2|`` (0 when equal or both NaN, inf wh
 one is finite).
 
 This module holds the machine and the process's one (Megatron-LM's singleton); its
-modes, exit codes and config are in :mod:`.config`, the batches' replay in :mod:`.data`
-(both re-exported here).
+states and their drawn transitions are in :mod:`.states`, what it compares and records
+in :mod:`.results`, its modes, exit codes and config in :mod:`.config`, the batches'
+replay in :mod:`.data` (re-exported here). Replicas that silently disagree (a flipped
+bit in one rank's state, with no result to doubt) are steadfast.sdc's.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
 import random
-import socket
-import time
 from collections.abc import Callable
 from enum import Enum
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from .. import events
@@ -65,6 +61,8 @@ from .config import (
     _mode,
 )
 from .data import RerunDataIterator
+from .results import as_scalar, hardware_id, is_inf, is_nan, relative_difference, track
+from .states import RerunState, check
 
 __all__ = [
     "RerunDiagnostic",
@@ -84,44 +82,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class RerunState(Enum):
-    """Where the machine is in the attribution of a step."""
-
-    NOT_RUNNING_YET = 0
-    INITIAL_RUN = 1
-    RERUNNING_IN_PLACE = 2
-    WILL_RERUN_FROM_CHECKPOINT = 3
-    RERUNNING_FROM_CHECKPOINT = 4
-
-
-def relative_difference(a: float, b: float) -> float:
-    """``|(a - b) / (a + b) * 2|``; 0 when equal or both NaN; inf when one is not finite."""
-    a, b = float(a), float(b)
-    if a == b or (math.isnan(a) and math.isnan(b)):
-        return 0.0
-    if not (math.isfinite(a) and math.isfinite(b)):
-        return math.inf
-    if a + b == 0:
-        return math.inf
-    return abs((a - b) / (a + b) * 2)
-
-
-def _hardware_id() -> str:
-    override = os.environ.get(HARDWARE_ID_ENV)
-    if override:
-        return override
-    device = "cpu"
-    try:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            index = torch.cuda.current_device()
-            device = f"cuda:{index}:{torch.cuda.get_device_properties(index).uuid}"
-    except Exception:
-        pass
-    return f"{socket.gethostname()}/{device}"
 
 
 class RerunStateMachine:
@@ -190,90 +150,104 @@ class RerunStateMachine:
 
     # ------------------------------------------------------------------ loop contract
     def should_run_forward_backward(self, data_iterator: Any) -> bool:
-        """Whether to run (or re-run) the step's forward-backward; call in a while loop."""
+        """Whether to run (or re-run) the step's forward-backward; call in a while loop.
+        Each call moves the machine along one drawn transition (:mod:`.states`)."""
+        step = {
+            RerunState.NOT_RUNNING_YET: self._begin_step,
+            RerunState.INITIAL_RUN: self._after_initial_run,
+            RerunState.RERUNNING_IN_PLACE: self._after_rerun_in_place,
+            RerunState.WILL_RERUN_FROM_CHECKPOINT: self._after_restart,
+            RerunState.RERUNNING_FROM_CHECKPOINT: self._after_rerun_elsewhere,
+        }[self.state]
+        return step(_as_list(data_iterator))
+
+    def _to(self, state: RerunState) -> None:
+        self.state = check(self.state, state)
+
+    def _begin_step(self, iterators: list[RerunDataIterator]) -> bool:
         mode = self.config.rerun_mode
-        iterators = _as_list(data_iterator)
-        if self.state == RerunState.NOT_RUNNING_YET:
-            self._iterators = iterators
-            # the RNG state at the start of the step, for the re-runs (not needed when off)
-            self._rng_saved = RNGState().state_dict() if mode != "disabled" else None
-            if mode != "disabled" and self.state_save_func is not None:
-                self._user_saved = self.state_save_func()  # Megatron's custom state
-            self._invocation, self._initial, self._rejected_here = 0, [], False
-            self._injecting = bool(
-                mode == "validate_results"
-                and self.config.error_injection_rate
-                and self._inject.randrange(self.config.error_injection_rate) == 0
-            )
-            self.state = RerunState.INITIAL_RUN
-            return True
-        if self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT:  # after a restart
-            # only a rank whose result was doubted must have moved: the others' hardware
-            # gave the results nobody doubted, and may well be the same as before
-            here = _hardware_id()
-            if agree_any(self._failed_on is not None and here == self._failed_on, self.group):
-                logger.warning("restarted on the same hardware: need a different GPU")
-                if self._failed_on == here:
-                    self._ask_elsewhere(here)
-                self._pending_exit = (False, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
-                return False
-            self._iterators = iterators
-            self._load_kept_batches(iterators)
-            self._begin_rerun(RerunState.RERUNNING_FROM_CHECKPOINT)
-            return True
-        if self.state == RerunState.INITIAL_RUN:
-            if mode == "disabled":  # no collective at all: the loop body ran once
-                return self._finish_step()
-            if mode == "report_stats":
-                self._begin_rerun(RerunState.RERUNNING_IN_PLACE)
-                return True
-            if agree_any(self._rejected_here, self.group):
-                self._begin_rerun(RerunState.RERUNNING_IN_PLACE)
-                return True
-            return self._finish_step()
-        if self.state == RerunState.RERUNNING_IN_PLACE:
-            if mode == "report_stats":
-                return self._finish_step()
-            not_reproduced, fatal = agree_flags([not self._reproduced, self._fatal], self.group)
-            if not_reproduced:
-                self._verdict(
-                    "transient",
-                    "First rerun: unexpected result is not reproducible "
-                    "within the tolerance\nPossible transient error!",
-                )
-                if fatal:
-                    self._pending_exit = (False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
-                return self._finish_step()
-            logger.warning("First rerun: unexpected result is reproducible within the tolerance")
-            logger.warning("Need to rerun on a different GPU to verify correctness")
-            # the hardware to move away from: that of the rank(s) that doubted a result
-            self._failed_on = _hardware_id() if self._rejected_here else None
-            if self._failed_on is not None:
-                self._ask_elsewhere(self._failed_on)
-            self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
-            resume_exactly()  # the checkpoint the loop saves now is resumed as it is
-            self._pending_exit = (True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
+        self._iterators = iterators
+        # the RNG state at the start of the step, for the re-runs (not needed when off)
+        self._rng_saved = RNGState().state_dict() if mode != "disabled" else None
+        if mode != "disabled" and self.state_save_func is not None:
+            self._user_saved = self.state_save_func()  # Megatron's custom state
+        self._invocation, self._initial, self._rejected_here = 0, [], False
+        self._injecting = bool(
+            mode == "validate_results"
+            and self.config.error_injection_rate
+            and self._inject.randrange(self.config.error_injection_rate) == 0
+        )
+        self._to(RerunState.INITIAL_RUN)
+        return True
+
+    def _after_restart(self, iterators: list[RerunDataIterator]) -> bool:
+        # only a rank whose result was doubted must have moved: the others' hardware
+        # gave the results nobody doubted, and may well be the same as before
+        here = hardware_id()
+        if agree_any(self._failed_on is not None and here == self._failed_on, self.group):
+            logger.warning("restarted on the same hardware: need a different GPU")
+            if self._failed_on == here:
+                self._ask_elsewhere(here)
+            self._pending_exit = (False, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
+            self._to(RerunState.WILL_RERUN_FROM_CHECKPOINT)
             return False
-        if self.state == RerunState.RERUNNING_FROM_CHECKPOINT:
-            not_reproduced, fatal = agree_flags([not self._reproduced, self._fatal], self.group)
-            if not not_reproduced:
-                self._verdict(
-                    "correct",
-                    "Second rerun: unexpected result is reproducible on a "
-                    "different GPU, therefore it was likely correct\n"
-                    "Correct result (but possible Application error)",
-                )
-                if fatal:
-                    self._pending_exit = (False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
-            else:
-                self._verdict(
-                    "persistent",
-                    "Second rerun: unexpected result is not reproducible "
-                    "on a different GPU, therefore was likely incorrect\n"
-                    "Possible persistent error!",
-                )
+        self._iterators = iterators
+        self._load_kept_batches(iterators)
+        self._begin_rerun(RerunState.RERUNNING_FROM_CHECKPOINT)
+        return True
+
+    def _after_initial_run(self, iterators: list[RerunDataIterator]) -> bool:
+        mode = self.config.rerun_mode
+        if mode == "disabled":  # no collective at all: the loop body ran once
             return self._finish_step()
-        raise AssertionError(self.state)
+        if mode == "report_stats" or agree_any(self._rejected_here, self.group):
+            self._begin_rerun(RerunState.RERUNNING_IN_PLACE)
+            return True
+        return self._finish_step()
+
+    def _after_rerun_in_place(self, iterators: list[RerunDataIterator]) -> bool:
+        if self.config.rerun_mode == "report_stats":
+            return self._finish_step()
+        not_reproduced, fatal = agree_flags([not self._reproduced, self._fatal], self.group)
+        if not_reproduced:
+            self._verdict(
+                "transient",
+                "First rerun: unexpected result is not reproducible "
+                "within the tolerance\nPossible transient error!",
+            )
+            if fatal:
+                self._pending_exit = (False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
+            return self._finish_step()
+        logger.warning("First rerun: unexpected result is reproducible within the tolerance")
+        logger.warning("Need to rerun on a different GPU to verify correctness")
+        # the hardware to move away from: that of the rank(s) that doubted a result
+        self._failed_on = hardware_id() if self._rejected_here else None
+        if self._failed_on is not None:
+            self._ask_elsewhere(self._failed_on)
+        self._to(RerunState.WILL_RERUN_FROM_CHECKPOINT)
+        resume_exactly()  # the checkpoint the loop saves now is resumed as it is
+        self._pending_exit = (True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
+        return False
+
+    def _after_rerun_elsewhere(self, iterators: list[RerunDataIterator]) -> bool:
+        not_reproduced, fatal = agree_flags([not self._reproduced, self._fatal], self.group)
+        if not not_reproduced:
+            self._verdict(
+                "correct",
+                "Second rerun: unexpected result is reproducible on a "
+                "different GPU, therefore it was likely correct\n"
+                "Correct result (but possible Application error)",
+            )
+            if fatal:
+                self._pending_exit = (False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
+        else:
+            self._verdict(
+                "persistent",
+                "Second rerun: unexpected result is not reproducible "
+                "on a different GPU, therefore was likely incorrect\n"
+                "Possible persistent error!",
+            )
+        return self._finish_step()
 
     def should_checkpoint_and_exit(self) -> tuple[bool, bool, int]:
         """``(should_checkpoint, should_exit, exit_code)`` after the step's loop."""
@@ -295,7 +269,7 @@ class RerunStateMachine:
         mode = self.config.rerun_mode
         if mode == "disabled":
             return
-        value = _scalar(result)
+        value = as_scalar(result)
         index = self._invocation
         self._invocation += 1
         compare = comparison_func or relative_difference
@@ -344,13 +318,13 @@ class RerunStateMachine:
         the data's)."""
         if self.config.rerun_mode == "disabled":
             return
-        loss = _scalar(loss)  # one host sync for every check
+        loss = as_scalar(loss)  # one host sync for every check
         if self.config.check_for_nan_in_loss:
             self.validate_result(
-                loss, _isnan, "found NaN in local forward loss calculation", fatal=True
+                loss, is_nan, "found NaN in local forward loss calculation", fatal=True
             )
             self.validate_result(
-                loss, _isinf, "found Inf in local forward loss calculation", fatal=True
+                loss, is_inf, "found Inf in local forward loss calculation", fatal=True
             )
         if self.config.check_for_spiky_loss:
             spiky = partial(
@@ -363,7 +337,7 @@ class RerunStateMachine:
     ) -> bool:
         """For spiky loss: True when ``|result| >= threshold x`` the max ``|value|`` of the
         first ``num_samples`` samples seen in ``context`` (False until then)."""
-        value = abs(_scalar(result))
+        value = abs(as_scalar(result))
         samples = self._large.setdefault(context, [])
         if len(samples) < num_samples:
             samples.append(value)
@@ -479,12 +453,12 @@ class RerunStateMachine:
             it.rewind()
         self._invocation = 0
         self._reproduced = True
-        self.state = state
+        self._to(state)
 
     def _finish_step(self) -> bool:
         for it in self._iterators:
             it.advance()
-        self.state = RerunState.NOT_RUNNING_YET
+        self._to(RerunState.NOT_RUNNING_YET)
         self._initial, self._fatal, self._injecting = [], False, False
         self.iteration += 1
         return False
@@ -514,35 +488,7 @@ class RerunStateMachine:
         self._track(None, text.splitlines()[-1], kind)
 
     def _track(self, result: float | None, message: str, status: str) -> None:
-        path = self.config.result_rejected_tracker_filename
-        if not path:
-            return
-        record = {
-            "time": time.time(),
-            "node": socket.gethostname(),
-            "device": _hardware_id(),
-            "job_id": os.environ.get("SLURM_JOB_ID"),
-            "rank": world_info().rank,
-            "iteration": self.iteration,
-            "status": status,
-            "result": result,
-            "message": message,
-        }
-        with open(Path(path), "a") as fh:
-            fh.write(json.dumps(record) + "\n")
-
-
-def _scalar(result: Any) -> float:
-    """A loss (a number or a 1-element tensor, maybe with a graph) as a float."""
-    return float(result.detach() if hasattr(result, "detach") else result)
-
-
-def _isnan(value: Any) -> bool:
-    return math.isnan(_scalar(value))
-
-
-def _isinf(value: Any) -> bool:
-    return math.isinf(_scalar(value))
+        track(self.config.result_rejected_tracker_filename, self.iteration, result, message, status)
 
 
 def _as_list(data_iterator: Any) -> list[RerunDataIterator]:
