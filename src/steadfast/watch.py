@@ -22,7 +22,7 @@ __all__ = ["Screen", "add_watch_parser"]
 
 #: the detections shown under "last faults"
 _FAULTS = {"rank_failed", "rank_hung", "node_lost", "node_unhealthy", "node_isolated",
-           "nan_detected", "hang_confirmed"}  # fmt: skip
+           "nan_detected", "hang_confirmed", "sdc_verdict"}  # fmt: skip
 #: seconds of history the step rate is measured over
 RATE_WINDOW = 30.0
 
@@ -61,6 +61,10 @@ class Screen:
             when = time.strftime("%H:%M:%S", time.localtime(ev.time))
             f = ev.fields  # the fields each kind has (a node lost names its node, ...)
             who = f.get("node") or (f"rank {ev.rank}" if ev.rank is not None else f.get("host"))
+            if ev.kind == events.Kind.SDC_VERDICT:  # the culprit, where the launcher wrote it
+                who = f"rank(s) {f.get('culprits')}"
+                f = {**f, "host": ",".join(f.get("hosts") or []),
+                     "summary": f"{ev.cause} after step {f.get('last_agreed_step')}"}  # fmt: skip
             what = f.get("summary") or f.get("how") or f.get("reason") or ev.cause or ""
             self.faults.append(f"{when}  {ev.kind:<15} {who} on {f.get('host')}: {what}")
         elif ev.kind == events.Kind.FAULT_CULPRIT and self.faults:
@@ -88,6 +92,9 @@ class Screen:
             "last faults" + ("" if self.faults else "  none"),
             *(f"  {line}" for line in self.faults),
         ]
+        if f.replica_checks:
+            out.append(f"replicas  {f.replica_checks:,} checks agreed; newest step proven "
+                       f"clean {f.proven_step}")  # fmt: skip
         slow = sorted((s, r) for r, s in f.stragglers.items() if s < 0.9)
         out.append("stragglers  " + (", ".join(f"rank {r} {s:.2f}" for s, r in slow[:8])
                                        or "none (every rank within 10 % of the best)"))  # fmt: skip

@@ -165,3 +165,25 @@ def test_the_watch_screen_reads_every_fault_kind_it_shows(log: Path) -> None:
     assert "2 ranks" in text and "steps 3" in text and "n2 on" in text
     assert "rank 1 0.50" in text and "a launcher ended: exit 0" in text
     assert len(screen.faults) == 5  # the last five
+
+
+def test_the_replica_checks_and_a_verdict_reach_the_series_and_the_screen(log: Path) -> None:
+    """Issue 69: the checks agreed (a launcher's count grows through a generation and starts
+    again with the next: 5 + 2 = 7 here), the newest step proven clean, the verdict a fault
+    of its kind."""
+    from steadfast.watch import Screen
+
+    for checks, step in ((3, 29), (5, 49), (2, 19)):
+        events.emit("replicas_checked", checks=checks, last_agreed_step=step, replicas=2,
+                    ranks=[0, 1], state_bytes=404, chunks=1, proven_step=None)  # fmt: skip
+    events.emit("sdc_verdict", cause="odd_one_out", culprits=[1], hosts=["n1"], local_ranks=[1],
+                replicas=3, last_agreed_step=19, first_bad_step=29, clean_step=20)  # fmt: skip
+    text = _scrape(JobCollector(Figures(str(log)), lambda: True, dict, "node1"))
+    assert "steadfast_replica_checks_total 7.0" in text
+    assert "steadfast_replicas_proven_step 49.0" in text
+    assert 'steadfast_faults_total{kind="sdc_verdict"} 1.0' in text
+    screen = Screen(log)
+    screen.refresh()
+    shown = "\n".join(screen.lines())
+    assert "replicas  7 checks agreed; newest step proven clean 49" in shown
+    assert "sdc_verdict" in shown and "rank(s) [1] on n1: odd_one_out after step 19" in shown

@@ -102,6 +102,17 @@ class JobCollector(Collector):
         for host, state in sorted(f.nodes.items()):
             states.add_metric([host], {s: s == state for s in NODE_STATES})
         yield states
+        yield CounterMetricFamily(
+            "steadfast_replica_checks",
+            "checks of the DDP replicas' state that agreed (steadfast.sdc), every node's",
+            value=f.replica_checks,
+        )
+        if f.proven_step is not None:
+            yield GaugeMetricFamily(
+                "steadfast_replicas_proven_step",
+                "the newest step at which every replica held the same state",
+                value=f.proven_step,
+            )
         scores = [(str(rank), score) for rank, score in sorted(f.stragglers.items())]
         yield _labelled(GaugeMetricFamily, "steadfast_straggler_score",
                         "each rank's latest relative performance score (1: as fast as the "

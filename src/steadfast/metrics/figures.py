@@ -7,6 +7,8 @@ the launchers already write: nothing is added to the workers' processes).
   each restart's phases (the report's :mod:`~steadfast.report.restarts`);
 - each node's state (:data:`NODE_STATES`);
 - the latest straggler scores, by rank;
+- the replica checks (steadfast.sdc): checks agreed, every node's and generation's, and
+  the newest step proven clean;
 - goodput so far: the report's own accounting (:func:`steadfast.report.compute_report`)
   of every event so far, computed again at most every :data:`GOODPUT_EVERY` seconds
   and only when events came.
@@ -26,7 +28,8 @@ __all__ = ["FAULT_KINDS", "GOODPUT_EVERY", "NODE_STATES", "Figures"]
 
 #: the detections counted as faults (the ``kind`` label: nothing else can appear there)
 FAULT_KINDS = ("rank_failed", "rank_hung", "node_lost", "node_unhealthy", "node_isolated",
-               "nan_detected", "checkpoint_corrupt", "restore_mismatch")  # fmt: skip
+               "nan_detected", "checkpoint_corrupt", "restore_mismatch",
+               "sdc_verdict")  # fmt: skip
 #: a node's states (a state set: one is 1 at a time)
 NODE_STATES = ("training", "restarting", "lost", "unhealthy", "cut_off", "finished")
 #: seconds between two recomputations of goodput
@@ -50,6 +53,8 @@ class Figures:
     nodes: dict[str, str] = field(default_factory=dict)
     stragglers: dict[int, float] = field(default_factory=dict)
     goodput: float | None = None
+    replica_checks: int = 0  # checks agreed, summed over every node and generation
+    proven_step: int | None = None  # the newest step every replica agreed on
 
     def __post_init__(self) -> None:
         self._follower = LogFollower(self.path)
@@ -57,6 +62,8 @@ class Figures:
         self._step_rank: int | None = None
         self._goodput_at = 0.0
         self._lock = threading.Lock()
+        self._checks: dict[tuple[Any, Any], int] = {}  # a launcher's, in its generation
+        self._checks_before = 0  # of the generations that ended
 
     def refresh(self) -> list[events.Event]:
         """Fold in the events written since the last call; returns them."""
@@ -90,12 +97,24 @@ class Figures:
             self.restarts["in_job"] += 1
         elif kind == events.Kind.JOB_REQUEUED:
             self.restarts["requeue"] += 1
+        elif kind == events.Kind.REPLICAS_CHECKED:
+            self._replicas(ev)
         elif kind == events.Kind.STRAGGLER_REPORT:
             scores = ev.get("relative")
             if isinstance(scores, dict):
                 self.stragglers = {int(r): float(s) for r, s in scores.items()
                                    if str(r).isdigit() and isinstance(s, (int, float))}  # fmt: skip
         self._node_state(ev)
+
+    def _replicas(self, ev: events.Event) -> None:
+        key, checks = (ev.get("host"), ev.get("pid")), int(ev.get("checks") or 0)
+        if checks < self._checks.get(key, 0):  # counted from 0 again: a new generation
+            self._checks_before += self._checks[key]
+        self._checks[key] = checks
+        self.replica_checks = self._checks_before + sum(self._checks.values())
+        step = ev.get("last_agreed_step")
+        if isinstance(step, int) and (self.proven_step is None or step > self.proven_step):
+            self.proven_step = step
 
     def _observe(self, seconds: Any) -> None:
         if not isinstance(seconds, (int, float)) or seconds < 0:
