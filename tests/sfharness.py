@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import importlib
+import json
 import os
 import pickle
 import re
@@ -409,6 +410,19 @@ def launch_run(workdir: Path, *args: str, timeout: float = 240) -> tuple[int, li
     return done.returncode, read_events(events)
 
 
+def run_report(workdir: Path) -> tuple[dict[str, Any], str]:
+    """``steadfast report`` of ``workdir/events.jsonl``: (its ``--json``, its text)."""
+
+    def run(*flags: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "steadfast.cli", "report", *flags, "--no-timeline",
+             str(workdir / "events.jsonl")],
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+
+    return json.loads(run("--json")), run()
+
+
 def assert_bit_exact(out: Path, reference: dict[str, Any]) -> None:
     """The parameters a run saved in ``out`` equal ``reference`` bit for bit."""
     import torch
@@ -444,8 +458,6 @@ def fork_when_ready(loop: Callable[[Callable[[], None]], None]) -> int:
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
-    import json
-
     if not path.exists():
         return []
     # a log being written: its last line may be a write still under way (one os.write

@@ -15,15 +15,12 @@ rank) are not compared.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sfharness import launch_run
+from sfharness import launch_run, run_report
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "unchanged_train.py"
@@ -43,17 +40,6 @@ def _run(workdir: Path, nproc: int, *extra: str) -> tuple[int, list[dict[str, An
 
 def _kinds(evs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in evs if e["kind"] == kind]
-
-
-def _report(workdir: Path) -> tuple[dict[str, Any], str]:
-    def run(*flags: str) -> str:
-        return subprocess.run(
-            [sys.executable, "-m", "steadfast.cli", "report", *flags, "--no-timeline",
-             str(workdir / "events.jsonl")],
-            capture_output=True, text=True, check=True, timeout=60,
-        ).stdout  # fmt: skip
-
-    return json.loads(run("--json")), run()
 
 
 def _steps_trained(workdir: Path) -> int:
@@ -84,7 +70,7 @@ def test_a_flipped_bit_stops_the_job_with_a_verdict(
     assert not _kinds(evs, "restart")  # never trained on from the corrupted state
     assert [e["exit_code"] for e in _kinds(evs, "launcher_end")] == [80]
     assert _steps_trained(tmp_path) < 60  # stopped, not run to the end
-    summary, text = _report(tmp_path)
+    summary, text = run_report(tmp_path)
     assert summary["replicas"]["verdicts"][0]["culprits"] == culprits
     assert "SILENT CORRUPTION" in text and "newest step proven clean: 19" in text
 
@@ -109,7 +95,7 @@ def test_clean_replicas_agree_and_the_report_says_how_far(tmp_path: Path):
     assert not _kinds(evs, "sdc_detected") and not _kinds(evs, "sdc_verdict")
     checked = _kinds(evs, "replicas_checked")
     assert checked and checked[-1]["checks"] == 6 and checked[-1]["last_agreed_step"] == 59
-    summary, text = _report(tmp_path)
+    summary, text = run_report(tmp_path)
     assert summary["replicas"]["checks"] == 6
     assert "6 check(s) agreed on 1 node(s); newest step proven clean: 59" in text
 
@@ -189,7 +175,7 @@ def test_the_library_rolls_back_to_the_state_proven_clean_and_ends_bit_exact(
     assert loaded == dict.fromkeys(range(nproc), 20)  # nothing newer than proven
     final = torch.load(tmp_path / "out.pt")
     assert all(torch.equal(final[k], fault_free[nproc][k]) for k in fault_free[nproc])
-    summary, _ = _report(tmp_path)
+    summary, _ = run_report(tmp_path)
     assert summary["replicas"]["verdicts"][0]["clean_step"] == 20
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from sfharness import assert_bit_exact, launch_run, wait_for
+from sfharness import assert_bit_exact, launch_run, run_report, wait_for
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "unchanged_train.py"
@@ -52,17 +52,6 @@ def kinds(evs: list[dict[str, Any]], kind: str, **match: Any) -> list[dict[str, 
 def trace_times(workdir: Path, word: str) -> list[float]:
     lines = (workdir / "trace").read_text().splitlines()
     return [float(line.split()[1]) for line in lines if line.startswith(word + " ")]
-
-
-def report(workdir: Path) -> tuple[dict[str, Any], str]:
-    def run(*flags: str) -> str:
-        return subprocess.run(
-            [sys.executable, "-m", "steadfast.cli", "report", *flags, "--no-timeline",
-             str(workdir / "events.jsonl")],
-            capture_output=True, text=True, check=True, timeout=60,
-        ).stdout  # fmt: skip
-
-    return json.loads(run("--json")), run()
 
 
 def steps_seen(evs: list[dict[str, Any]]) -> int:
@@ -143,7 +132,7 @@ def test_a_stopped_rank_is_named_and_the_run_goes_on_from_its_own_snapshot(
     assert confirmed["where"] == "stopped (state T)"
     assert confirmed["waiting"] == {"backward (DDP's all-reduce)": [0]}
     assert_bit_exact(tmp_path / "out.pt", reference)
-    verdict, text = report(tmp_path)
+    verdict, text = run_report(tmp_path)
     # steps and goodput for a script that reports none: the launchers' count
     assert verdict["steps_done"] == int(STEPS) and verdict["productive_time"] > 0
     assert "rank 1 (" in text and "stopped (state T)" in text
@@ -199,7 +188,7 @@ def test_a_rank_stuck_outside_the_collective_is_the_culprit(
     assert confirmed["waiting"] == {"backward (DDP's all-reduce)": [0]}
     assert any("unchanged_train.py" in frame for frame in confirmed["stack"])
     assert_bit_exact(tmp_path / "out.pt", reference)
-    _, text = report(tmp_path)
+    _, text = run_report(tmp_path)
     assert "rank 1 (" in text and where.split(" ")[0] in text
 
 
@@ -307,7 +296,7 @@ def test_a_framework_run_without_our_callbacks_gets_steps_goodput_and_its_hang_c
     confirmed = assert_one_hang(evs, 1, stopped_at)
     assert confirmed["where"] == "stopped (state T)"
     assert not kinds(evs, "step_done")  # nothing of steadfast in the script
-    verdict, text = report(tmp_path)
+    verdict, text = run_report(tmp_path)
     assert verdict["steps_done"] >= 28 and verdict["productive_time"] > 0
     assert verdict["goodput"] > 0
     assert "rank 1 (" in text and "stopped (state T)" in text
