@@ -13,7 +13,11 @@ what it costs a healthy step.
    step, as a share of a 100 ms step; and, for the 10 MB state, a training loop with the
    check against the same loop without it, interleaved in the same run (the ratio of
    their median step times). The time to cover the whole state once at 100 ms a step.
-3. **The goodput projection** (``bench_goodput_projection.py``) with the measured time
+3. **Compute audits** (``steadfast.sdc.ComputeAudit``, the library path): a 100 ms
+   step of one micro-batch at 2 ranks, audited every 200 steps (the default): the share
+   of the time in audits (rank 0's ``compute_audited`` seconds over the run's step
+   time), and the period in which every rank is audited.
+4. **The goodput projection** (``bench_goodput_projection.py``) with the measured time
    to find a corruption in place of its assumed hour, at the projection's 5 s step: the
    steps to a verdict times the step, plus the launcher's look.
 
@@ -68,6 +72,25 @@ def detection(kind: str, nproc: int) -> dict[str, object]:
         "steps": verdict["first_bad_step"] - (FLIP_AT - 1), "seconds": verdict["time"] - flip,
         "culprits": culprits, "how": verdict["cause"], "right": right,
     }  # fmt: skip
+
+
+def audit_cost(every: int, steps: int) -> tuple[float, float]:
+    """The share of rank 0's time in audits, and each rank's audit period (seconds)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        events = work / "events.jsonl"
+        cmd = [
+            sys.executable, "-m", "steadfast.cli", "launch", "--events", str(events),
+            "--nproc-per-node=2", str(REPO / "tests" / "e2e" / "sdc_audit.py"),
+            "--out", str(work / "out.pt"), "--steps", str(steps), "--every", str(every),
+            "--pace", str(STEP_S),
+        ]  # fmt: skip
+        subprocess.run(cmd, capture_output=True, timeout=1200, check=True)
+        evs = [json.loads(line) for line in events.read_text().splitlines()]
+    done = [e["time"] for e in evs if e["kind"] == "step_done" and e.get("rank") == 0]
+    audited = [e for e in evs if e["kind"] == "compute_audited"]
+    wall = done[-1] - done[0]
+    return audited[-1]["seconds"] / wall, wall / len(done) * every
 
 
 def model_of(state_bytes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -133,6 +156,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="detection runs per cell")
     ap.add_argument("--skip-detection", action="store_true")
     ap.add_argument("--skip-1gb", action="store_true")
+    ap.add_argument("--skip-audit", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as a worker under steadfast launch / torchrun
     print(f"defaults: a check every {DEFAULT_EVERY} optimizer steps, at most "
@@ -173,10 +197,15 @@ def main() -> None:
               f"{sum(bool(r.get('right')) for r in found)}; median {statistics.median(steps)} "
               f"steps, {statistics.median(seconds):.2f} s (at {1e3 * STEP_S:.0f} ms a step); "
               f"goal: within 60 s")  # fmt: skip
+    if not args.skip_audit:
+        share, period = audit_cost(every=200, steps=600)
+        print(f"\n3. compute audits every 200 steps (2 ranks, a {1e3 * STEP_S:.0f} ms step): "
+              f"{100 * share:.2f} % of rank 0's time; every rank audited every "
+              f"{period:.0f} s (goal: within 10 min)")  # fmt: skip
     # the projection's 5 s step: a state of one chunk is checked every 10 steps, so a
     # flip waits at most 10 steps for its check (+ 1 s: the launcher's look, the store)
     at_scale = DEFAULT_EVERY * 5.0 + 1.0
-    print(f"\n3. goodput projection at 100,000 GPUs, a corruption found after "
+    print(f"\n4. goodput projection at 100,000 GPUs, a corruption found after "
           f"{at_scale:.0f} s (the worst case at its 5 s step: {DEFAULT_EVERY} steps, + 1 s) "
           f"instead of the hour assumed before:")  # fmt: skip
     for label, after in (("assumed 3600 s", 3600.0), (f"measured {at_scale:.0f} s", at_scale)):

@@ -33,6 +33,10 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
+#: what a ``bit_flip`` fault flips, set by the script once its model exists
+flip_target: list[Callable[[], None]] = []
+
+
 def striker(args: argparse.Namespace) -> Callable[[int], bool]:
     """``strike(step)``: the fault, if it strikes at ``step`` on this rank (a slow rank
     sleeps here, in the forward); True while a NaN burst lasts."""
@@ -54,6 +58,9 @@ def striker(args: argparse.Namespace) -> Callable[[int], bool]:
         hit = fault is not None and fault.check(step, rank)
         if hit and args.fault == FaultKind.SLOW_RANK.value:  # a slow GPU: its forward
             time.sleep(args.fault_seconds)
+        if hit and args.fault == FaultKind.BIT_FLIP.value:  # bad memory: a weight's bit
+            for flip in flip_target:
+                flip()
         return bool(hit) and args.fault == FaultKind.NAN_BURST.value
 
     return strike

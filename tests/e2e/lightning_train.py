@@ -22,7 +22,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from framework_run import corrupter, data, layers, parse_args, striker
+from framework_run import corrupter, data, flip_target, layers, parse_args, striker
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -35,6 +35,7 @@ from steadfast.integrations.lightning import (
     StragglerDetectionCallback,
     resumable,
 )
+from steadfast.sdc import flip_bit
 
 
 class Net(pl.LightningModule):
@@ -67,6 +68,7 @@ def main() -> int:
     torch.manual_seed(0)
     dataset = TensorDataset(*data())
     model = Net(strike, args.step_sleep, corrupter(args, lambda ck: ck / "last.ckpt" / "state.pt"))
+    flip_target.append(lambda: flip_bit(next(model.net.parameters()), 5, 23))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),

@@ -190,3 +190,110 @@ def test_a_corruption_that_comes_back_on_the_same_device_ends_the_job(tmp_path: 
     assert len(_kinds(evs, "rollback")) == 1
     (end,) = _kinds(evs, "launcher_end")
     assert "persistent" in end["reason"]
+
+
+# ---------------------------------------------------------------------------------------
+# Compute audits: a step's pre-reduction gradients recomputed on the next rank
+
+
+AUDIT = HERE / "sdc_audit.py"
+
+
+def _audited(workdir: Path, nproc: int, *extra: str) -> tuple[int, list[dict[str, Any]]]:
+    return launch_run(workdir, f"--nproc-per-node={nproc}", str(AUDIT),
+                      "--out", str(workdir / "out.pt"), *extra)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def audited_clean(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    """The audited loop's final parameters without a fault, at 2, 3 and 4 ranks."""
+    import torch
+
+    out = {}
+    for nproc in (2, 3, 4):
+        work = tmp_path_factory.mktemp(f"audited{nproc}")
+        code, evs = _audited(work, nproc)
+        assert code == 0 and len(_kinds(evs, "compute_audited")) == 6  # 30 steps, every 5
+        out[nproc] = torch.load(work / "out.pt")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("nproc", "fault", "culprit"),
+    [(3, "--mercurial=1:5", 1), (3, "--activation=2:10", 2), (2, "--mercurial=1:5", 1),
+     (4, "--activation=3:15", 3)],
+)  # fmt: skip
+def test_a_transient_compute_fault_is_found_before_the_reduction_and_the_step_re_done(
+    tmp_path: Path, audited_clean: dict[int, dict[str, Any]], nproc: int, fault: str,
+    culprit: int,
+):  # fmt: skip
+    """One rank's gradient scaled (a mercurial multiply) or its activation nudged, once,
+    on an audit step: the next rank's recomputation differs, the in-place re-run does not
+    (transient), every rank re-does the step, and the run ends with the fault-free
+    parameters, bit for bit."""
+    import torch
+
+    code, evs = _audited(tmp_path, nproc, fault)
+    assert code == 0
+    (seen,) = _kinds(evs, "sdc_detected")
+    assert seen["cause"] == "audit_mismatch" and seen["replicas"][0] == culprit
+    (verdict,) = _kinds(evs, "sdc_verdict")
+    assert (verdict["cause"], verdict["culprits"]) == ("transient", [culprit])
+    assert verdict["first_bad_step"] == int(fault.rsplit(":", 1)[1])
+    final = torch.load(tmp_path / "out.pt")
+    assert all(torch.equal(final[k], audited_clean[nproc][k]) for k in final)
+
+
+@pytest.mark.parametrize(
+    ("nproc", "culprits", "how"), [(3, [1], "odd_one_out"), (2, [0, 1], "pair")]
+)
+def test_a_persistent_compute_fault_is_named_and_the_job_leaves_its_hardware(
+    tmp_path: Path, nproc: int, culprits: list[int], how: str
+):
+    """Rank 1 multiplies wrongly from step 3 on: the audit of step 5 finds it, the in-place
+    re-run reproduces it, a third rank (at 3) names rank 1; the update is skipped and the
+    job exits 16 for other hardware (rerun_elsewhere names the culprit's)."""
+    code, evs = _audited(tmp_path, nproc, "--mercurial=1:3", "--persistent")
+    assert code == 16
+    (verdict,) = _kinds(evs, "sdc_verdict")
+    assert (verdict["cause"], verdict["culprits"], verdict["first_bad_step"]) == (how, culprits, 5)
+    assert verdict["last_agreed_step"] == 0
+    assert sorted(e["rank"] for e in _kinds(evs, "rerun_elsewhere")) == culprits
+
+
+# ---------------------------------------------------------------------------------------
+# A Lightning run (steadfast's callbacks and SteadfastCheckpointIO, a checkpoint an epoch)
+
+
+LIGHTNING = HERE / "lightning_train.py"
+
+
+def _lightning(workdir: Path, *extra: str) -> tuple[int, list[dict[str, Any]]]:
+    return launch_run(
+        workdir, "--nproc-per-node=2", "--max-restarts=2", "--ft-replica-check-every=2",
+        str(LIGHTNING), "--ckpt", str(workdir / "ck"), "--out", str(workdir / "out.pt"),
+        "--step-sleep", "0.05", *extra,
+    )  # fmt: skip
+
+
+def test_a_lightning_run_rolls_back_from_a_flipped_bit_bit_exact(tmp_path: Path):
+    """Rank 1's first weight flips a bit at step 5 (fail_at's bit_flip): the checks every
+    2 steps find the pair apart, the job rolls back to the epoch's checkpoint at step 4
+    (proven clean by the check of step 4), Lightning's ``ckpt_path="last"`` falls back to
+    it, and the run ends with a fault-free run's parameters."""
+    import torch
+
+    clean = tmp_path / "clean"
+    code, _ = _lightning(clean)
+    assert code == 0
+    code, evs = _lightning(tmp_path / "flip", "--fault", "bit_flip", "--fault-rank", "1",
+                           "--fault-step", "5")  # fmt: skip
+    assert code == 0
+    (verdict,) = _kinds(evs, "sdc_verdict")
+    assert (verdict["culprits"], verdict["cause"], verdict["clean_step"]) == ([0, 1], "pair", 4)
+    assert [e["to_step"] for e in _kinds(evs, "rollback")] == [4]
+    final, reference = torch.load(tmp_path / "flip" / "out.pt"), torch.load(clean / "out.pt")
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+    summary, _ = run_report(tmp_path / "flip")
+    assert [f["fault"] for f in summary["faults"]] == ["bit_flip"]
+    assert summary["faults"][0]["detected_by"] == "sdc_detected"

@@ -96,6 +96,14 @@ class Loader:
         tries = [Path(p) for p in self.coord.from_rank0([str(p) for p in tries])]
         self.tier, self.bounded = "disk", False
         if path is not None:
+            if request.clean is not None:  # a framework's named one: nothing newer either
+                tries = [p for p in tries if _manifest_step(p) <= request.clean]
+                if not tries:
+                    raise CheckpointError(
+                        f"no checkpoint in {self.folder} was saved at or before step "
+                        f"{request.clean}, the newest the replica checks proved clean "
+                        f"($STEADFAST_CLEAN_STEP): {path} and every older one are newer"
+                    )
             return self._load_disk(tries, objects, weights_only)
         excluded, at_most, clean = request.excluded, request.at_most, request.clean
         allowed = [p for p in tries if _step_of(p) > excluded.get("disk", -1)]
@@ -268,6 +276,13 @@ class Loader:
             )
             return step, state, ckpt
         raise CheckpointError(f"no valid checkpoint in {self.folder}: " + "; ".join(failures))
+
+
+def _manifest_step(path: Path) -> int:
+    """The step a checkpoint's manifest says (a named one's too); a huge number where it
+    cannot be read (never within a bound)."""
+    manifest, _ = read_manifest(path)
+    return int(manifest["step"]) if manifest is not None else 2**62
 
 
 def _step_of(path: Path) -> int:

@@ -303,7 +303,9 @@ class CheckpointManager:
         trust; the default executes no pickled code, and a verified checkpoint it
         refuses raises :class:`CheckpointError` saying so, not a fall-back).
         """
-        clean = self._clean() if path is None else None  # after a corruption's verdict
+        # after a corruption's verdict: never newer than the state proven clean (a named
+        # path too, where it may fall back: a framework's "last" after the roll-back)
+        clean = self._clean() if path is None or fallback else None
         return self._load(
             LoadRequest(path, None, fallback, weights_only, frozenset(require_keys), clean=clean)
         )

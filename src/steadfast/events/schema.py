@@ -87,6 +87,7 @@ class Kind(str, Enum):
     REPLICAS_CHECKED = "replicas_checked"
     SDC_DETECTED = "sdc_detected"
     SDC_VERDICT = "sdc_verdict"
+    COMPUTE_AUDITED = "compute_audited"
 
 
 @dataclass(frozen=True)
@@ -448,8 +449,13 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "check": "the check's number (optimizer steps since the workers started)",
         "replicas": "the ranks compared", "fingerprints": "{rank: fingerprint}",
     }),
+    (Kind.COMPUTE_AUDITED, "every rank's pre-reduction gradients of a step were recomputed "
+     "by the next rank and agreed (steadfast.sdc.audit; written by rank 0)", {
+        "ranks": "the ranks audited (every one)", "every": "steps between two audits: "
+        "each rank is audited this often", "seconds": "rank 0's seconds in audits so far",
+    }),
     (Kind.SDC_VERDICT, "who silently corrupted its state, and since when (cause: "
-     "odd_one_out or pair)", {
+     "odd_one_out, pair, or transient: an audit's mismatch not reproduced in place)", {
         "culprits": "the culprit ranks (the pair, where two cannot tell)",
         "hosts": "their hosts", "local_ranks": "their local ranks (devices)",
         "replicas": "the replicas of the group", "last_agreed_step": "the newest step "

@@ -189,8 +189,8 @@ def fault_of(event: Mapping[str, Any], job: str) -> Fault | None:
 
 def faults_of_verdict(event: Mapping[str, Any], job: str) -> list[Fault]:
     """The faults an ``sdc_verdict`` holds against its culprits' nodes (one per node)."""
-    if event.get("kind") != "sdc_verdict":
-        return []
+    if event.get("kind") != "sdc_verdict" or event.get("cause") == "transient":
+        return []  # a fault that did not come back counts against no node
     at = float(event.get("time") or 0.0)
     cause = "silent_corruption" if event.get("cause") == "odd_one_out" else "silent_corruption_pair"
     why = _evidence(

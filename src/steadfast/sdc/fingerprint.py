@@ -39,6 +39,7 @@ __all__ = [
     "ReplicaState",
     "Span",
     "cpu_crc",
+    "crc32",
     "device_hash",
     "flip_bit",
     "group_key",
@@ -125,6 +126,11 @@ def pieces(tensors: Iterable[Any], start: int, end: int) -> Iterator[tuple[Any, 
         offset += size
         if offset >= end:
             return
+
+
+def crc32(data: Any, value: int = 0) -> int:
+    """The CRC-32 of a buffer (ISA-L's where it is installed), continuing ``value``."""
+    return int(_crc32(data, value))
 
 
 def cpu_crc(tensors: list[Any], span: Span) -> int:
