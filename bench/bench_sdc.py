@@ -17,6 +17,10 @@ what it costs a healthy step.
    step of one micro-batch at 2 ranks, audited every 200 steps (the default): the share
    of the time in audits (rank 0's ``compute_audited`` seconds over the run's step
    time), and the period in which every rank is audited.
+5. **False alarms** (``--clean-runs N``): each clean shape of
+   ``tests/e2e/sdc_shapes.py`` (DDP with dropout and DataLoader workers, ``no_sync``
+   accumulation, bf16 autocast, ``torch.compile``, BatchNorm; FSDP2, a 2x2 HSDP, a model
+   per rank) run N times under ``steadfast launch``: the runs with a detection.
 4. **The goodput projection** (``bench_goodput_projection.py``) with the measured time
    to find a corruption in place of its assumed hour, at the projection's 5 s step: the
    steps to a verdict times the step, plus the launcher's look.
@@ -93,6 +97,27 @@ def audit_cost(every: int, steps: int) -> tuple[float, float]:
     return audited[-1]["seconds"] / wall, wall / len(done) * every
 
 
+SHAPES = {"dropout": 2, "no_sync": 2, "bf16": 2, "compile": 2, "batchnorm": 2, "fsdp2": 2,
+          "hsdp": 4, "apart": 2}  # fmt: skip
+
+
+def false_alarms(runs: int) -> dict[str, tuple[int, int]]:
+    """Each clean shape's runs with a detection (sdc_detected), of ``runs``."""
+    out = {}
+    for shape, nproc in SHAPES.items():
+        alarms = 0
+        for _ in range(runs):
+            with tempfile.TemporaryDirectory() as tmp:
+                events = Path(tmp) / "events.jsonl"
+                cmd = [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(events),
+                       f"--nproc-per-node={nproc}", str(REPO / "tests" / "e2e" / "sdc_shapes.py"),
+                       shape, "60"]  # fmt: skip
+                subprocess.run(cmd, capture_output=True, timeout=600, check=True)
+                alarms += '"kind":"sdc_detected"' in events.read_text()
+        out[shape] = (alarms, runs)
+    return out
+
+
 def model_of(state_bytes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model whose parameters and Adam moments hold about ``state_bytes``."""
     params = state_bytes // 12  # float32 parameter + exp_avg + exp_avg_sq
@@ -157,6 +182,7 @@ def main() -> None:
     ap.add_argument("--skip-detection", action="store_true")
     ap.add_argument("--skip-1gb", action="store_true")
     ap.add_argument("--skip-audit", action="store_true")
+    ap.add_argument("--clean-runs", type=int, default=0, help="false-alarm runs per shape")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as a worker under steadfast launch / torchrun
     print(f"defaults: a check every {DEFAULT_EVERY} optimizer steps, at most "
@@ -202,6 +228,10 @@ def main() -> None:
         print(f"\n3. compute audits every 200 steps (2 ranks, a {1e3 * STEP_S:.0f} ms step): "
               f"{100 * share:.2f} % of rank 0's time; every rank audited every "
               f"{period:.0f} s (goal: within 10 min)")  # fmt: skip
+    if args.clean_runs:
+        print(f"\n5. false alarms in clean runs ({args.clean_runs} per shape):")
+        for shape, (alarms, runs) in false_alarms(args.clean_runs).items():
+            print(f"  {shape:<10} {alarms} of {runs}")
     # the projection's 5 s step: a state of one chunk is checked every 10 steps, so a
     # flip waits at most 10 steps for its check (+ 1 s: the launcher's look, the store)
     at_scale = DEFAULT_EVERY * 5.0 + 1.0

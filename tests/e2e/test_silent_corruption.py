@@ -242,6 +242,9 @@ def test_a_transient_compute_fault_is_found_before_the_reduction_and_the_step_re
     assert verdict["first_bad_step"] == int(fault.rsplit(":", 1)[1])
     final = torch.load(tmp_path / "out.pt")
     assert all(torch.equal(final[k], audited_clean[nproc][k]) for k in final)
+    summary, text = run_report(tmp_path)
+    assert summary["replicas"]["audits"] == 5  # six audits, one of them found the fault
+    assert "each rank last audited at step 25" in text
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """The replica checks in a run's report (steadfast.sdc): how often the replicas'
-state was checked and found equal, the newest step proven clean, and each verdict."""
+state was checked and found equal, the newest step proven clean, the compute audits
+(each rank's last), and each verdict."""
 
 from __future__ import annotations
 
@@ -31,13 +32,18 @@ def replica_summary(evs: list[ev.Event]) -> dict[str, Any] | None:
             newest = step
     verdicts = [dict(e.fields, cause=e.cause, time=e.time) for e in evs
                 if e.kind == ev.Kind.SDC_VERDICT]  # fmt: skip
-    if not last and not verdicts:
+    audits = [e for e in evs if e.kind == ev.Kind.COMPUTE_AUDITED]
+    if not last and not verdicts and not audits:
         return None
     return {
         "checks": total + sum(last.values()),
         "nodes": len(nodes),
         "last_agreed_step": newest,
         "verdicts": verdicts,
+        # compute audits (steadfast.sdc.ComputeAudit): every rank, each audit
+        "audits": len(audits),
+        "last_audit_step": audits[-1].step if audits else None,
+        "audit_every": audits[-1].get("every") if audits else None,
     }
 
 
@@ -46,10 +52,18 @@ def replica_lines(summary: dict[str, Any] | None) -> list[str]:
     if summary is None:
         return []
     clean = summary["last_agreed_step"]
-    lines = [
-        f"  replicas: {summary['checks']} check(s) agreed on {summary['nodes']} node(s); "
-        f"newest step proven clean: {'none' if clean is None else clean}"
-    ]
+    lines = []
+    if summary["checks"] or not summary.get("audits"):
+        lines.append(
+            f"  replicas: {summary['checks']} check(s) agreed on {summary['nodes']} node(s); "
+            f"newest step proven clean: {'none' if clean is None else clean}"
+        )
+    if summary.get("audits"):
+        lines.append(
+            f"  compute audits: {summary['audits']} (every rank's step recomputed by the "
+            f"next rank, every {summary['audit_every']} steps); each rank last audited "
+            f"at step {summary['last_audit_step']}"
+        )
     for v in summary["verdicts"]:
         who = ", ".join(
             f"rank {r} ({h})"
