@@ -18,6 +18,7 @@ from steadfast.launcher.job_end import hung_in_teardown
 from steadfast.launcher.nodes import NodeRoster, store_calls
 from steadfast.launcher.nodes.health import GpuCheck
 from steadfast.launcher.nodes.store_calls import Deadlines
+from steadfast.launcher.replicas import ReplicaWatch
 from steadfast.monitor.table import HeartbeatTable
 from steadfast.monitor.watcher import Watcher
 
@@ -73,6 +74,7 @@ def test_the_agent_removes_its_shared_memory_whatever_an_earlier_step_raises(tmp
     agent.template = None
     agent.watcher = Watcher(agent.table, ft)
     agent.watcher.start()
+    agent.replicas = ReplicaWatch(ft, agent.table)  # its board's thread
     roster = NodeRoster(ft, host="127.0.0.1")
     agent.roster = roster
     real_close = roster.close

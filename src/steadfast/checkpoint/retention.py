@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from .. import events
-from ..sdc.probe import proven_step
+from ..sdc.probe import checking, proven_step
 from .layout import LATEST, discard, remove_all, step_dirs
 
 __all__ = ["Retention", "remove"]
@@ -22,9 +22,10 @@ logger = logging.getLogger(__name__)
 
 class Retention:
     """``keep_last_n`` over the ``step_N`` checkpoints of ``folder`` (<= 0 keeps all);
-    ``latest``'s target, the steps named at :meth:`apply` and the newest checkpoint
-    proven clean by the replica checks (steadfast.sdc: the state a roll-back after a
-    silent corruption goes back to) are never deleted."""
+    ``latest``'s target and the steps named at :meth:`apply` are never deleted, nor,
+    while the replica checks run (steadfast.sdc), the newest checkpoint they proved clean
+    (the state a roll-back after a silent corruption goes back to) and every newer one
+    (the next to be proven is among them: a proof comes a second or so after a save)."""
 
     def __init__(self, folder: Path, keep_last_n: int) -> None:
         self.folder = folder
@@ -58,9 +59,12 @@ class Retention:
         with contextlib.suppress(OSError, RuntimeError):
             latest_target = (self.folder / LATEST).resolve()
         protected = {keep_step, in_flight}
-        proven = proven_step()
-        if proven is not None:  # the newest at or before it: the roll-back's state
-            protected.add(max((n for n, _ in existing if n <= proven), default=None))
+        if checking():  # the replica checks' proof of a checkpoint comes a while after it
+            proven = proven_step()
+            newest = max((n for n, _ in existing if proven is not None and n <= proven),
+                         default=-1)  # fmt: skip
+            # the roll-back's state, and every newer one: one of them is the next proven
+            protected.update(n for n, _ in existing if n >= newest)
         trash = []
         for n, path in existing[: max(0, len(existing) - self.keep_last_n)]:
             if n in protected or path.resolve() == latest_target:

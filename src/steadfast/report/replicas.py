@@ -53,22 +53,20 @@ def replica_lines(summary: dict[str, Any] | None) -> list[str]:
         return []
     clean = summary["last_agreed_step"]
     lines = []
-    if summary["checks"] or not summary.get("audits"):
+    if summary["checks"] or not summary["audits"]:
         lines.append(
             f"  replicas: {summary['checks']} check(s) agreed on {summary['nodes']} node(s); "
             f"newest step proven clean: {'none' if clean is None else clean}"
         )
-    if summary.get("audits"):
+    if summary["audits"]:
         lines.append(
             f"  compute audits: {summary['audits']} (every rank's step recomputed by the "
             f"next rank, every {summary['audit_every']} steps); each rank last audited "
             f"at step {summary['last_audit_step']}"
         )
     for v in summary["verdicts"]:
-        who = ", ".join(
-            f"rank {r} ({h})"
-            for r, h in zip(v.get("culprits") or [], v.get("hosts") or [], strict=False)
-        )
+        culprits, hosts = _list(v.get("culprits")), _list(v.get("hosts"))
+        who = ", ".join(f"rank {r} ({h})" for r, h in zip(culprits, hosts, strict=False))
         kind = "the odd one out" if v.get("cause") == "odd_one_out" else "one of the pair"
         lines.append(
             f"  SILENT CORRUPTION: {who}: {kind} among {v.get('replicas')} replicas; last "
@@ -76,3 +74,8 @@ def replica_lines(summary: dict[str, Any] | None) -> list[str]:
             f"{v.get('first_bad_step')}"
         )
     return lines
+
+
+def _list(value: object) -> list[Any]:
+    """A list field of an event, or [] (a hand-edited or older log has another type)."""
+    return value if isinstance(value, list) else []

@@ -25,6 +25,7 @@ from .fingerprint import ReplicaState, as_unsigned, cpu_crc, device_hash, group_
 __all__ = [
     "CLEAN_ENV",
     "ReplicaProbe",
+    "checking",
     "clean_step",
     "note_save",
     "proven_step",
@@ -49,6 +50,11 @@ def note_save(step: int) -> None:
     knows which checkpoints a later agreeing check proved clean."""
     if _active is not None:
         _active.note_save(step)
+
+
+def checking() -> bool:
+    """Whether this worker's replicas are checked (a DDP model under steadfast launch)."""
+    return _active is not None
 
 
 def proven_step() -> int | None:
