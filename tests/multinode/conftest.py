@@ -152,6 +152,17 @@ class Bed:
             time.sleep(0.1)
         return found[0]
 
+    def wait_all(self, launches: list[Launch], timeout: float = 180) -> dict[str, int]:
+        """Each of ``launches``' exit status, once all ended (the test fails past
+        ``timeout`` seconds, naming the nodes still running)."""
+        end = time.monotonic() + timeout
+        while any(lc.poll() is None for lc in launches):
+            if time.monotonic() > end:
+                left = [lc.node for lc in launches if lc.proc.poll() is None]
+                pytest.fail(f"launchers on {left} did not end in {timeout} s:\n{self.logs()}")
+            time.sleep(0.05)
+        return {lc.node: lc.proc.returncode for lc in launches}
+
     def logs(self) -> str:
         return "\n".join(f"--- {lc.node} ({lc.log.name})\n{lc.tail()}" for lc in self.launches)
 

@@ -93,17 +93,6 @@ def last_epoch(bed: Any) -> int:
     return max((int(r["epoch"]) for r in trace(bed) if "epoch" in r), default=0)
 
 
-def wait_all(launches: list[Any], timeout: float = 150) -> dict[str, int]:
-    """Every launcher's exit code, each end noted as it happens (polled together)."""
-    end = time.monotonic() + timeout
-    while any(lc.poll() is None for lc in launches):
-        if time.monotonic() > end:
-            left = [lc.node for lc in launches if lc.proc.poll() is None]
-            pytest.fail(f"launchers on {left} did not end in {timeout} s")
-        time.sleep(0.05)
-    return {lc.node: lc.proc.returncode for lc in launches}
-
-
 def assert_every_epoch_ran_and_launchers_ended(bed: Any, launches: list[Any]) -> None:
     lines = trace(bed)
     ran = {int(r["epoch"]) for r in lines if "epoch" in r}
@@ -181,7 +170,7 @@ def test_a_spare_replaces_a_killed_node_and_every_launcher_ends(
         launches.append(bed.launch("node4", *flags, script=args, program=PLAIN))
     bed.wait_event("node_joined", node="node4")
     release(bed)
-    codes = wait_all(launches)
+    codes = bed.wait_all(launches)
     assert codes["node1"] == codes["node3"] == codes["node4"] == 0, bed.logs()
     assert codes["node2"] != 0
     lost = bed.events("node_lost", node="node2")
@@ -216,7 +205,7 @@ def test_a_rank_that_outlives_the_jobs_end_is_ended_and_no_launcher_waits_for_it
     ]  # fmt: skip
     args = [*script(bed), "--hang-at-end-on", "node2"]
     launches = [bed.launch(n, *flags, script=args, program=PLAIN) for n in ("node1", "node2")]
-    codes = wait_all(launches, timeout=120)
+    codes = bed.wait_all(launches, timeout=120)
     from steadfast.report import compute_report, format_report, load_events
 
     if watch == "true":
@@ -355,7 +344,7 @@ def test_a_plain_script_survives_a_lost_node_with_a_spare(bed_factory, fault, ba
         bed.do("heal", victim)
     bed.wait_event("node_joined", node="node3")
     release(bed)
-    codes = wait_all(launches)
+    codes = bed.wait_all(launches)
     survivors = [lc for lc in launches if lc.node != victim]
     assert [codes[lc.node] for lc in survivors] == [0, 0], bed.logs()
     if fault == "partition":  # back, it found itself replaced
@@ -391,7 +380,7 @@ def test_under_c10d_the_lost_store_host_ends_every_survivor_with_75(bed_factory)
     killed = time.time()
     bed.do("kill", "node1")
     survivors = launches[1:]
-    codes = wait_all(survivors, timeout=lost_timeout + 60)
+    codes = bed.wait_all(survivors, timeout=lost_timeout + 60)
     assert codes == {"node2": 75, "node3": 75}, bed.logs()
     for lc in survivors:
         assert lc.ended is not None and lc.ended - killed < lost_timeout + 5, (lc.node, bed.logs())
@@ -419,7 +408,7 @@ def test_a_frozen_rank_on_node2_is_the_one_agreed_culprit_in_every_nodes_log(bed
     stopped = time.time()
     bed.wait_event("hang_confirmed")
     release(bed)
-    codes = wait_all(launches)
+    codes = bed.wait_all(launches)
     assert codes == dict.fromkeys(nodes, 0), bed.logs()
     [confirmed] = bed.events("hang_confirmed")
     assert confirmed["host"] == "node2" and confirmed["culprit"] == victim, confirmed

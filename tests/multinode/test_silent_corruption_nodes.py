@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +20,6 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "e2e" / "unchanged_train.py"
-
-
-def _ended(bed: Any, launches: list[Any], timeout: float) -> dict[str, int]:
-    """Each launcher's exit status, once all ended (the test fails past ``timeout``)."""
-    end = time.monotonic() + timeout
-    while any(lc.poll() is None for lc in launches):
-        if time.monotonic() > end:
-            pytest.fail(f"the launchers did not end:\n{bed.logs()}")
-        time.sleep(0.1)
-    return {lc.node: lc.proc.returncode for lc in launches}
 
 
 @pytest.mark.parametrize("backend", ["c10d", "steadfast"])
@@ -50,7 +39,7 @@ def test_a_flipped_bit_on_one_node_stops_every_node_with_one_verdict(
         "--corrupt", "exponent:3:25",
     ]  # fmt: skip
     launches = [bed.launch(n, *flags, script=script, program=SCRIPT) for n in ("node1", "node2")]
-    codes = _ended(bed, launches, 180)
+    codes = bed.wait_all(launches, 180)
     assert codes == {"node1": 80, "node2": 80}, bed.logs()
     (verdict,) = bed.events("sdc_verdict")
     assert (verdict["culprits"], verdict["cause"]) == ([3], "odd_one_out")
@@ -103,7 +92,7 @@ def test_the_library_keeps_the_culprits_node_out_and_a_spare_finishes_bit_exact(
     bed.wait_event("workers_started", host="node2")
     launches.append(bed.launch("node3", *flags, script=script, program=LIBRARY))
     bed.wait_event("launcher_start", host="node3")  # a spare, waiting to join
-    codes = _ended(bed, launches, 240)
+    codes = bed.wait_all(launches, 240)
     assert codes == {"node1": 0, "node2": 74, "node3": 0}, bed.logs()
     (verdict,) = bed.events("sdc_verdict")
     assert (verdict["culprits"], verdict["hosts"], verdict["clean_step"]) == ([3], ["node2"], 20)

@@ -32,16 +32,6 @@ def _wait_epoch(bed: Any, launch: Any, epoch: int, timeout: float = 120) -> None
         time.sleep(0.05)
 
 
-def _wait_all(launches: list[Any], timeout: float = 180) -> dict[str, int]:
-    end = time.monotonic() + timeout
-    while any(lc.poll() is None for lc in launches):
-        if time.monotonic() > end:
-            left = [lc.node for lc in launches if lc.proc.poll() is None]
-            pytest.fail(f"launchers on {left} did not end in {timeout} s")
-        time.sleep(0.05)
-    return {lc.node: lc.proc.returncode for lc in launches}
-
-
 @pytest.mark.parametrize("backend", ["c10d", "steadfast"])
 def test_the_tutorial_ends_0_on_every_node_after_a_lost_node_and_trains_each_epoch_once(
     bed_factory: Any, backend: str
@@ -61,7 +51,7 @@ def test_the_tutorial_ends_0_on_every_node_after_a_lost_node_and_trains_each_epo
     bed.wait_event("launcher_start", host="node4")  # a spare, waiting to join
     _wait_epoch(bed, launches[0], KILL_AT)
     bed.do("kill", "node2")
-    codes = _wait_all(launches)
+    codes = bed.wait_all(launches)
     assert codes["node1"] == codes["node3"] == codes["node4"] == 0, bed.logs()
     assert codes["node2"] != 0
     assert len(bed.events("node_lost", node="node2")) == 1  # the fault, detected
