@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,21 +52,30 @@ STEP_S = 0.1  # the healthy step the budget is a share of
 FLIP_AT = 25  # after this many steps (the script's step index 24)
 
 
+def launch(
+    work: Path, nproc: int, *script: str, timeout: float, check: bool = True
+) -> tuple[int, list[dict[str, Any]]]:
+    """``steadfast launch --nproc-per-node=NPROC SCRIPT...`` with its event log in
+    ``work``: (exit status, the events)."""
+    events = work / "events.jsonl"
+    cmd = [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(events),
+           f"--nproc-per-node={nproc}", *script]  # fmt: skip
+    code = subprocess.run(cmd, capture_output=True, timeout=timeout, check=check).returncode
+    return code, [json.loads(line) for line in events.read_text().splitlines()]
+
+
 def detection(kind: str, nproc: int) -> dict[str, object]:
     """One run of the script with a flip on rank 1: what the verdict said, how fast."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        events = work / "events.jsonl"
-        cmd = [
-            sys.executable, "-m", "steadfast.cli", "launch", "--events", str(events),
-            f"--nproc-per-node={nproc}", str(SCRIPT), "--out", str(work / "out.pt"),
+        code, evs = launch(
+            work, nproc, str(SCRIPT), "--out", str(work / "out.pt"),
             "--snapshot", str(work / "snap.pt"), "--trace", str(work / "trace"),
             "--steps", "120", "--pace", str(STEP_S), "--corrupt", f"{kind}:1:{FLIP_AT}",
-        ]  # fmt: skip
-        code = subprocess.run(cmd, capture_output=True, timeout=300).returncode
+            timeout=300, check=False,
+        )  # fmt: skip
         flip = next(float(line.split()[1]) for line in (work / "trace").read_text().splitlines()
                     if line.startswith("flip "))  # fmt: skip
-        evs = [json.loads(line) for line in events.read_text().splitlines()]
     verdict = next((e for e in evs if e["kind"] == "sdc_verdict"), None)
     if verdict is None:
         return {"kind": kind, "nproc": nproc, "exit": code, "found": False}
@@ -82,15 +92,10 @@ def audit_cost(every: int, steps: int) -> tuple[float, float]:
     """The share of rank 0's time in audits, and each rank's audit period (seconds)."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        events = work / "events.jsonl"
-        cmd = [
-            sys.executable, "-m", "steadfast.cli", "launch", "--events", str(events),
-            "--nproc-per-node=2", str(REPO / "tests" / "e2e" / "sdc_audit.py"),
-            "--out", str(work / "out.pt"), "--steps", str(steps), "--every", str(every),
-            "--pace", str(STEP_S),
-        ]  # fmt: skip
-        subprocess.run(cmd, capture_output=True, timeout=1200, check=True)
-        evs = [json.loads(line) for line in events.read_text().splitlines()]
+        _, evs = launch(
+            work, 2, str(REPO / "tests" / "e2e" / "sdc_audit.py"), "--out", str(work / "out.pt"),
+            "--steps", str(steps), "--every", str(every), "--pace", str(STEP_S), timeout=1200,
+        )  # fmt: skip
     done = [e["time"] for e in evs if e["kind"] == "step_done" and e.get("rank") == 0]
     audited = [e for e in evs if e["kind"] == "compute_audited"]
     wall = done[-1] - done[0]
@@ -108,12 +113,9 @@ def false_alarms(runs: int) -> dict[str, tuple[int, int]]:
         alarms = 0
         for _ in range(runs):
             with tempfile.TemporaryDirectory() as tmp:
-                events = Path(tmp) / "events.jsonl"
-                cmd = [sys.executable, "-m", "steadfast.cli", "launch", "--events", str(events),
-                       f"--nproc-per-node={nproc}", str(REPO / "tests" / "e2e" / "sdc_shapes.py"),
-                       shape, "60"]  # fmt: skip
-                subprocess.run(cmd, capture_output=True, timeout=600, check=True)
-                alarms += '"kind":"sdc_detected"' in events.read_text()
+                _, evs = launch(Path(tmp), nproc, str(REPO / "tests" / "e2e" / "sdc_shapes.py"),
+                                shape, "60", timeout=600)  # fmt: skip
+                alarms += any(e["kind"] == "sdc_detected" for e in evs)
         out[shape] = (alarms, runs)
     return out
 

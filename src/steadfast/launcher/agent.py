@@ -86,7 +86,7 @@ from .job_end import after_the_end, exit_barrier, hung_in_teardown
 from .nodes import GpuCheck, Loss, NodeRoster, health_check
 from .nodes.round import RoundKeys
 from .rdzv_client import Rendezvous
-from .replicas import ReplicaWatch
+from .replicas import LEAVE, STOP, ReplicaWatch
 from .template import Template, take_prestarted
 
 __all__ = [
@@ -501,9 +501,9 @@ class FTAgent(LocalElasticAgent):
         self.replicas.told()  # the store may be this launcher's: the others read it
         what, why = self.replicas.after(verdict, seam.agent_remaining_restarts(self))
         logger.error("%s: %s", verdict.describe(), why)
-        if what == "stop":
+        if what == STOP:
             raise SilentCorruptionError(verdict, why)
-        if what == "leave":
+        if what == LEAVE:
             self._leave_unhealthy("silent_corruption", f"{verdict.describe()}: {why}")
         return RunResult(state=WorkerState.FAILED, failures=stopped_failures(worker_group))
 

@@ -32,7 +32,7 @@ from ..sdc.board import ReplicaBoard, RoundLink
 from ..sdc.probe import CLEAN_ENV
 from ..sdc.verdict import Verdict
 
-__all__ = ["ReplicaWatch"]
+__all__ = ["LEAVE", "RESTART", "STOP", "ReplicaWatch"]
 
 #: what :meth:`ReplicaWatch.after` decides
 STOP, RESTART, LEAVE = "stop", "restart", "leave"

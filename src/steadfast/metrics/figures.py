@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import events
+from ..report.replicas import ReplicaTally
 from .follow import LogFollower
 
 __all__ = ["FAULT_KINDS", "GOODPUT_EVERY", "NODE_STATES", "Figures"]
@@ -53,8 +54,6 @@ class Figures:
     nodes: dict[str, str] = field(default_factory=dict)
     stragglers: dict[int, float] = field(default_factory=dict)
     goodput: float | None = None
-    replica_checks: int = 0  # checks agreed, summed over every node and generation
-    proven_step: int | None = None  # the newest step every replica agreed on
 
     def __post_init__(self) -> None:
         self._follower = LogFollower(self.path)
@@ -62,8 +61,7 @@ class Figures:
         self._step_rank: int | None = None
         self._goodput_at = 0.0
         self._lock = threading.Lock()
-        self._checks: dict[tuple[Any, Any], int] = {}  # a launcher's, in its generation
-        self._checks_before = 0  # of the generations that ended
+        self._replicas = ReplicaTally()
 
     def refresh(self) -> list[events.Event]:
         """Fold in the events written since the last call; returns them."""
@@ -98,7 +96,7 @@ class Figures:
         elif kind == events.Kind.JOB_REQUEUED:
             self.restarts["requeue"] += 1
         elif kind == events.Kind.REPLICAS_CHECKED:
-            self._replicas(ev)
+            self._replicas.add(ev)
         elif kind == events.Kind.STRAGGLER_REPORT:
             scores = ev.get("relative")
             if isinstance(scores, dict):
@@ -106,15 +104,15 @@ class Figures:
                                    if str(r).isdigit() and isinstance(s, (int, float))}  # fmt: skip
         self._node_state(ev)
 
-    def _replicas(self, ev: events.Event) -> None:
-        key, checks = (ev.get("host"), ev.get("pid")), int(ev.get("checks") or 0)
-        if checks < self._checks.get(key, 0):  # counted from 0 again: a new generation
-            self._checks_before += self._checks[key]
-        self._checks[key] = checks
-        self.replica_checks = self._checks_before + sum(self._checks.values())
-        step = ev.get("last_agreed_step")
-        if isinstance(step, int) and (self.proven_step is None or step > self.proven_step):
-            self.proven_step = step
+    @property
+    def replica_checks(self) -> int:
+        """Checks agreed, summed over every node and generation."""
+        return self._replicas.checks
+
+    @property
+    def proven_step(self) -> int | None:
+        """The newest step every replica agreed on."""
+        return self._replicas.newest
 
     def _observe(self, seconds: Any) -> None:
         if not isinstance(seconds, (int, float)) or seconds < 0:

@@ -8,37 +8,54 @@ from typing import Any
 
 from .. import events as ev
 
-__all__ = ["replica_lines", "replica_summary"]
+__all__ = ["ReplicaTally", "replica_lines", "replica_summary"]
+
+
+class ReplicaTally:
+    """``replicas_checked`` folded as they come: the checks agreed, every node's and
+    every generation's (a launcher counts again from 0 in each generation), the nodes
+    and the newest step proven clean. The report folds a whole log; the metrics fold a
+    growing one."""
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[Any, Any], int] = {}  # a launcher's, in its generation
+        self.before = 0  # of the generations that ended
+        self.nodes: set[Any] = set()
+        self.newest: int | None = None
+
+    @property
+    def checks(self) -> int:
+        return self.before + sum(self.last.values())
+
+    def add(self, e: ev.Event) -> None:
+        key = (e.get("host"), e.get("pid"))
+        checks = int(e.get("checks") or 0)
+        if checks < self.last.get(key, 0):  # counted from 0 again: a new generation
+            self.before += self.last[key]
+        self.last[key] = checks
+        self.nodes.add(e.get("host"))
+        step = e.get("last_agreed_step")
+        if isinstance(step, int) and (self.newest is None or step > self.newest):
+            self.newest = step
 
 
 def replica_summary(evs: list[ev.Event]) -> dict[str, Any] | None:
     """``checks`` (agreed, every node's, every generation's), ``nodes``,
-    ``last_agreed_step`` and ``verdicts`` (each ``sdc_verdict``'s fields), or None for a
-    run with no replica check."""
-    last: dict[tuple[Any, Any], int] = {}  # a launcher's count in its current generation
-    total, newest = 0, None
-    nodes: set[Any] = set()
+    ``last_agreed_step``, ``verdicts`` (each ``sdc_verdict``'s fields) and the compute
+    audits, or None for a run with no replica check."""
+    tally = ReplicaTally()
     for e in evs:
-        if e.kind != ev.Kind.REPLICAS_CHECKED:
-            continue
-        key = (e.get("host"), e.get("pid"))
-        checks = int(e.get("checks") or 0)
-        if checks < last.get(key, 0):  # counted again from 0: a new generation
-            total += last[key]
-        last[key] = checks
-        nodes.add(e.get("host"))
-        step = e.get("last_agreed_step")
-        if isinstance(step, int) and (newest is None or step > newest):
-            newest = step
+        if e.kind == ev.Kind.REPLICAS_CHECKED:
+            tally.add(e)
     verdicts = [dict(e.fields, cause=e.cause, time=e.time) for e in evs
                 if e.kind == ev.Kind.SDC_VERDICT]  # fmt: skip
     audits = [e for e in evs if e.kind == ev.Kind.COMPUTE_AUDITED]
-    if not last and not verdicts and not audits:
+    if not tally.last and not verdicts and not audits:
         return None
     return {
-        "checks": total + sum(last.values()),
-        "nodes": len(nodes),
-        "last_agreed_step": newest,
+        "checks": tally.checks,
+        "nodes": len(tally.nodes),
+        "last_agreed_step": tally.newest,
         "verdicts": verdicts,
         # compute audits (steadfast.sdc.ComputeAudit): every rank, each audit
         "audits": len(audits),

@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import events
+from ..dist import agree_any, all_gather_object
 from .fingerprint import crc32
 
 __all__ = ["ComputeAudit"]
@@ -179,7 +180,7 @@ class ComputeAudit:
         if self.rank == auditee:
             assert first is not None
             reproduced = self._same(self._recompute(batch, self._rng), first)
-        reproduced = _agree(reproduced, self.group)
+        reproduced = agree_any(reproduced, self.group)
         culprits, how = [auditee], "transient"
         if reproduced and third is not None:
             if self.rank == auditee:
@@ -189,11 +190,11 @@ class ComputeAudit:
                 box = _recv_packed(auditee, self.group)
                 verdict = self._same(self._recompute(box[0], box[1]), box[2])
             # the third agrees with the auditee: the auditor computes wrongly
-            culprits, how = ([auditor], "odd_one_out") if _agree(verdict, self.group) else (
+            culprits, how = ([auditor], "odd_one_out") if agree_any(verdict, self.group) else (
                 [auditee], "odd_one_out")  # fmt: skip
         elif reproduced:
             culprits, how = sorted({auditee, auditor}), "pair"
-        hosts = _gather_hosts(self.group, self.world)
+        hosts = [str(h) for h in all_gather_object(socket.gethostname(), self.group)]
         if self.rank == 0:
             events.emit(
                 "sdc_detected",
@@ -356,20 +357,6 @@ def _gather_flags(flag: bool, group: Any, world: int) -> list[bool]:
     out = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
     dist.all_gather(out, torch.tensor([int(flag)], dtype=torch.int32), group=group)
     return [bool(t.item()) for t in out]
-
-
-def _agree(flag: bool, group: Any) -> bool:
-    from ..dist import agree_any
-
-    return bool(agree_any(flag, group))
-
-
-def _gather_hosts(group: Any, world: int) -> list[str]:
-    import torch.distributed as dist
-
-    hosts: list[Any] = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return [str(h) for h in hosts]
 
 
 def _rng_state(torch: Any, device: Any) -> Any:

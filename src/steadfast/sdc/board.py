@@ -22,7 +22,6 @@ looks and stops them (steadfast.launcher.agent).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
@@ -35,7 +34,7 @@ from typing import Any
 from .. import events
 from . import layout
 from .compare import judge
-from .verdict import Verdict, gathered_verdict
+from .verdict import Verdict, gathered_verdict, published_checks
 
 __all__ = ["BoardState", "ReplicaBoard", "RoundLink"]
 
@@ -105,6 +104,7 @@ class ReplicaBoard:
         self._ranks: dict[int, int] = {}  # local rank -> global rank
         self._link: RoundLink | None = None
         self._seen: dict[int, dict[int, dict[int, layout.Entry]]] = {}  # group, count, rank
+        self._groups: dict[int, int] = {}  # global rank -> its group, once it published
         self._judged: dict[int, int] = {}  # group -> highest count judged here
         self._agreed: dict[int, layout.Entry] = {}  # group -> the last agreeing check
         self._linked: dict[int, int] = {}  # group -> the last check the next node agreed on
@@ -126,6 +126,7 @@ class ReplicaBoard:
                 return
             self._ranks, self._link = dict(ranks), link
             self._seen, self._judged, self._agreed, self._linked = {}, {}, {}, {}
+            self._groups = {}
             self._checks, self._published, self._mismatch = 0, "", None
             self._looks_left, self._verdict = _GATHER_LOOKS, None
             self._reported = time.monotonic()
@@ -214,6 +215,8 @@ class ReplicaBoard:
         for local, rank in self._ranks.items():
             slots, _ = self.rows.progress_area(local)
             group, entries = layout.read(slots)
+            if entries:
+                self._groups[rank] = group
             for e in entries:
                 self._seen.setdefault(group, {}).setdefault(e.count, {})[rank] = e
         for counts in self._seen.values():
@@ -238,13 +241,7 @@ class ReplicaBoard:
         self._report()
 
     def _members_here(self, group: int) -> set[int]:
-        return {r for r in self._ranks.values() if self._group_of(r) == group}
-
-    def _group_of(self, rank: int) -> int:
-        for group, counts in self._seen.items():
-            if any(rank in entries for entries in counts.values()):
-                return group
-        return 0
+        return {r for r, g in self._groups.items() if g == group}
 
     def _compare_here(self) -> None:
         for group, counts in self._seen.items():
@@ -257,7 +254,7 @@ class ReplicaBoard:
                 self._judge(group, count, entries)
 
     def _judge(self, group: int, count: int, entries: Mapping[int, layout.Entry]) -> None:
-        j = judge({r: (e.chunk, e.fp) for r, e in entries.items()})
+        j = judge({r: e.fingerprint for r, e in entries.items()})
         if j.agreed:
             last = self._agreed.get(group)
             if last is None or count > last.count:
@@ -288,7 +285,7 @@ class ReplicaBoard:
     def _mine(self) -> dict[str, Any]:
         ranks: dict[str, Any] = {}
         for local, rank in self._ranks.items():
-            group = self._group_of(rank)
+            group = self._groups.get(rank, 0)
             if not group:
                 continue
             counts = self._seen.get(group, {})
@@ -317,19 +314,20 @@ class ReplicaBoard:
         theirs = self._read_node(link, (link.node + 1) % link.nodes)
         if theirs is None:
             return
-        for rank, data in _entries(theirs).items():
-            for e in data["e"]:
-                here = self._seen.get(data["g"], {}).get(e.count)
-                members = self._members_here(data["g"])
+        for rank, published in published_checks(theirs).items():
+            group = published.group
+            members = self._members_here(group)
+            for e in published.entries:
+                here = self._seen.get(group, {}).get(e.count)
                 if here is None or not members or not members <= set(here):
                     continue
                 both = {**dict(here), rank: e}
-                if not judge({r: (x.chunk, x.fp) for r, x in both.items()}).agreed:
+                if not judge({r: x.fingerprint for r, x in both.items()}).agreed:
                     if self._mismatch is None:
-                        self._disagree(data["g"], e.count, both)
+                        self._disagree(group, e.count, both)
                     return
-                if e.count > self._linked.get(data["g"], 0):
-                    self._linked[data["g"]] = e.count
+                if e.count > self._linked.get(group, 0):
+                    self._linked[group] = e.count
 
     def _read_verdict(self, link: RoundLink) -> None:
         key = link.key("verdict")
@@ -416,33 +414,16 @@ class ReplicaBoard:
             return
         self._reported = now
         for group, last in self._agreed.items():
-            slots = None
-            for local, rank in self._ranks.items():
-                if self._group_of(rank) == group:
-                    slots, _ = self.rows.progress_area(local)
-                    break
+            members = self._members_here(group)
+            local = next((lr for lr, r in self._ranks.items() if r in members), None)
+            slots = self.rows.progress_area(local)[0] if local is not None else None
             events.emit(
                 "replicas_checked",
                 checks=self._checks,
                 last_agreed_step=last.step,
                 proven_step=self._proven(last.count),
                 replicas=group >> 32,
-                ranks=sorted(r for r in self._ranks.values() if self._group_of(r) == group),
+                ranks=sorted(members),
                 state_bytes=int(slots[layout.TOTAL]) if slots is not None else None,
                 chunks=int(slots[layout.CHUNKS]) if slots is not None else None,
             )
-
-
-def _entries(node: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
-    """A published node's checks: global rank -> ``{"g": group, "e": [Entry...]}``."""
-    out = {}
-    with contextlib.suppress(AttributeError, TypeError, ValueError):
-        for rank, data in node.get("ranks", {}).items():
-            entries = [layout.Entry(*map(int, e)) for e in data["e"]]
-            out[int(rank)] = {
-                "g": int(data["g"]),
-                "local": int(data["local"]),
-                "e": entries,
-                "host": node.get("host"),
-            }
-    return out

@@ -46,6 +46,11 @@ class Entry:
     #: captured at or before this check (-1: none): proven clean if the check agrees
     saved: int = -1
 
+    @property
+    def fingerprint(self) -> tuple[int, int]:
+        """What two replicas' checks compare: the chunk and its fingerprint."""
+        return self.chunk, self.fp
+
 
 def publish(slots: Any, n: int, entry: Entry) -> None:
     """Write entry number ``n`` (1, 2, ...), then publish it."""

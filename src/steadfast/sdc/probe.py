@@ -17,6 +17,8 @@ import contextlib
 import json
 import logging
 import os
+from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from . import layout
@@ -126,7 +128,7 @@ class ReplicaProbe:
         self.state: ReplicaState | None = None
         self.count = 0  # the chosen optimizer's steps since the process started
         self.published = 0
-        self.pending: list[tuple[layout.Entry, Any, Any]] = []  # device hashes in flight
+        self.pending: deque[tuple[layout.Entry, Any, Any]] = deque()  # device hashes in flight
         self.saves = 0
         self.last_saved = -1  # the newest checkpoint step noted
         self.checked = -1  # the count of the last published check
@@ -189,9 +191,9 @@ class ReplicaProbe:
     def _collect(self) -> None:
         """Publish the device hashes that are ready (``query``: never a wait)."""
         while self.pending and self.pending[0][2].query():
-            entry, host, _ = self.pending.pop(0)
+            entry, host, _ = self.pending.popleft()
             fp = as_unsigned(int(host)) >> 12  # 52 bits: exact in a float64 slot
-            self._publish(layout.Entry(entry.count, entry.chunk, fp, entry.step, entry.saved))
+            self._publish(replace(entry, fp=fp))
 
     def _publish(self, entry: layout.Entry) -> None:
         self.published += 1

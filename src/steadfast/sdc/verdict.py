@@ -10,6 +10,7 @@ fault-free run produces, and the culprit's node is kept out by the node ledger (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterable, Mapping
@@ -20,7 +21,7 @@ from .. import events
 from . import layout
 from .compare import judge
 
-__all__ = ["Verdict", "gathered_verdict"]
+__all__ = ["Published", "Verdict", "gathered_verdict", "published_checks"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,12 +115,10 @@ def gathered_verdict(
     checks: dict[int, dict[int, layout.Entry]] = {}  # rank -> count -> entry
     where: dict[int, tuple[str, int]] = {}
     for node in nodes:
-        for rank, data in (node.get("ranks") or {}).items():
-            if int(data["g"]) != group:
-                continue
-            r = int(rank)
-            checks[r] = {int(e[0]): layout.Entry(*map(int, e)) for e in data["e"]}
-            where[r] = (str(node.get("host")), int(data["local"]))
+        for r, published in published_checks(node).items():
+            if published.group == group:
+                checks[r] = {e.count: e for e in published.entries}
+                where[r] = (published.host, published.local)
     replicas = group >> 32
     if not complete and (len(checks) < replicas or any(count not in c for c in checks.values())):
         return None
@@ -151,6 +150,29 @@ def gathered_verdict(
     )
 
 
+@dataclass(frozen=True)
+class Published:
+    """One rank's checks as its node published them in the round's store."""
+
+    group: int
+    local: int
+    host: str
+    entries: list[layout.Entry]
+
+
+def published_checks(node: Mapping[str, Any]) -> dict[int, Published]:
+    """A node's published record (:mod:`.board`: ``{"host", "ranks": {rank: {"g",
+    "local", "e": [[count, chunk, fp, step, saved], ...]}}}``) by global rank; a record
+    of another shape gives nothing."""
+    out: dict[int, Published] = {}
+    with contextlib.suppress(AttributeError, TypeError, ValueError):
+        for rank, data in (node.get("ranks") or {}).items():
+            entries = [layout.Entry(*map(int, e)) for e in data["e"]]
+            out[int(rank)] = Published(int(data["g"]), int(data["local"]),
+                                       str(node.get("host")), entries)  # fmt: skip
+    return out
+
+
 def _int(value: Any) -> int | None:
     return None if value is None else int(value)
 
@@ -158,7 +180,7 @@ def _int(value: Any) -> int | None:
 def _fingerprints(
     checks: Mapping[int, Mapping[int, layout.Entry]], count: int
 ) -> dict[int, tuple[int, int]]:
-    return {r: (per[count].chunk, per[count].fp) for r, per in checks.items() if count in per}
+    return {r: per[count].fingerprint for r, per in checks.items() if count in per}
 
 
 def _step(checks: Mapping[int, Mapping[int, layout.Entry]], count: int) -> int:
