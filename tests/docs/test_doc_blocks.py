@@ -23,9 +23,11 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import figures_check as figures
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,12 +131,17 @@ def test_page_blocks_run(page: Path, tmp_path: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CLEAN_END), env.get("PYTHONPATH")]))
     unclean = tmp_path / "unclean-ends.log"
     env["STEADFAST_DOCS_END_LOG"] = str(unclean)
+    measure = tmp_path / ".measured"  # each process's life, rank 0's steps (figures_check.py)
+    measure.mkdir()
+    env["STEADFAST_DOCS_MEASURE"] = str(measure)
+    wrong: dict[Path, list[str]] = {}  # each run's report against the measures, as last run
     for block in blocks(page):
         if block.action == "file":
             target = tmp_path / block.arg
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(block.text)
         elif block.action == "run":
+            began = time.time()
             runner = RUNNERS[block.lang]
             argv = [sys.executable, "-"] if runner == "python" else ["bash", "-e", "-s"]
             # its own session, so that a block that overruns is ended with every
@@ -159,6 +166,17 @@ def test_page_blocks_run(page: Path, tmp_path: Path) -> None:
                 f"{block.where()}: exit {proc.returncode}\n--- stdout\n{out[-4000:]}"
                 f"\n--- stderr\n{err[-4000:]}"
             )
+            procs = figures.measured(measure)
+            for log in figures.logs_written(tmp_path, began):
+                found, checked = figures.check_run(log, procs)
+                if checked:
+                    wrong[log] = [f"{block.where()}: {w}" for w in found]
+    assert not any(wrong.values()), (
+        f"{page.relative_to(REPO)}: a report's figures are not what the test measured:\n"
+        + "\n".join(w for found in wrong.values() for w in found)
+    )
+    if page.name == "README.md":  # the front door's runs are measured, not skipped
+        assert len(wrong) >= 2, f"README.md: {len(wrong)} run(s) measured"
     ended = unclean.read_text() if unclean.exists() else ""
     assert not ended, (
         f"{page.relative_to(REPO)}: a script's process group outlived it (torch destroys it "

@@ -61,6 +61,7 @@ def test_goodput_arithmetic(tmp_path: Path):
         "detection": 0.5,  # the kill at 9.0, seen at 9.5
         "restart": 0.5,  # seen at 9.5, B's process started at 10
         "straggling": 2.0,  # step 7: 3 s against a 1 s median
+        "teardown": 0.0,  # the log ends at the last step
         "other": 0.5,  # A's partial step 8.5 -> 9.0
     })  # fmt: skip
     assert (report.steps_done, report.steps_redone) == (8, 2)
@@ -423,3 +424,94 @@ def test_a_plain_scripts_lost_time_is_told_by_cause(tmp_path: Path) -> None:
     assert lost["restart"] == pytest.approx(1.0)  # rank_hung -> the next process start
     assert lost["wasted_progress"] == pytest.approx(2.0)  # steps 2 and 3 re-done (base 2)
     assert lost["other"] < 1.0, lost
+
+
+def test_steps_without_seconds_are_timed_from_the_step_before(tmp_path: Path) -> None:
+    """The README's second loop writes only its step and loss: each step's time is the
+    time since the step before in its process, less the save between them; a process's
+    first step is its start-up (from the launcher process's start, the launchers'
+    ``first_step`` giving the worker's); after the last step, the end is "teardown"."""
+    w = 300
+    lines = [
+        _line(0.0, "launcher_start", rank=None, pid=50, process_start=-1.0),
+        _line(1.0, "workers_started", rank=None, pid=50, pids=[w], ranks=[0], world_size=1),
+        *[_line(3.0 + 0.5 * i, "step_done", step=i, pid=w, loss=1.0) for i in range(4)],
+        _line(4.6, "checkpoint_saved", step=4, pid=w, seconds=0.1, blocking_seconds=0.1),
+        _line(5.0, "step_done", step=4, pid=w, loss=1.0),  # 0.5 s, less the 0.1 s save
+        _line(
+            5.5,
+            "first_step",
+            rank=0,
+            pid=50,
+            worker_pid=w,
+            process_start=1.2,
+            first_forward=2.5,
+            first_step_end=3.0,
+        ),
+        _line(
+            6.0,
+            "workers_exited",
+            rank=None,
+            pid=50,
+            cause="succeeded",
+            exits=[{"rank": 0, "pid": w, "exit_code": 0, "time": 5.8}],
+        ),
+        _line(6.2, "launcher_end", rank=None, pid=50, exit_code=0),
+    ]
+    report = compute_report(load_events(_write(tmp_path, lines))[0])
+    assert report.wall_time == pytest.approx(7.2)  # the launcher process's start: -1.0
+    assert report.productive_time == pytest.approx(4 * 0.5 - 0.1)  # steps 1-4
+    assert report.badput["startup"] == pytest.approx(4.0)  # -1.0 -> the first step's end
+    assert report.badput["checkpoint_save"] == pytest.approx(0.1)
+    assert report.badput["teardown"] == pytest.approx(1.2)  # the last step -> the end
+    assert report.badput["other"] == pytest.approx(0.0, abs=1e-9)
+    assert report.goodput == pytest.approx(1.9 / 7.2)
+    assert report.steps_done == 5
+    # a slow-looking step of a millisecond loop is jitter, not straggling
+    fast = [_line(10.0 + 0.001 * i + 0.003 * (i % 7 == 0), "step_done", step=i, pid=w)
+            for i in range(100)]  # fmt: skip
+    jitter = compute_report(load_events(_write(tmp_path, fast, "fast.jsonl"))[0])
+    assert jitter.badput["straggling"] == 0.0 and jitter.badput["other"] == pytest.approx(0.0)
+
+
+def test_a_fault_has_one_latency_in_both_tables(tmp_path: Path) -> None:
+    """A killed rank is seen as it ends (its pidfd): the launchers' table gives the
+    injection -> that exit, as the injected-faults table does, not the exit -> the
+    ``rank_failed`` written once the others stopped; a hang's confirmation is told of
+    the hang in its own generation, not of a kill 13 s before it."""
+    exits = [{"rank": 1, "pid": 11, "exit_code": -9, "time": 10.02},
+             {"rank": 0, "pid": 10, "exit_code": 1, "time": 10.6}]  # fmt: skip
+    lines = [
+        _line(0.0, "launcher_start", rank=None, pid=50),
+        _line(1.0, "workers_started", rank=None, pid=50, pids=[10, 11], ranks=[0, 1]),
+        _line(10.0, "fault_injected", rank=1, step=7, pid=11, fault="rank_killed"),
+        _line(10.65, "rank_failed", rank=1, pid=50, worker_pid=11, exit_code=-9),
+        _line(10.7, "workers_exited", rank=None, pid=50, cause="failed", exits=exits),
+        _line(11.0, "workers_started", rank=None, pid=50, pids=[20, 21], ranks=[0, 1]),
+        _line(23.0, "rank_hung", rank=1, pid=50, elapsed=1.8, cause="section:step"),
+        _line(
+            23.1,
+            "hang_confirmed",
+            rank=None,
+            pid=50,
+            culprit=1,
+            cause="section:step",
+            summary="rank 1 stopped in `f (x.py:1)`",
+        ),
+        _line(24.0, "workers_started", rank=None, pid=50, pids=[30, 31], ranks=[0, 1]),
+        _line(25.0, "launcher_end", rank=None, pid=50, exit_code=0),
+    ]
+    report = compute_report(load_events(_write(tmp_path, lines))[0])
+    (killed,) = report.faults
+    assert killed.detection_latency == pytest.approx(0.02)
+    view = report.launchers
+    assert view is not None
+    failed, hung = view.faults
+    assert (failed.what, failed.time) == ("rank failed", pytest.approx(10.02))
+    assert failed.detection_latency == pytest.approx(0.02)  # the same figure
+    assert failed.next_generation == pytest.approx(0.98)  # the stop is the restart's
+    assert failed.summary is None and hung.summary is not None
+    assert hung.detection_latency == pytest.approx(1.8)  # from its last sign of life
+    text = format_report(report)
+    assert "from its injection where one was logged" in text
+    assert "(latency: the injection -> its detection" in text

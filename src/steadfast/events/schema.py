@@ -320,6 +320,7 @@ EVENT_KINDS: dict[str, EventKind] = _kinds(
         "nnodes": "--nnodes as given", "nproc_per_node": "workers per node",
         "entrypoint": "the script or program", "max_restarts": "in-job restarts allowed",
         "rdzv_backend": "the rendezvous backend",
+        "process_start": "epoch seconds its process began (its imports: the run's start-up)",
     }),
     (Kind.WORKERS_STARTED, "this node's launcher started its workers for a round of the "
      "rendezvous (a generation)", {

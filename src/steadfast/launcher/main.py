@@ -125,6 +125,7 @@ def _launch_agent(argv: list[str], run: _Run) -> int:
         entrypoint=str(args.training_script),
         max_restarts=int(args.max_restarts),
         rdzv_backend=str(args.rdzv_backend),
+        process_start=events.process_start_time(),  # its imports are the run's start-up
     )
     run.started = True
     if args.master_port is None:

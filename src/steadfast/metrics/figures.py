@@ -10,8 +10,9 @@ the launchers already write: nothing is added to the workers' processes).
 - the replica checks (steadfast.sdc): checks agreed, every node's and generation's, and
   the newest step proven clean;
 - goodput so far: the report's own accounting (:func:`steadfast.report.compute_report`)
-  of every event so far, computed again at most every :data:`GOODPUT_EVERY` seconds
-  and only when events came.
+  of every event so far, computed again when events came, at most every
+  :data:`GOODPUT_EVERY` seconds, and at once after a generation's start or end, a
+  restart and the launcher's end (so the last figure is the report's).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from .. import events
 from ..report.replicas import ReplicaTally
+from ..report.steps import StepTimer
 from .follow import LogFollower
 
 __all__ = ["FAULT_KINDS", "GOODPUT_EVERY", "NODE_STATES", "Figures"]
@@ -35,6 +37,10 @@ FAULT_KINDS = ("rank_failed", "rank_hung", "node_lost", "node_unhealthy", "node_
 NODE_STATES = ("training", "restarting", "lost", "unhealthy", "cut_off", "finished")
 #: seconds between two recomputations of goodput
 GOODPUT_EVERY = 10.0
+#: events after which goodput is computed again at once: a generation's start or end, a
+#: restart, the launcher's end (the figure a screen or a scrape shows at the end is final)
+_TURNS = frozenset({events.Kind.WORKERS_STARTED, events.Kind.WORKERS_EXITED,
+                    events.Kind.RESTART, events.Kind.LAUNCHER_END})  # fmt: skip
 #: the step-duration histogram's buckets (seconds)
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -62,6 +68,7 @@ class Figures:
         self._goodput_at = 0.0
         self._lock = threading.Lock()
         self._replicas = ReplicaTally()
+        self._timer = StepTimer()  # the step rank's steps' seconds (derived where none)
 
     def refresh(self) -> list[events.Event]:
         """Fold in the events written since the last call; returns them."""
@@ -71,7 +78,8 @@ class Figures:
                 self._fold(ev)
             self._all.extend(new)
             now = time.monotonic()
-            if new and (not self._goodput_at or now - self._goodput_at >= GOODPUT_EVERY):
+            due = not self._goodput_at or now - self._goodput_at >= GOODPUT_EVERY
+            if new and (due or any(e.kind in _TURNS for e in new)):
                 self._goodput_at = now
                 self._account()
         return new
@@ -79,13 +87,15 @@ class Figures:
     # ------------------------------------------------------------------ the fold
     def _fold(self, ev: events.Event) -> None:
         kind = ev.kind
-        if kind == events.Kind.STEP_DONE and ev.rank is not None:
-            if self._step_rank is None or ev.rank < self._step_rank:
-                self._step_rank = ev.rank
-            if ev.rank == self._step_rank:
+        if (kind == events.Kind.STEP_DONE and ev.rank is not None
+                and (self._step_rank is None or ev.rank < self._step_rank)):  # fmt: skip
+            self._step_rank, self._timer = ev.rank, StepTimer()
+        if ev.rank is not None and ev.rank == self._step_rank:
+            seconds = self._timer.see(ev)  # a save's, a start's: what the next step is less
+            if kind == events.Kind.STEP_DONE:
                 self.steps += 1
-                self._observe(ev.get("seconds"))
-        elif kind == events.Kind.STEPS_SEEN and self._step_rank is None:
+                self._observe(seconds)
+        if kind == events.Kind.STEPS_SEEN and self._step_rank is None:
             if ev.get("local_rank") == 0 and ev.get("first") is not None:
                 ends = ev.get("ends") or []
                 self.steps += len(ends) if isinstance(ends, list) else 0

@@ -88,6 +88,8 @@ def format_report(report: GoodputReport, title: str = "") -> str:
     lines.extend(_restarts(report))
     if report.faults:
         lines.append(f"  faults ({len(report.faults)} injected):")
+        lines.append("    (latency: the injection -> its detection; recovery: the detection ->")
+        lines.append("    the first step done after it)")
         lines.append(
             f"    {'fault':<12} {'rank':>4} {'step':>5}  {'detected by':<19} "
             f"{'latency':>9} {'recovery':>9}"
@@ -232,8 +234,9 @@ def _generations(view: LauncherView) -> list[str]:
 def _faults_seen(view: LauncherView) -> list[str]:
     lines = [
         f"  faults seen by the launchers ({len(view.faults)}):",
-        "    (latency: the fault -> its detection; next gen.: the detection -> the next",
-        "    generation running; cost: both)",
+        "    (latency: the fault -> its detection: from its injection where one was logged,",
+        "    a dead rank seen as it ends, a hung one from its last sign of life; next gen.:",
+        "    the detection -> the next generation running; cost: both)",
         *(
             ["    one culprit per fault, agreed by the nodes: every other rank stopped after it"]
             if any(f.fault_id for f in view.faults)

@@ -7,7 +7,7 @@ ml-goodput-measurement:
 ===================== ====================================================================
 ``startup``           process start to the first step of a generation (imports, process
                       group, model build), less the checkpoint load; for the first, from
-                      the launcher's start (its own, the workers' spawn)
+                      the launcher process's start (its imports, the workers' spawn)
 ``checkpoint_load``   ``checkpoint_loaded`` seconds (training preparation after a restart)
 ``checkpoint_save``   ``checkpoint_saved`` blocking seconds (an async save blocks briefly)
 ``wasted_progress``   steps that were run and then run again: the work lost to a restart
@@ -17,9 +17,19 @@ ml-goodput-measurement:
 ``restart``           from the detection until the new processes started (stopping the old
                       ones, the rendezvous; for a requeue: the queue)
 ``straggling``        the excess over the median step time of steps that took more than
-                      ``slow_factor`` x the median
+                      ``slow_factor`` x the median and :data:`SLOW_EXCESS` over it (of
+                      steps that carry their own seconds)
+``teardown``          from the run's last step or save to its end: the script's end (its
+                      process group's destruction), the processes' exit, the launchers' end
 ``other``             the remainder: time between steps, logging, anything not above
 ===================== ====================================================================
+
+A step's seconds are its ``step_done``'s own; a loop that writes none gets the time
+since its previous step in the same process, less the saves and loads between them
+(:func:`.steps.timed_steps`): what it does between steps is then in its steps' time, and
+a slow step is not told from a long evaluation (no straggling: the excess is "other").
+Without ``job_start``, a process's start is the launchers' (``first_step``) and its
+start-up runs to its first step.
 
 Events read (the training loop writes the first two, the library the others):
 ``job_start`` (with ``process_start``), ``step_done`` (``seconds``), ``checkpoint_saved``,
@@ -45,7 +55,7 @@ from .launchers import LauncherView, launcher_view
 from .replicas import replica_summary
 from .restarts import _exit_time, _launcher
 from .restarts import restarts as restart_phases
-from .steps import seen_steps
+from .steps import seen_steps, timed_steps
 
 __all__ = [
     "BADPUT_CAUSES",
@@ -64,8 +74,13 @@ BADPUT_CAUSES = (
     "detection",
     "restart",
     "straggling",
+    "teardown",
     "other",
 )
+
+#: A slow step is also at least this many seconds over the median: on a busy machine a
+#: millisecond step's scheduling jitter is often 1.5x its median, and is not straggling.
+SLOW_EXCESS = 0.05
 
 #: Which events detect which injected fault (``fault_injected``'s ``fault`` field): the
 #: table of :class:`steadfast.faults.FaultKind`, the one vocabulary of faults.
@@ -222,11 +237,15 @@ def compute_report(
     rank = _step_rank(evs)
     mine = [e for e in evs if e.rank == rank] if rank is not None else []
     steps = [e for e in mine if e.kind == ev.Kind.STEP_DONE and e.step is not None]
-    redone_known, seen = True, False
+    redone_known, seen, derived = True, False, False
     if rank is None:  # a script that reports no steps: the ones its launchers saw
         steps, redone_known = seen_steps(evs)
         seen = bool(steps)
+    else:
+        steps, derived = timed_steps(steps, mine)
     starts = [e for e in mine if e.kind == ev.Kind.JOB_START]
+    if steps and not starts and not seen:  # each process's first step, its start the launchers'
+        starts = _first_steps(evs, steps)
     view = launcher_view(evs)
     t0 = min([evs[0].time, *[_began(e) for e in starts], *([view.start] if view else [])])
     wall = evs[-1].time - t0
@@ -244,10 +263,10 @@ def compute_report(
     for i, s in enumerate(seconds):
         if i not in kept:
             badput["wasted_progress"] += s
-        elif median > 0 and s > slow_factor * median:
-            # a seen step's time runs from the step before: it holds what the script did
-            # between them (an evaluation, a save), left to "other"
-            badput["straggling"] += 0.0 if seen else s - median
+        elif median > 0 and s > slow_factor * median and s - median > SLOW_EXCESS:
+            # a seen (or derived) step's time runs from the step before: it holds what the
+            # script did between them (an evaluation), left to "other"
+            badput["straggling"] += 0.0 if seen or derived else s - median
             productive += median
         else:
             productive += s
@@ -278,17 +297,13 @@ def compute_report(
     # disruptions: from a generation's last progress (a step or a save) to the next
     # generation's process start: detection (the fault -> its detection), then restart
     for prev_end, next_start in gaps:
-        window = [e for e in evs if e.kind in _ANY_DETECTION and prev_end <= e.time <= next_start]
-        # the launcher's own verdicts first: a survivor's shutdown_requested can come
-        # a moment earlier, when the agent stops the others
-        primary = [e for e in window if e.kind in (ev.Kind.RANK_HUNG, ev.Kind.RANK_FAILED)]
-        det = _seen_at((primary or window)[0], evs) if window else None
-        if det is None:  # a planned stop (preemption), a requeue: all of it is restart
-            badput["restart"] += max(0.0, next_start - prev_end)
-            continue
-        began = max([prev_end, *[f.time for f in faults if prev_end <= f.time <= det]])
-        badput["detection"] += det - began
-        badput["restart"] += max(0.0, next_start - det)
+        _disruption(prev_end, next_start, "restart", evs, faults, badput)
+    # the end: the run's last progress (or a generation's start) to the log's end
+    progress = [e.time for e in [*steps, *starts]] + [
+        e.time for e in mine if e.kind == ev.Kind.CHECKPOINT_SAVED
+    ]
+    if progress:
+        _disruption(max(progress), evs[-1].time, "teardown", evs, faults, badput)
     accounted = productive + sum(badput.values())
     badput["other"] = max(0.0, wall - accounted)
     # a process is its host and pid: pids of different nodes (or PID namespaces) repeat
@@ -329,6 +344,49 @@ def compute_report(
         warnings=[_teardown(e) for e in evs if e.kind == ev.Kind.WORKER_TEARDOWN],
         replicas=replica_summary(evs),
     )
+
+
+def _disruption(
+    start: float,
+    end: float,
+    rest: str,
+    evs: list[ev.Event],
+    faults: list[FaultRecord],
+    badput: dict[str, float],
+) -> None:
+    """Account ``start`` -> ``end`` (a generation's last progress -> the next one's process
+    start, or the run's end): detection (the fault, or ``start``, -> its detection), then
+    ``rest``; without a detection in it (a planned stop, a requeue, a clean end), all of it
+    is ``rest``."""
+    window = [e for e in evs if e.kind in _ANY_DETECTION and start <= e.time <= end]
+    # the launcher's own verdicts first: a survivor's shutdown_requested can come
+    # a moment earlier, when the agent stops the others
+    primary = [e for e in window if e.kind in (ev.Kind.RANK_HUNG, ev.Kind.RANK_FAILED)]
+    det = _seen_at((primary or window)[0], evs) if window else None
+    if det is None:
+        badput[rest] += max(0.0, end - start)
+        return
+    began = max([start, *[f.time for f in faults if start <= f.time <= det]])
+    badput["detection"] += max(0.0, det - began)
+    badput[rest] += max(0.0, end - max(det, start))
+
+
+def _first_steps(evs: list[ev.Event], steps: list[ev.Event]) -> list[ev.Event]:
+    """For a script that writes its steps and no ``job_start``: each process's first
+    step as its start, with its process start from the launchers' ``first_step`` of that
+    worker (where they have one)."""
+    began = {
+        (e.get("host"), e.get("worker_pid")): e.get("process_start")
+        for e in evs
+        if e.kind == ev.Kind.FIRST_STEP
+    }
+    out: dict[tuple[object, object], ev.Event] = {}
+    for e in steps:
+        proc = (e.get("host"), e.get("pid"))
+        if proc not in out:
+            fields = {"host": proc[0], "pid": proc[1], "process_start": began.get(proc)}
+            out[proc] = ev.Event(e.time, ev.Kind.JOB_START, e.rank, e.step, None, fields)
+    return list(out.values())
 
 
 def _teardown(e: ev.Event) -> str:

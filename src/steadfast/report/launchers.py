@@ -66,7 +66,9 @@ class ObservedFault:
     node: str | None  # the node at fault
     rank: int | None  # the rank at fault, where it is one
     time: float  # when it was detected
-    detection_latency: float | None  # from the fault (its last sign of life) to then
+    #: from the fault to then: its injection where one was logged; a dead rank's exit is
+    #: seen as it ends (0); a hung rank's from its last sign of life
+    detection_latency: float | None
     next_generation: float | None = None  # detection -> the next generation running
     replaced_by: list[str] = field(default_factory=list)  # nodes that joined in its place
     fault_id: str | None = None  # the nodes' agreed verdict it is (fault_culprit), if any
@@ -239,6 +241,13 @@ def _culprits(evs: list[ev.Event]) -> list[ObservedFault]:
         began = e.get("fault_time")
         latency = None if began is None else max(0.0, detected - float(began))
         rank = e.get("culprit_rank")
+        if rank is not None and began is not None and e.get("what") == "rank failed":
+            detected, latency = float(began), 0.0  # its exit, seen through its pidfd
+        elif rank is not None and e.get("what") == "rank hung":
+            hang = [x for x in evs if x.kind == ev.Kind.RANK_HUNG and x.rank == rank
+                    and x.get("host") == e.get("node") and x.time <= e.time]  # fmt: skip
+            if hang and hang[-1].get("elapsed") is not None:  # the watcher's own
+                detected, latency = hang[-1].time, float(hang[-1].get("elapsed"))
         if rank is None:
             confirmed = [
                 x
@@ -326,6 +335,7 @@ def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
             hung.add((e.get("host"), e.rank))
         elif e.kind == ev.Kind.RANK_FAILED and (e.get("host"), e.rank) in hung:
             continue  # the hung rank's termination: the same fault, already counted
+        at = e.time
         if e.kind == ev.Kind.NODE_LOST:
             node, rank = e.get("node"), None
             latency = e.get("latency")
@@ -339,8 +349,9 @@ def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
             node, rank = e.get("host"), e.rank
             latency = None
             if e.kind == ev.Kind.RANK_FAILED:
+                # seen as it ended (its pidfd): the event comes after the others stopped
                 exited = _exit_time(evs, node, e.get("worker_pid"))
-                latency = max(0.0, e.time - exited) if exited is not None else None
+                at, latency = (exited, 0.0) if exited is not None else (at, None)
             elif e.kind == ev.Kind.RANK_HUNG:
                 latency = e.get("elapsed")
         out.append(
@@ -349,13 +360,15 @@ def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
                 cause=str(e.cause or "-"),
                 node=None if node is None else str(node),
                 rank=None if rank is None else int(rank),
-                time=e.time,
+                time=at,
                 detection_latency=None if latency is None else float(latency),
             )
         )
+    _from_injections(evs, out)
     out.sort(key=lambda f: f.time)
+    starts = [e.time for e in evs if e.kind == ev.Kind.WORKERS_STARTED]
     for f in out:
-        f.summary = _hang_summary(confirmed, f)
+        f.summary = _hang_summary(confirmed, f, starts)
         later = [g for g in gens if g.start > f.time]
         if later:
             f.next_generation = later[0].start - f.time
@@ -372,14 +385,43 @@ def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
     return out
 
 
-def _hang_summary(confirmed: list[ev.Event], fault: ObservedFault) -> str | None:
-    """The one line of the hang confirmation behind ``fault`` (on its node, its rank the
-    culprit, or none told apart there), with the culprit's node named."""
+def _generation_at(t: float, starts: list[float]) -> tuple[float, float]:
+    """The span of the generation running at ``t``: the newest start (``starts``, the
+    ``workers_started`` times, sorted) at or before it, to the next one."""
+    since = max((x for x in starts if x <= t), default=float("-inf"))
+    until = min((x for x in starts if x > t), default=float("inf"))
+    return since, until
+
+
+def _from_injections(evs: list[ev.Event], faults: list[ObservedFault]) -> None:
+    """A rank's fault that was injected (``fault_injected`` of that rank, in the same
+    generation, before its detection) began at its injection: its latency is then the
+    injected-faults table's, one figure for one fault. Elsewhere a dead rank's is 0 (its
+    pidfd: it is seen as it ends) and a hung rank's the watcher's (from its last sign of
+    life)."""
+    injected = [e for e in evs if e.kind == ev.Kind.FAULT_INJECTED and e.rank is not None]
+    starts = [e.time for e in evs if e.kind == ev.Kind.WORKERS_STARTED]
+    for f in faults:
+        if f.rank is None or f.what == "silent corruption":
+            continue
+        since = _generation_at(f.time, starts)[0]
+        mine = [e.time for e in injected if e.rank == f.rank and since <= e.time <= f.time]
+        if mine:
+            f.detection_latency = f.time - mine[-1]
+
+
+def _hang_summary(
+    confirmed: list[ev.Event], fault: ObservedFault, starts: list[float]
+) -> str | None:
+    """The one line of the hang confirmation behind ``fault`` (on its node, in its
+    generation: ``starts`` are the ``workers_started`` times; its rank the culprit, or
+    none told apart there), with the culprit's node named."""
     if fault.what not in ("rank hung", "rank failed"):
         return None
+    since, until = _generation_at(fault.time, starts)
     for e in confirmed:
         culprit = e.get("culprit")
-        if e.get("host") != fault.node or abs(e.time - fault.time) > 30.0:
+        if e.get("host") != fault.node or not since <= e.time < until:
             continue
         if culprit is not None and culprit != fault.rank:
             continue
@@ -397,7 +439,7 @@ def launcher_view(evs: list[ev.Event]) -> LauncherView | None:
     if not starts:
         return None
     ends = [e for e in evs if e.kind == ev.Kind.LAUNCHER_END]
-    start = min(e.time for e in starts)
+    start = min(min(e.time, float(e.get("process_start") or e.time)) for e in starts)
     end = max([e.time for e in ends] or [evs[-1].time])
     nodes = list(dict.fromkeys(str(e.get("host")) for e in starts))
     unended = _unended(evs)

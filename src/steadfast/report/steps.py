@@ -1,11 +1,12 @@
-"""The steps of a script that reports none, as its launchers saw them (``steps_seen``,
-steadfast.progress): one ``step_done`` per iteration rebuilt for the goodput report."""
+"""The steps the goodput report counts, each with its duration: a script's own
+``step_done`` events (their seconds derived where the script gave none), or, for a script
+that reports none, the iterations its launchers saw (``steps_seen``, steadfast.progress)."""
 
 from __future__ import annotations
 
 from .. import events as ev
 
-__all__ = ["seen_steps"]
+__all__ = ["StepTimer", "seen_steps", "timed", "timed_steps"]
 
 
 def seen_steps(evs: list[ev.Event]) -> tuple[list[ev.Event], bool]:
@@ -50,3 +51,74 @@ def seen_steps(evs: list[ev.Event]) -> tuple[list[ev.Event], bool]:
             )
     out.sort(key=lambda x: x.time)
     return out, known
+
+
+class StepTimer:
+    """Each step's seconds, from one rank's events fed in time order (:meth:`see`): a
+    ``step_done``'s own, else the time since the previous ``step_done`` of the same
+    process (or its ``job_start``, its restore done), less the blocking checkpoint saves
+    and loads that process logged between the two (each counted in its own cause); a
+    process's first step with neither counts none (its time is start-up, as for the
+    steps the launchers saw: :func:`seen_steps`). What a loop does between two steps that
+    it does not log (an evaluation) is in the second one's time."""
+
+    def __init__(self) -> None:
+        self._mark: dict[tuple[object, object], float] = {}  # a process's last step or start
+        self._held: dict[tuple[object, object], float] = {}  # its saves and loads since
+
+    def see(self, e: ev.Event) -> float | None:
+        """Take in one event of the rank: a ``step_done``'s seconds, or None (another
+        event, or a process's first step with no start to count from)."""
+        proc = (e.get("host"), e.get("pid"))
+        if e.kind == ev.Kind.JOB_START:
+            self._mark[proc], self._held[proc] = e.time, 0.0
+        elif e.kind == ev.Kind.CHECKPOINT_SAVED:
+            self._hold(proc, e.get("blocking_seconds", e.get("seconds")))
+        elif e.kind == ev.Kind.CHECKPOINT_LOADED:
+            self._hold(proc, e.get("seconds"))
+        elif e.kind == ev.Kind.STEP_DONE:
+            own = e.get("seconds")
+            since, held = self._mark.get(proc), self._held.get(proc, 0.0)
+            self._mark[proc], self._held[proc] = e.time, 0.0
+            if isinstance(own, (int, float)):
+                return float(own)
+            return None if since is None else max(0.0, e.time - since - held)
+        return None
+
+    def _hold(self, proc: tuple[object, object], seconds: object) -> None:
+        if isinstance(seconds, (int, float)):
+            self._held[proc] = self._held.get(proc, 0.0) + float(seconds)
+
+
+def timed_steps(steps: list[ev.Event], mine: list[ev.Event]) -> tuple[list[ev.Event], bool]:
+    """``(steps, each with its seconds (:class:`StepTimer`); whether any was derived)``:
+    ``steps`` are the rank's ``step_done`` events with a step, ``mine`` every event of
+    that rank, in time order."""
+    if all(isinstance(e.get("seconds"), (int, float)) for e in steps):
+        return steps, False
+    wanted = {id(e) for e in steps}
+    timer = StepTimer()
+    out: list[ev.Event] = []
+    for e in mine:
+        seconds = timer.see(e) or 0.0
+        if id(e) in wanted:
+            out.append(ev.Event(e.time, e.kind, e.rank, e.step, e.cause,
+                                {**e.fields, "seconds": seconds}))  # fmt: skip
+    return out, True
+
+
+def timed(evs: list[ev.Event]) -> list[ev.Event]:
+    """``evs`` (in time order) with every rank's ``step_done`` given its seconds where
+    it has none (:class:`StepTimer`, one per rank): for what draws the steps."""
+    if all(e.kind != ev.Kind.STEP_DONE or e.get("seconds") is not None for e in evs):
+        return evs
+    timers: dict[int, StepTimer] = {}
+    out: list[ev.Event] = []
+    for e in evs:
+        if e.rank is not None:
+            seconds = timers.setdefault(e.rank, StepTimer()).see(e)
+            if e.kind == ev.Kind.STEP_DONE and e.get("seconds") is None:
+                e = ev.Event(e.time, e.kind, e.rank, e.step, e.cause,
+                             {**e.fields, "seconds": seconds or 0.0})  # fmt: skip
+        out.append(e)
+    return out

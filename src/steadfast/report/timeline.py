@@ -16,6 +16,7 @@ from .. import events as ev
 from .goodput import DETECTION_KINDS
 from .launchers import as_list
 from .restarts import Restart, restarts
+from .steps import timed
 from .timeline_fold import fold
 from .timeline_nodes import (
     CULPRIT,
@@ -80,7 +81,8 @@ def plot_timeline(events: list[ev.Event], path: str | os.PathLike[str], title: s
         raise ImportError("the timeline needs matplotlib: pip install 'steadfast[report]'") from exc
     if not events:
         raise ValueError("no events to draw")
-    found = restarts(sorted(events, key=lambda e: e.time))
+    events = timed(sorted(events, key=lambda e: e.time))  # a step without seconds: derived
+    found = restarts(events)
     if is_multinode(events):
         slow = detections(events, kinds={ev.Kind.STRAGGLER_DETECTED})
         layout = fold(node_layout(events), {r for _, r in slow})

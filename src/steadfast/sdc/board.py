@@ -26,7 +26,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from typing import Any
@@ -157,8 +157,10 @@ class ReplicaBoard:
         while True:
             with self._looked:
                 after = self._looks + 2  # one may be under way: the next is fresh
-                self._wake.set()
-                self._looked.wait_for(self._looked_since(after), timeout=self.interval + 5.0)
+                until = time.monotonic() + self.interval + 5.0
+                while self._looks < after and time.monotonic() < until:
+                    self._wake.set()  # for each look: the thread clears it as it wakes
+                    self._looked.wait(timeout=min(self.interval, until - time.monotonic()))
             found = self.verdict()
             if found is not None or time.monotonic() >= end:
                 return found
@@ -182,9 +184,6 @@ class ReplicaBoard:
             if time.monotonic() >= end:
                 return False
             time.sleep(0.1)
-
-    def _looked_since(self, count: int) -> Callable[[], bool]:
-        return lambda: self._looks >= count
 
     def close(self) -> None:
         with self._lock:
