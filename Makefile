@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 # The stamp's name carries the torch requirement, so `make test TORCH=...` reinstalls.
 STAMP   = $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
 
-.PHONY: demo test quick lint shellcheck typecheck pytest soak bench clean slurm nodes metrics docs docs-check
+.PHONY: gpu-check gpu-wheels demo test quick lint shellcheck typecheck pytest soak bench clean slurm nodes metrics docs docs-check
 
 # Debian packages: tests/slurm/ runs a real single-node Slurm (slurm-wlm and munge),
 # tests/multinode/ makes nodes from network namespaces (iproute2, util-linux) with an
@@ -109,6 +109,21 @@ soak: $(STAMP) slurm nodes metrics
 
 bench: $(STAMP)
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# The GPU checks in one command (scripts/gpu-check.sh): on a machine with no NVIDIA GPU one
+# line and exit 0; on a GPU machine it sets itself up from this tree (the machine's own
+# CUDA torch, never this venv's CPU one), runs for 8 minutes at most, prints a table and
+# writes gpu-check.json. Nothing in `make test` depends on it.
+gpu-check:
+	bash scripts/gpu-check.sh
+
+# For a GPU machine that reaches no package index: the wheels gpu-check may miss there
+# (CPython 3.12, x86_64), into .whl/ (ignored by git), which gpu-check installs from.
+GPU_WHEELS ?= isal
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache build src/*.egg-info docs/_build docs/_generated

@@ -1,7 +1,7 @@
 """A restart phase by phase, and the compile phase warm from the job's compile cache on the
 same node and on a spare (issue 38), in one run.
 
-    .venv/bin/python bench/bench_restart_phases.py [--cuda] [--plain-only]
+    .venv/bin/python bench/bench_restart_phases.py [--cuda] [--plain-only] [--json PATH]
 
 ``--cuda``: the script's rank on the GPU, over NCCL (its ``init_process_group`` is then
 NCCL's, and Inductor builds Triton kernels instead of C++ ones). ``--plain-only``: run 1
@@ -38,6 +38,13 @@ SCRIPT = ROOT / "tests" / "e2e" / "unchanged_train.py"
 
 
 CUDA = ["--cuda"] if "--cuda" in sys.argv[1:] else []
+#: ``--json PATH``: the figures written there too
+JSON = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv[1:-1] else None
+
+
+def write(figures: dict[str, Any]) -> None:
+    if JSON is not None:
+        Path(JSON).write_text(json.dumps(figures, indent=1) + "\n")
 
 
 def run(run_dir: Path, tmp: Path, *extra: str) -> list[dict[str, Any]]:
@@ -88,8 +95,11 @@ def main() -> None:
         plain.mkdir()
         run(plain, root / "tmp-plain", "--hang", "sleep:0:8")
         (plain_restart,) = report(plain)["restarts_phases"]
+        figures = {"device": where, "torch": torch.__version__,
+                   "uncompiled_restart": plain_restart["phases"]}  # fmt: skip
         if "--plain-only" in sys.argv[1:]:
             show("uncompiled restart", plain_restart["phases"])
+            write(figures)
             return
 
         job = root / "compiled"
@@ -119,6 +129,8 @@ def main() -> None:
     compiled_total = sum(compiled_restart["phases"].values())
     print(f"  uncompiled restart, total              {plain_total:7.2f} s")
     print(f"  compiled restart, total                {compiled_total:7.2f} s")
+    write({**figures, "compiled_restart": compiled_restart["phases"], "compile_cold": cold,
+           "compile_warm_same_node": warm_same, "compile_warm_spare": warm_spare})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import random
 import statistics
@@ -61,13 +62,24 @@ def _rank(rank: int, world: int, store: str, args: Any, out: Any) -> None:
     from steadfast.dist import count_true
     from steadfast.straggler import NVRxStragglerDetectionConfig, StragglerDetectionManager
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    cuda = args.device == "cuda"
+    if cuda:  # a rank per GPU, as a job has
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rng = random.Random(rank)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    net = net.to(device)
     model = DDP(net, find_unused_parameters=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x, y = torch.randn(16, 32), torch.randn(16, 1)
+    x, y = torch.randn(16, 32, device=device), torch.randn(16, 1, device=device)
+    per_ms = 0.0
+    if cuda:
+        from sfgpu import spin_cycles
+
+        per_ms = spin_cycles(100.0) / 100.0
     for mode in MODES:
         calls = {"demo": {"nan", "straggler", "agree", "snapshot"}}.get(mode, {mode})
         handler = ShutdownHandler(timeout_sec=0, agree=True)
@@ -82,7 +94,11 @@ def _rank(rank: int, world: int, store: str, args: Any, out: Any) -> None:
         state = {"model": net, "optim": opt}
 
         def forward(batch: torch.Tensor) -> torch.Tensor:
-            time.sleep((args.step_ms + rng.uniform(0, args.jitter_ms)) / 1000)
+            ms = args.step_ms + rng.uniform(0, args.jitter_ms)
+            if cuda:  # the step's kernels: the stream is busy, the host is not
+                torch.cuda._sleep(int(per_ms * ms))
+            else:  # the host waits for the GPU, as it does in a real step
+                time.sleep(ms / 1000)
             return model(batch)  # type: ignore[no-any-return]
 
         timed = stragglers.wrap_train_step(forward) if "straggler" in calls else forward
@@ -96,8 +112,10 @@ def _rank(rank: int, world: int, store: str, args: Any, out: Any) -> None:
             loss.backward()
             t0 = time.perf_counter()
             ok = detector.check_loss(loss, step) if "nan" in calls else True
-            if mode == "allreduce":  # where the NaN check's all-reduce is
-                dist.all_reduce(torch.zeros(1))
+            if mode == "allreduce":  # where the NaN check's all-reduce is, read at once
+                flag = torch.zeros(1, device=device)
+                dist.all_reduce(flag)
+                flag.item()
             in_call = time.perf_counter() - t0
             if ok:
                 opt.step()
@@ -117,6 +135,8 @@ def _rank(rank: int, world: int, store: str, args: Any, out: Any) -> None:
             per_step.append(in_call + time.perf_counter() - t0)
             if mode == "demo":  # each call apart: nan, straggler, agree, snapshot
                 split.append([in_call, *(b - a for a, b in itertools.pairwise(marks))])
+        if cuda:
+            torch.cuda.synchronize()  # the loop's time is the device's
         loop = time.perf_counter() - start
         handler.unregister()
         ckpt.close()
@@ -130,8 +150,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--step-ms", type=float, default=100.0)
     ap.add_argument("--jitter-ms", type=float, default=10.0)
-    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--world", type=int, default=None, help="ranks (default: 2; CUDA: a GPU each)")
+    ap.add_argument("--device", default="cpu", help="cpu (gloo, a sleep for the step) or cuda "
+                    "(NCCL, the step a kernel of --step-ms on the GPU)")  # fmt: skip
+    ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
+    if args.world is None:
+        args.world = 2 if args.device == "cpu" else __import__("torch").cuda.device_count()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,8 +171,9 @@ def main() -> None:
         for p in procs:
             p.join()
     step = args.step_ms / 1000
+    what = "gloo ranks" if args.device == "cpu" else "NCCL ranks, a GPU each"
     print(
-        f"{args.world} gloo ranks, {args.steps} steps of {args.step_ms:g} ms "
+        f"{args.world} {what}, {args.steps} steps of {args.step_ms:g} ms "
         f"+ up to {args.jitter_ms:g} ms of jitter"
     )
     print(
@@ -180,9 +206,19 @@ def main() -> None:
             for i, name in enumerate(("nan", "straggler", "agree", "snapshot"))
         )
     )
+    loops = {m: max(r[3] for r in rows if r[0] == m) for m in MODES}
     for mode in MODES[1:]:
-        loop = max(r[3] for r in rows if r[0] == mode)
-        print(f"loop time of {mode} / bare: {loop / bare:.4f}")
+        print(f"loop time of {mode} / bare: {loops[mode] / bare:.4f}")
+    if args.json:
+        figures = {
+            "device": args.device, "world": args.world, "steps": args.steps,
+            "step_ms": args.step_ms, "jitter_ms": args.jitter_ms,
+            "in_call_ms": {m: 1000 * per[m] for m in MODES},
+            "loop_ms": {m: 1000 * loops[m] for m in MODES},
+            "demo_over_bare": loops["demo"] / bare - 1.0,  # the healthy cost of its calls
+            "demo_beyond_floor_ms": 1000 * beyond,
+        }  # fmt: skip
+        Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
 
 
 if __name__ == "__main__":

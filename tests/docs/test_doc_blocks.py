@@ -27,8 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import figures_check as figures
 import pytest
+
+import sffigures as figures
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
@@ -131,7 +132,7 @@ def test_page_blocks_run(page: Path, tmp_path: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CLEAN_END), env.get("PYTHONPATH")]))
     unclean = tmp_path / "unclean-ends.log"
     env["STEADFAST_DOCS_END_LOG"] = str(unclean)
-    measure = tmp_path / ".measured"  # each process's life, rank 0's steps (figures_check.py)
+    measure = tmp_path / ".measured"  # each process's life, rank 0's steps (sffigures.py)
     measure.mkdir()
     env["STEADFAST_DOCS_MEASURE"] = str(measure)
     wrong: dict[Path, list[str]] = {}  # each run's report against the measures, as last run

@@ -108,5 +108,16 @@ probe = {
         "authkey": bytes(current_process().authkey).hex(),
     },
 }
+if os.environ.get("STEADFAST_PROBE_CUDA") == "1":  # on a GPU (make gpu-check): CUDA works
+    before = torch.cuda.is_initialized()  # a worker forked from the template: must be False
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    ones = torch.ones(1024, device="cuda")
+    probe["cuda"] = {
+        "initialized_before": before,
+        "device": torch.cuda.current_device(),
+        "count": torch.cuda.device_count(),
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "works": float(ones @ ones) == 1024.0,
+    }
 with open(os.path.join(out, f"{rank}.json"), "w") as fh:
     json.dump(probe, fh)

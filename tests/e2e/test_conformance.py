@@ -1,6 +1,8 @@
 """A worker of ``steadfast launch`` is the process torchrun would have started (issue
 50): one probe (``conformance_probe.py``) under torchrun and under ``steadfast launch``
-with the same flags, with the worker template and without it, compared field by field.
+with the same flags, with the worker template and without it, compared field by field
+(``STEADFAST_PROBE_CUDA=1``, as ``make gpu-check`` runs it: each rank on the GPU too,
+CUDA not yet initialised in a worker the template forked).
 A field may differ only where docs/guides/unchanged-scripts.md ("What differs from
 torchrun") lists it, with its reason: a new difference fails here and names itself."""
 
@@ -73,3 +75,6 @@ def test_a_worker_is_the_process_torchrun_starts_but_for_what_the_docs_list(tmp_
         assert not unlisted, f"{mode}: not torchrun's, and not in {PAGE.name}: {sorted(unlisted)}"
         for field in ("torch", "numpy", "random", "authkey"):  # fresh in every worker
             assert ours[0]["draws"][field] != ours[1]["draws"][field], (mode, field)
+        if os.environ.get("STEADFAST_PROBE_CUDA") == "1":  # make gpu-check: on CUDA
+            for got in ours:
+                assert got["cuda"]["works"] and not got["cuda"]["initialized_before"], got["cuda"]

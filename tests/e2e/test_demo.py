@@ -6,22 +6,30 @@ recovered, the timeline picture is written, and the final parameters are bit-exa
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import sffigures
+
 REPO = Path(__file__).resolve().parents[2]
+MEASURE = REPO / "tests" / "docs" / "clean_end"  # its sitecustomize measures each process
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_demo_detects_and_recovers_every_fault_bit_exact(tmp_path: Path):
     work = tmp_path / "demo"
+    measure = tmp_path / "measured"  # each process's life, rank 0's steps (sffigures)
+    measure.mkdir()
+    path = os.pathsep.join(filter(None, [str(MEASURE), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-m", "steadfast.cli", "demo", "--quick", "--workdir", str(work)],
         cwd=REPO, capture_output=True, text=True, timeout=280,
+        env={**os.environ, "PYTHONPATH": path, "STEADFAST_DOCS_MEASURE": str(measure)},
     )  # fmt: skip
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
@@ -77,6 +85,12 @@ def test_quick_demo_detects_and_recovers_every_fault_bit_exact(tmp_path: Path):
     assert all(p["proof_steps"] >= 1 and p["proof_seconds"] > 0 for p in proofs[:2]), proofs
     assert proofs[2]["route"] == "ledger" and proofs[2]["proof_steps"] == 0, proofs
     assert "restores proven: 3 of 3" in out
+    # the figures the user reads are what the test measured: the wall time, one latency
+    # for each fault (the launchers' table and the injected faults'), "other" no bulk
+    wrong, measured = sffigures.check_run(work / "run" / "events.jsonl",
+                                          sffigures.measured(measure))  # fmt: skip
+    assert measured and not wrong, wrong
+    assert summary["badput"]["other"] <= sffigures.OTHER_SHARE * summary["wall_time"], summary
 
 
 def test_demo_rejects_an_unknown_fault(tmp_path: Path):

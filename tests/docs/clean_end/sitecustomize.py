@@ -3,7 +3,7 @@
 What the test measures on its own, where ``STEADFAST_DOCS_MEASURE`` names a folder:
 each process's start (the kernel's) and end (its last exit handler), and each optimizer
 step that global rank 0 ends (a hook on torch's optimizers, registered when
-``torch.optim.optimizer`` is imported), one file per process. ``figures_check.py`` holds the
+``torch.optim.optimizer`` is imported), one file per process. ``tests/sffigures.py`` holds the
 reports the page prints against them.
 
 And the end: at the
