@@ -139,6 +139,7 @@ def test_a_real_prometheus_scrapes_a_run_with_a_fault(tmp_path: Path) -> None:
         (goodput,) = prom.query("last_over_time(steadfast_goodput_ratio[10m])")
         assert 0.0 < float(goodput["value"][1]) < 1.0, goodput
         assert goodput["metric"]["steadfast_job"] == group["labels"]["steadfast_job"]
+        _goodput_is_the_reports(prom, tmp_path / "events.jsonl", began, ended)
         promtool = shutil.which("promtool")
         assert promtool is not None
         checked = subprocess.run([promtool, "check", "metrics"], input=live, text=True,
@@ -151,6 +152,30 @@ def test_a_real_prometheus_scrapes_a_run_with_a_fault(tmp_path: Path) -> None:
             assert named <= exposed, (expr, named - exposed)
     finally:
         prom.close()
+
+
+def _goodput_is_the_reports(prom: Prometheus, log: Path, began: float, ended: float) -> None:
+    """The goodput Prometheus holds at its last scrape is the report's accounting of the
+    log as it was a moment before (the launcher computes it again at most every
+    GOODPUT_EVERY seconds, and at once at a generation's turn): at some cut of the log in
+    that window, ``steadfast report`` gives the same figure."""
+    from steadfast.metrics.figures import GOODPUT_EVERY
+    from steadfast.report import compute_report, load_events
+
+    args = urllib.parse.urlencode({"query": "steadfast_goodput_ratio", "start": began,
+                                   "end": ended, "step": 0.5})  # fmt: skip
+    with urllib.request.urlopen(f"{prom.url}/api/v1/query_range?{args}", timeout=10) as r:
+        (result,) = json.load(r)["data"]["result"]
+    at, value = result["values"][-1]
+    evs, _ = load_events(log)
+    cuts = [
+        float(at) - GOODPUT_EVERY - 2.0 + 0.05 * i
+        for i in range(int((GOODPUT_EVERY + 2) / 0.05) + 1)
+    ]
+    figures = {round(compute_report([e for e in evs if e.time <= cut]).goodput, 4)
+               for cut in cuts if any(e.time <= cut for e in evs)}  # fmt: skip
+    closest = min(figures, key=lambda g: abs(g - float(value)))
+    assert abs(closest - float(value)) < 1e-3, (value, sorted(figures))
 
 
 def _dashboard_queries() -> list[str]:

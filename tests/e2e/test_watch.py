@@ -7,6 +7,7 @@ once, never scrolled)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from sfharness import wait_for
+from steadfast.report import compute_report, load_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -82,6 +84,10 @@ def test_watch_shows_a_running_job_and_its_fault_in_a_real_terminal(tmp_path: Pa
         assert "rank 1" in fault and "SIGKILL" in fault, screen
         assert _steps(screen) >= 40
         assert all(len(line) <= 120 for line in screen.splitlines())
+        # the goodput on the screen at the end is the report's, to the digit shown
+        report = compute_report(*load_events(run))
+        shown = re.search(r"goodput (\S+) %", screen)
+        assert shown and shown.group(1) == f"{100 * report.goodput:.1f}", (screen, report)
     finally:
         term.close()
         if launch.poll() is None:

@@ -426,7 +426,9 @@ def test_a_plain_scripts_lost_time_is_told_by_cause(tmp_path: Path) -> None:
     assert lost["other"] < 1.0, lost
 
 
-def test_steps_without_seconds_are_timed_from_the_step_before(tmp_path: Path) -> None:
+def test_steps_without_seconds_are_timed_from_the_step_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The README's second loop writes only its step and loss: each step's time is the
     time since the step before in its process, less the save between them; a process's
     first step is its start-up (from the launcher process's start, the launchers'
@@ -458,7 +460,8 @@ def test_steps_without_seconds_are_timed_from_the_step_before(tmp_path: Path) ->
         ),
         _line(6.2, "launcher_end", rank=None, pid=50, exit_code=0),
     ]
-    report = compute_report(load_events(_write(tmp_path, lines))[0])
+    evs = load_events(_write(tmp_path, lines))[0]
+    report = compute_report(evs)
     assert report.wall_time == pytest.approx(7.2)  # the launcher process's start: -1.0
     assert report.productive_time == pytest.approx(4 * 0.5 - 0.1)  # steps 1-4
     assert report.badput["startup"] == pytest.approx(4.0)  # -1.0 -> the first step's end
@@ -467,6 +470,23 @@ def test_steps_without_seconds_are_timed_from_the_step_before(tmp_path: Path) ->
     assert report.badput["other"] == pytest.approx(0.0, abs=1e-9)
     assert report.goodput == pytest.approx(1.9 / 7.2)
     assert report.steps_done == 5
+    # the timeline draws each step where it ran: its bars are the steps' time (the first,
+    # start-up, none), the save's its own
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    drawn: list[list[tuple[float, float]]] = []
+    draw = Axes.broken_barh
+
+    def watched(self, xranges, *args, **kwargs):  # type: ignore[no-untyped-def]
+        drawn.append(list(xranges))
+        return draw(self, xranges, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "broken_barh", watched)
+    plot_timeline(evs, tmp_path / "timeline.png")
+    steps, saves = drawn[0], drawn[1]
+    assert sum(w for _, w in steps) == pytest.approx(report.productive_time)
+    assert [w for _, w in saves] == [pytest.approx(0.1)]
     # a slow-looking step of a millisecond loop is jitter, not straggling
     fast = [_line(10.0 + 0.001 * i + 0.003 * (i % 7 == 0), "step_done", step=i, pid=w)
             for i in range(100)]  # fmt: skip
