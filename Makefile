@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 # The stamp's name carries the torch requirement, so `make test TORCH=...` reinstalls.
 STAMP   = $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | cksum | cut -d' ' -f1)
 
-.PHONY: gpu-check gpu-wheels demo test quick lint shellcheck typecheck pytest soak bench clean slurm nodes metrics docs docs-check
+.PHONY: machinery gpu-check gpu-wheels demo test quick lint shellcheck typecheck pytest soak bench clean slurm nodes metrics docs docs-check
 
 # Debian packages: tests/slurm/ runs a real single-node Slurm (slurm-wlm and munge),
 # tests/multinode/ makes nodes from network namespaces (iproute2, util-linux) with an
@@ -84,15 +84,26 @@ metrics:
 # 28:51 and 33:32 before it); with two workers, Slurm's sharing one: 31:12. Three
 # workers that each take anything made every test 29 % slower and failed timing-tight
 # tests.
+# A failed run keeps its failures' names (test-results/failed.txt, written as each fails)
+# and its whole log (test-results/pytest.log): scripts/pytest-kept.sh.
 PYTEST_WORKERS ?= 3
 PYTEST_ARGS ?=
+RESULTS ?= test-results
 pytest: $(STAMP) slurm nodes metrics
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	bash scripts/pytest-kept.sh $(BIN)/python $(RESULTS) -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
-# the checks run side by side (mypy and Sphinx are a core each), then the tests
+# mypy and Sphinx (a core each) run beside the Debian installs (one after the other:
+# they share dpkg's lock and the policy that keeps their daemons off), which on a new
+# machine take minutes; then the lint, then the tests
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j3 lint typecheck docs-check
-	$(MAKE) --no-print-directory pytest
+	$(MAKE) --no-print-directory -j3 machinery typecheck docs-check
+	$(MAKE) --no-print-directory lint pytest
+
+machinery:
+	@$(MAKE) --no-print-directory slurm
+	@$(MAKE) --no-print-directory nodes
+	@$(MAKE) --no-print-directory metrics
+	@bash $(DEBIAN) ensure shellcheck || $(call optional,shellcheck)
 
 # The quick tier, for working between edits (at most 5 minutes; CI runs every test):
 # tests/quick.txt, the tests that cover the most of src/steadfast per second, chosen by

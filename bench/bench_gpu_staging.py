@@ -37,9 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from sfgpu import spin_cycles
+from sfgpu import one_rank_group, spin_cycles
 from steadfast import CheckpointManager
 from steadfast.checkpoint.memory import MEMORY_DIR_ENV, create_memory_dir, remove_memory_dir
 
@@ -152,18 +151,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
-    os.environ["STEADFAST_EVENTS"] = "off"
-    store = tempfile.mktemp(prefix="sf-bench-store-")
-    backend = "gloo" if args.device == "cpu" else "cpu:gloo,cuda:nccl"
-    if args.device != "cpu":
-        torch.cuda.set_device(0)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-    try:
+    with one_rank_group(args.device):
         got = measure(args.mb, args.repeats, args.device)
-    finally:
-        dist.destroy_process_group()
-        with contextlib.suppress(OSError):
-            os.unlink(store)
     print(f"state on {got['device']}: {args.mb} MB in 16 buffers; medians of {args.repeats}")
     stall, copy = got["stall_s"] * 1e3, got["memcpy_s"] * 1e3
     print(f"  snapshot stall {stall:8.2f} ms   memcpy {copy:8.2f} ms   "

@@ -38,7 +38,6 @@ restores, so both sides of each ratio see the same machine.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import statistics
@@ -52,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sfgpu import one_rank_group
 from steadfast import CheckpointManager
 from steadfast.checkpoint.files import CRC32_BY, crc32
 from steadfast.checkpoint.memory import MEMORY_DIR_ENV, create_memory_dir, remove_memory_dir
@@ -298,19 +298,9 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="disk checkpoint folder (default: a temp dir)")
     ap.add_argument("--device", default="cpu", help="where the state lives: cpu or cuda")
     args = ap.parse_args()
-    os.environ["STEADFAST_EVENTS"] = "off"
-    store = tempfile.mktemp(prefix="sf-bench-store-")
-    backend = "gloo" if args.device == "cpu" else "cpu:gloo,cuda:nccl"
-    if args.device != "cpu":
-        torch.cuda.set_device(0)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-    try:
+    with one_rank_group(args.device):
         for sharded in (False, True):
             tier(args.mb, args.repeats, args.dir, sharded, args.device)
-    finally:
-        dist.destroy_process_group()
-        with contextlib.suppress(OSError):
-            os.unlink(store)
     per_node(args.nodes_mb)
 
 

@@ -145,9 +145,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     cover_as(item.nodeid)
 
 
+#: make pytest's folder for what a failed run keeps (scripts/pytest-kept.sh)
+RESULTS_ENV = "STEADFAST_TEST_RESULTS"
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if TIMES_ENV in os.environ:
         _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
+    folder = os.environ.get(RESULTS_ENV)
+    # written by the main process alone (xdist's workers send it their reports), as each
+    # fails: a run cut short (CI's limit, a kill) keeps the names
+    if folder and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
+        why = str(crash or report.longrepr or "").strip().splitlines()[:1]
+        line = f"{report.nodeid} ({report.when})" + (f": {why[0][:200]}" if why else "")
+        with open(Path(folder, "failed.txt"), "a") as fh:
+            fh.write(line + "\n")
 
 
 # What each test costs in CPU (scripts/test_cpu.py reads it): STEADFAST_TEST_CPU=DIR
