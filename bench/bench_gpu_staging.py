@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from sfgpu import one_rank_group, spin_cycles
+from sfgpu import one_rank_group, snapshot_rounds, spin_cycles
 from steadfast import CheckpointManager
 from steadfast.checkpoint.memory import MEMORY_DIR_ENV, create_memory_dir, remove_memory_dir
 
@@ -63,29 +63,8 @@ def measure(mb: int, repeats: int, device: str) -> dict[str, Any]:
             module.register_buffer(f"layer{i}", torch.randn(n, device=device))
         tensors = dict(module.named_buffers())
         state = {"model": module}
-        pin = device != "cpu"
-        floor = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in tensors.items()}
         mgr = CheckpointManager(disk, keep_last_n=1, memory_every=1, rng=False)
-        stalls, lands, copies = [], [], []
-        for step in range(1, repeats + 2):
-            for v in tensors.values():  # training moves on between snapshots
-                v.add_(1.0)
-            _sync(device)
-            t0 = time.perf_counter()
-            for k, v in tensors.items():
-                floor[k].copy_(v, non_blocking=pin)
-            _sync(device)
-            copy = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            mgr.snapshot(step, state)
-            stall = time.perf_counter() - t0
-            _sync(device)
-            landed = time.perf_counter() - t0
-            mgr._memory.wait()  # type: ignore[union-attr]  # the write: not the stall
-            if step > 1:  # the first one allocates the staging buffers
-                stalls.append(stall)
-                lands.append(landed)
-                copies.append(copy)
+        stalls, lands, copies = snapshot_rounds(mgr, state, tensors, repeats, device)
         busy_stall = None
         if device != "cpu":
             cycles = spin_cycles(BUSY_MS)

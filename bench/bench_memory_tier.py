@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sfgpu import one_rank_group
+from sfgpu import one_rank_group, snapshot_rounds
 from steadfast import CheckpointManager
 from steadfast.checkpoint.files import CRC32_BY, crc32
 from steadfast.checkpoint.memory import MEMORY_DIR_ENV, create_memory_dir, remove_memory_dir
@@ -134,29 +134,8 @@ def tier(mb: int, repeats: int, folder: str | None, sharded: bool, device: str) 
     disk = Path(folder or tempfile.mkdtemp(prefix="sf-bench-mem-", dir="/var/tmp"))
     try:
         state, tensors = _state(mb, sharded, device)
-        pin = device != "cpu"
-        floor = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in tensors.items()}
         mgr = CheckpointManager(disk, keep_last_n=1, memory_every=1, rng=False)
-        stalls, lands, copies = [], [], []
-        for step in range(1, repeats + 2):
-            for v in tensors.values():  # training moves on between snapshots
-                v.add_(1.0)
-            _sync()
-            t0 = time.perf_counter()
-            for k, v in tensors.items():
-                floor[k].copy_(v, non_blocking=pin)
-            _sync()
-            copy = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            mgr.snapshot(step, state)
-            stall = time.perf_counter() - t0
-            _sync()  # on CUDA the copy is queued on the stream, not waited for
-            landed = time.perf_counter() - t0
-            mgr._memory.wait()  # type: ignore[union-attr]  # the write: not part of the stall
-            if step > 1:  # the first snapshot allocates the staging buffers
-                stalls.append(stall)
-                lands.append(landed)
-                copies.append(copy)
+        stalls, lands, copies = snapshot_rounds(mgr, state, tensors, repeats, device)
         newest = repeats + 1
         mgr.save(newest, state)  # the disk checkpoint of the same (newest) step
         mgr.close()

@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -43,3 +45,40 @@ def one_rank_group(device: str) -> Iterator[None]:
         dist.destroy_process_group()
         with contextlib.suppress(OSError):
             os.unlink(store)
+
+
+def snapshot_rounds(
+    mgr: Any, state: dict[str, Any], tensors: dict[str, torch.Tensor], repeats: int, device: str
+) -> tuple[list[float], list[float], list[float]]:
+    """``repeats`` snapshots (steps 2..repeats+1, after one that allocates the staging
+    buffers), each after the state moved on, interleaved with a plain copy of the same
+    bytes (pinned on a GPU): ``(stalls, landed, memcpys)`` in seconds. The stall is what
+    ``snapshot()`` held the host; landed, when its copy was done on the device."""
+
+    def sync() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    pin = device != "cpu"
+    floor = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in tensors.items()}
+    stalls, lands, copies = [], [], []
+    for step in range(1, repeats + 2):
+        for v in tensors.values():  # training moves on between snapshots
+            v.add_(1.0)
+        sync()
+        t0 = time.perf_counter()
+        for k, v in tensors.items():
+            floor[k].copy_(v, non_blocking=pin)
+        sync()
+        copy = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        mgr.snapshot(step, state)
+        stall = time.perf_counter() - t0
+        sync()  # on CUDA the copy is queued on the stream, not waited for
+        landed = time.perf_counter() - t0
+        mgr._memory.wait()  # the write: not part of the stall
+        if step > 1:  # the first snapshot allocates the staging buffers
+            stalls.append(stall)
+            lands.append(landed)
+            copies.append(copy)
+    return stalls, lands, copies
