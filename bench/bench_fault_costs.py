@@ -448,14 +448,15 @@ def costs(rows: list[Row]) -> dict[str, Any]:
 def predicted(rows: list[Row], parts: dict[str, Any]) -> float:
     """The demo's goodput as the table predicts it: its productive time over that time
     plus the first launch's cold start, what its healthy steps lost (the blocking part of
-    its saves, the straggling, the rest: as measured) and each of its faults' cost from
-    the table (detection, restart, the steps done again; a slowed rank's cost is its
+    its saves, the straggling, its end, the rest: as measured) and each of its faults'
+    cost from the table (detection, restart, the steps done again; a slowed rank's cost is its
     straggling)."""
     lost = 0.0
     for r in rows:
         if r.source == "steadfast demo" and r.fault != "slow_rank":
             lost += (r.detect or 0.0) + (r.restart or 0.0) + (r.redo or 0.0) * (r.step_s or 0.0)
-    healthy = sum(parts["badput"].get(k, 0.0) for k in ("checkpoint_save", "straggling", "other"))
+    healthy = sum(parts["badput"].get(k, 0.0)
+                  for k in ("checkpoint_save", "straggling", "teardown", "other"))  # fmt: skip
     prod = parts["productive"]
     return float(prod / (prod + parts["cold_start"] + healthy + lost))
 
