@@ -161,6 +161,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         line = f"{report.nodeid} ({report.when})" + (f": {why[0][:200]}" if why else "")
         with open(Path(folder, "failed.txt"), "a") as fh:
             fh.write(line + "\n")
+        with open(Path(folder, "failures.log"), "a") as fh:  # the whole of each, as it came
+            fh.write(f"===== {line}\n{report.longreprtext}\n")
 
 
 # What each test costs in CPU (scripts/test_cpu.py reads it): STEADFAST_TEST_CPU=DIR
