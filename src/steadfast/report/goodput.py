@@ -26,7 +26,7 @@ ml-goodput-measurement:
 
 A step's seconds are its ``step_done``'s own; a loop that writes none gets the time
 since its previous step in the same process, less the saves and loads between them
-(:func:`.steps.timed_steps`): what it does between steps is then in its steps' time, and
+(:func:`.steps.timed`): what it does between steps is then in its steps' time, and
 a slow step is not told from a long evaluation (no straggling: the excess is "other").
 Without ``job_start``, a process's start is the launchers' (``first_step``) and its
 start-up runs to its first step.
@@ -55,7 +55,7 @@ from .launchers import LauncherView, launcher_view
 from .replicas import replica_summary
 from .restarts import _exit_time, _launcher
 from .restarts import restarts as restart_phases
-from .steps import seen_steps, timed_steps
+from .steps import seen_steps, timed, untimed
 
 __all__ = [
     "BADPUT_CAUSES",
@@ -241,8 +241,10 @@ def compute_report(
     if rank is None:  # a script that reports no steps: the ones its launchers saw
         steps, redone_known = seen_steps(evs)
         seen = bool(steps)
-    else:
-        steps, derived = timed_steps(steps, mine)
+    elif untimed(steps):  # a loop that writes no seconds: each step's from the one before
+        derived = True
+        mine = timed(mine)
+        steps = [e for e in mine if e.kind == ev.Kind.STEP_DONE and e.step is not None]
     starts = [e for e in mine if e.kind == ev.Kind.JOB_START]
     if steps and not starts and not seen:  # each process's first step, its start the launchers'
         starts = _first_steps(evs, steps)

@@ -364,9 +364,9 @@ def _faults(evs: list[ev.Event], gens: list[Generation]) -> list[ObservedFault]:
                 detection_latency=None if latency is None else float(latency),
             )
         )
-    _from_injections(evs, out)
-    out.sort(key=lambda f: f.time)
     starts = [e.time for e in evs if e.kind == ev.Kind.WORKERS_STARTED]
+    _from_injections(evs, out, starts)
+    out.sort(key=lambda f: f.time)
     for f in out:
         f.summary = _hang_summary(confirmed, f, starts)
         later = [g for g in gens if g.start > f.time]
@@ -393,14 +393,13 @@ def _generation_at(t: float, starts: list[float]) -> tuple[float, float]:
     return since, until
 
 
-def _from_injections(evs: list[ev.Event], faults: list[ObservedFault]) -> None:
+def _from_injections(evs: list[ev.Event], faults: list[ObservedFault], starts: list[float]) -> None:
     """A rank's fault that was injected (``fault_injected`` of that rank, in the same
     generation, before its detection) began at its injection: its latency is then the
     injected-faults table's, one figure for one fault. Elsewhere a dead rank's is 0 (its
     pidfd: it is seen as it ends) and a hung rank's the watcher's (from its last sign of
-    life)."""
+    life). ``starts``: the ``workers_started`` times."""
     injected = [e for e in evs if e.kind == ev.Kind.FAULT_INJECTED and e.rank is not None]
-    starts = [e.time for e in evs if e.kind == ev.Kind.WORKERS_STARTED]
     for f in faults:
         if f.rank is None or f.what == "silent corruption":
             continue

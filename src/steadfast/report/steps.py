@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .. import events as ev
 
-__all__ = ["StepTimer", "seen_steps", "timed", "timed_steps"]
+__all__ = ["StepTimer", "seen_steps", "timed", "untimed"]
 
 
 def seen_steps(evs: list[ev.Event]) -> tuple[list[ev.Event], bool]:
@@ -90,34 +90,25 @@ class StepTimer:
             self._held[proc] = self._held.get(proc, 0.0) + float(seconds)
 
 
-def timed_steps(steps: list[ev.Event], mine: list[ev.Event]) -> tuple[list[ev.Event], bool]:
-    """``(steps, each with its seconds (:class:`StepTimer`); whether any was derived)``:
-    ``steps`` are the rank's ``step_done`` events with a step, ``mine`` every event of
-    that rank, in time order."""
-    if all(isinstance(e.get("seconds"), (int, float)) for e in steps):
-        return steps, False
-    wanted = {id(e) for e in steps}
-    timer = StepTimer()
-    out: list[ev.Event] = []
-    for e in mine:
-        seconds = timer.see(e) or 0.0
-        if id(e) in wanted:
-            out.append(ev.Event(e.time, e.kind, e.rank, e.step, e.cause,
-                                {**e.fields, "seconds": seconds}))  # fmt: skip
-    return out, True
+def untimed(evs: list[ev.Event]) -> bool:
+    """Whether a ``step_done`` of ``evs`` has no seconds of its own."""
+    return any(
+        e.kind == ev.Kind.STEP_DONE and not isinstance(e.get("seconds"), (int, float)) for e in evs
+    )
 
 
 def timed(evs: list[ev.Event]) -> list[ev.Event]:
     """``evs`` (in time order) with every rank's ``step_done`` given its seconds where
-    it has none (:class:`StepTimer`, one per rank): for what draws the steps."""
-    if all(e.kind != ev.Kind.STEP_DONE or e.get("seconds") is not None for e in evs):
+    it has none (:class:`StepTimer`, one per rank; a process's first step with nothing to
+    count from, 0): for the report and for what draws the steps."""
+    if not untimed(evs):
         return evs
     timers: dict[int, StepTimer] = {}
     out: list[ev.Event] = []
     for e in evs:
         if e.rank is not None:
             seconds = timers.setdefault(e.rank, StepTimer()).see(e)
-            if e.kind == ev.Kind.STEP_DONE and e.get("seconds") is None:
+            if e.kind == ev.Kind.STEP_DONE and not isinstance(e.get("seconds"), (int, float)):
                 e = ev.Event(e.time, e.kind, e.rank, e.step, e.cause,
                              {**e.fields, "seconds": seconds or 0.0})  # fmt: skip
         out.append(e)
