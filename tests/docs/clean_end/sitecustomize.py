@@ -67,6 +67,9 @@ def _record(line: str) -> None:
 
 
 def _started() -> float:
+    """This process's start, read from the kernel here, not through steadfast's
+    ``process_start_time``: the measure must not rest on the code it checks, and this
+    file runs before every Python process of a page, steadfast imported or not."""
     with open("/proc/self/stat", "rb") as fh:
         ticks = int(fh.read().decode().rsplit(")", 1)[1].split()[19])
     with open("/proc/uptime") as fh:
